@@ -1,0 +1,63 @@
+"""The types that cross the engine's interface: what goes in (EngineRequest) and what comes
+out of each step (RequestOutput deltas). Shared by the real engine and serving's mock engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled", "timed_out", "failed", "rejected"]
+# Outcome of a finished request, as recorded in metrics: "stop" and "length" are successes.
+OUTCOME_OF_FINISH = {"stop": "success", "length": "success", "cancelled": "cancelled",
+                     "timed_out": "timed_out", "failed": "failed", "rejected": "rejected"}
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    priority: int = 0  # larger = more important
+    tenant: str = "default"
+    deadline_s: float | None = None  # absolute, time.monotonic() clock
+    arrival_s: float | None = None  # time.monotonic(); set by the engine if None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Per-request timings in seconds, measured inside the engine (time.monotonic())."""
+
+    queue_s: float | None = None  # arrival -> first scheduled
+    ttft_s: float | None = None  # arrival -> first output token
+    tpot_s: float | None = None  # (t_last - t_first) / (n_out - 1); None for one token
+    itl_s: list[float] = dataclasses.field(default_factory=list)  # gaps between tokens
+    e2e_s: float | None = None  # arrival -> finish
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-N alternatives (token id, logprob)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta). Metrics are final when finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_times_s: list[float]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when finish_reason == "failed"
