@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for serving/proto/pagedjax.proto (see regen.sh)."""
