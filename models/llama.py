@@ -1,0 +1,168 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, SmolLM2, Qwen2) as pure functions over a pytree.
+
+Data flow of one forward call over a flat batch of T tokens (any mix of sequences):
+
+    token_ids [T] -> embed -> x [T, D]
+      scan over layers (weights stacked on axis 0, the KV cache in the carry):
+        h = rms_norm(x) -> q [T,H,hd], k/v [T,K,hd] -> RoPE(positions)
+        (out, cache) = attention(q, k, v, layer, cache)   # dense or paged; writes K/V
+        x += out @ wo ;  x += swiglu(rms_norm(x))
+    final norm -> logits [T_out, V] for the rows in `logits_indices`
+
+`attention` is the one seam between the model and the KV cache: the dense oracle passes a
+contiguous cache (`models.dense_generate`), the engine passes the paged one
+(`engine.step`). Running the layers under `jax.lax.scan` keeps compile time flat in depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from configs.model_config import ModelConfig
+
+Array = jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[
+    "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate", "w_up",
+    "w_down"], meta_fields=[])
+@dataclasses.dataclass
+class LayerWeights:
+    attn_norm: Array  # [L, D]
+    wq: Array  # [L, D, H, hd]
+    wk: Array  # [L, D, K, hd]
+    wv: Array  # [L, D, K, hd]
+    bq: Array | None  # [L, H, hd] (Qwen2) or None
+    bk: Array | None  # [L, K, hd] or None
+    bv: Array | None  # [L, K, hd] or None
+    wo: Array  # [L, H, hd, D]
+    mlp_norm: Array  # [L, D]
+    w_gate: Array  # [L, D, F]
+    w_up: Array  # [L, D, F]
+    w_down: Array  # [L, F, D]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
+@dataclasses.dataclass
+class Params:
+    embed: Array  # [V, D]
+    layers: LayerWeights
+    final_norm: Array  # [D]
+    lm_head: Array | None  # [D, V], or None when tied to `embed`
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The abstract params: each leaf a `jax.ShapeDtypeStruct` (float32)."""
+    L, D, H, K, hd, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                            cfg.head_dim, cfg.ffn_size, cfg.vocab_size)
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    bias = cfg.attention_bias
+    layers = LayerWeights(
+        attn_norm=s(L, D), wq=s(L, D, H, hd), wk=s(L, D, K, hd), wv=s(L, D, K, hd),
+        bq=s(L, H, hd) if bias else None, bk=s(L, K, hd) if bias else None,
+        bv=s(L, K, hd) if bias else None, wo=s(L, H, hd, D), mlp_norm=s(L, D),
+        w_gate=s(L, D, F), w_up=s(L, D, F), w_down=s(L, F, D))
+    return Params(embed=s(V, D), layers=layers, final_norm=s(D),
+                  lm_head=None if cfg.tie_embeddings else s(D, V))
+
+
+def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random params (tests and benchmarks); norms start at 1."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = [(scale * jax.random.normal(k, x.shape)).astype(dtype) for k, x in zip(keys, leaves)]
+    params = jax.tree.unflatten(treedef, out)
+    ones = lambda a: jnp.ones_like(a)  # noqa: E731
+    layers = dataclasses.replace(params.layers, attn_norm=ones(params.layers.attn_norm),
+                                 mlp_norm=ones(params.layers.mlp_norm))
+    return dataclasses.replace(params, layers=layers, final_norm=ones(params.final_norm))
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+    """Inverse frequencies [hd/2], with Llama-3 / linear scaling applied."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    if sc.kind == "linear":
+        return inv_freq / sc.factor
+    # Llama 3.1: long wavelengths scaled by `factor`, short ones kept, a smooth ramp between.
+    low_freq_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_freq_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    wavelen = 2 * jnp.pi / inv_freq
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq
+    out = jnp.where(wavelen > low_freq_wavelen, inv_freq / sc.factor, inv_freq)
+    is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return jnp.where(is_medium, smoothed, out)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotary embedding, Hugging Face `rotate_half` layout. x [T, N, hd], positions [T]."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [T, N, hd/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# attention(q [T,H,hd], k [T,K,hd], v [T,K,hd], layer int32, cache) -> (out [T,H,hd], cache)
+AttentionFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
+
+
+def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions: Array,
+           carry, xs):
+    x, cache = carry  # x [T, D]
+    w, layer = xs  # w: one layer's LayerWeights (leading L axis removed)
+    h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+    q = jnp.einsum("TD,DNH->TNH", h, w.wq)  # [T, H, hd]
+    k = jnp.einsum("TD,DKH->TKH", h, w.wk)  # [T, K, hd]
+    v = jnp.einsum("TD,DKH->TKH", h, w.wv)  # [T, K, hd]
+    if w.bq is not None:
+        q, k, v = q + w.bq, k + w.bk, v + w.bv
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
+    x = x + jnp.einsum("TNH,NHD->TD", attn, w.wo)
+    h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
+    gate = jnp.einsum("TD,DF->TF", h, w.w_gate)
+    up = jnp.einsum("TD,DF->TF", h, w.w_up)
+    x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, w.w_down)
+    return (x, cache), None
+
+
+def forward(params: Params, cfg: ModelConfig, token_ids: Array, positions: Array,
+            cache: Any, attention: AttentionFn,
+            logits_indices: Array | None = None) -> tuple[Array, Any]:
+    """Runs the model over a flat token batch. Returns (logits [R, V] float32, cache).
+
+    token_ids, positions: [T] int32. `logits_indices` [R] picks the rows whose logits are
+    needed (the last token of each sequence); None computes logits for every token.
+    """
+    x = params.embed[token_ids]  # [T, D]
+    inv_freq = rope_inv_freq(cfg)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    body = functools.partial(_layer, cfg, attention, inv_freq, positions)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
+    if logits_indices is not None:
+        x = x[logits_indices]  # [R, D]
+    x = rms_norm(x, params.final_norm, cfg.norm_eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
+    logits = jnp.einsum("RD,DV->RV", x, head, preferred_element_type=jnp.float32)
+    return logits, cache
