@@ -1,0 +1,153 @@
+"""Engine configuration: frozen, hashable dataclasses checked on creation.
+
+`EngineConfig` holds every engine option a user can pass to `LLM(model=..., **options)`;
+`SchedulerConfig` is the host-side subset the scheduler and page pool read, derived from it by
+`EngineConfig.scheduler_config(model_cfg)` (which resolves a KV memory budget into pages).
+`CacheSharingPolicy` says which tenants may share prefix-cache pages (see
+`engine.page_pool.cache_salt_for`). Tests build tiny variants with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from configs.kv_memory import kv_bytes_per_token
+from configs.model_config import ModelConfig
+
+
+def _check(field: str, value, ok: bool, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid: {limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler and the page pool need (all host side)."""
+
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 512  # pages in the pool, including the reserved null page 0
+    max_num_seqs: int = 64  # slot limit: requests running at once (and per step)
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    prefill_chunk_size: int = 256  # most prompt tokens one request computes in one step
+    max_model_len: int = 8192  # prompt + output tokens of one request
+    # Effective priority = priority + priority_aging_per_s * seconds since arrival, so a
+    # request of priority p waiting d/rate seconds overtakes fresh ones of priority p + d.
+    priority_aging_per_s: float = 0.1
+    enable_prefix_caching: bool = True
+    # A cached page nobody uses expires this long after it was last released (None: never).
+    prefix_cache_ttl_s: float | None = 600.0
+
+    def __post_init__(self):
+        _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
+        _check("num_pages", self.num_pages, self.num_pages >= 2,
+               ">= 2 (page 0 is the reserved null page)")
+        _check("max_num_seqs", self.max_num_seqs, self.max_num_seqs >= 1, ">= 1")
+        _check("max_num_batched_tokens", self.max_num_batched_tokens,
+               self.max_num_batched_tokens >= 1, ">= 1")
+        _check("prefill_chunk_size", self.prefill_chunk_size,
+               1 <= self.prefill_chunk_size <= self.max_num_batched_tokens,
+               f"1 <= x <= max_num_batched_tokens ({self.max_num_batched_tokens})")
+        _check("max_model_len", self.max_model_len, self.max_model_len >= 2, ">= 2")
+        _check("priority_aging_per_s", self.priority_aging_per_s,
+               self.priority_aging_per_s >= 0.0, ">= 0")
+        _check("prefix_cache_ttl_s", self.prefix_cache_ttl_s,
+               self.prefix_cache_ttl_s is None or self.prefix_cache_ttl_s > 0.0,
+               "None (never expire) or > 0")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Page-table width P: pages one request of max_model_len tokens needs."""
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option (`LLM(model=..., **options)`).
+
+    The pool size is `num_pages` when given, else as many pages as `kv_cache_bytes` holds
+    for the model (`scheduler_config(model_cfg)` does the arithmetic).
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"  # weights and activations (float32 on CPU, see FACTS.md)
+    kv_dtype: str = "float32"  # "float32" | "bfloat16" | "int8"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int = 512 * 2**20  # used when num_pages is None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk_size: int = 256
+    max_model_len: int | None = None  # None: the model's max_seq_len
+    priority_aging_per_s: float = 0.1
+    prefix_caching: bool = True
+    prefix_cache_ttl_s: float | None = 600.0
+
+    def __post_init__(self):
+        _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
+        _check("num_pages", self.num_pages, self.num_pages is None or self.num_pages >= 2,
+               "None (use kv_cache_bytes) or >= 2")
+        _check("kv_cache_bytes", self.kv_cache_bytes, self.kv_cache_bytes > 0, "> 0")
+        _check("max_model_len", self.max_model_len,
+               self.max_model_len is None or self.max_model_len >= 2, "None or >= 2")
+        # The remaining fields are checked by SchedulerConfig; build one now so a bad value
+        # fails at construction, not at engine start.
+        self._scheduler_config(num_pages=2, max_model_len=self.max_model_len or 2)
+
+    def num_pages_for(self, model_cfg: ModelConfig) -> int:
+        """Pages in the pool (null page included) for this model."""
+        if self.num_pages is not None:
+            return self.num_pages
+        page_bytes = kv_bytes_per_token(model_cfg, self.kv_dtype) * self.page_size
+        num_pages = self.kv_cache_bytes // page_bytes
+        _check("kv_cache_bytes", self.kv_cache_bytes, num_pages >= 2,
+               f">= 2 pages of {page_bytes} bytes for {model_cfg.name}")
+        return num_pages
+
+    def scheduler_config(self, model_cfg: ModelConfig) -> SchedulerConfig:
+        return self._scheduler_config(
+            num_pages=self.num_pages_for(model_cfg),
+            max_model_len=self.max_model_len or model_cfg.max_seq_len,
+        )
+
+    def _scheduler_config(self, num_pages: int, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            page_size=self.page_size, num_pages=num_pages, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_chunk_size=self.prefill_chunk_size, max_model_len=max_model_len,
+            priority_aging_per_s=self.priority_aging_per_s,
+            enable_prefix_caching=self.prefix_caching,
+            prefix_cache_ttl_s=self.prefix_cache_ttl_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSharingPolicy:
+    """Who may share prefix-cache pages. By default each tenant shares only with itself.
+
+    `isolated_tenants`: tenants with sharing disabled (every request gets a fresh random salt,
+    so it neither hits nor seeds the cache for anyone, itself included).
+    `shared_groups`: (group name, tenants) pairs; the tenants of one group share one salt
+    (e.g. a public system prompt served to several customers).
+    """
+
+    isolated_tenants: frozenset[str] = frozenset()
+    shared_groups: tuple[tuple[str, frozenset[str]], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "isolated_tenants", frozenset(self.isolated_tenants))
+        groups = tuple((str(name), frozenset(members)) for name, members in self.shared_groups)
+        object.__setattr__(self, "shared_groups", groups)
+        seen: dict[str, str] = {}
+        for name, members in groups:
+            for tenant in members:
+                _check("shared_groups", tenant, tenant not in seen,
+                       f"a tenant may be in one group only (also in {seen.get(tenant)!r})")
+                _check("shared_groups", tenant, tenant not in self.isolated_tenants,
+                       "a tenant cannot be both isolated and in a shared group")
+                seen[tenant] = name
+
+    def group_of(self, tenant: str) -> str | None:
+        for name, members in self.shared_groups:
+            if tenant in members:
+                return name
+        return None

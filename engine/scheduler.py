@@ -1,0 +1,296 @@
+"""The continuous-batching scheduler (host side, plain Python; vLLM v1 / nano-vllm style).
+
+Each step the engine calls, from its one thread:
+
+    out = scheduler.schedule(now_s)          # the plan: who computes how many tokens
+    ... device step over out.scheduled ...   # writes K/V of the new tokens, samples
+    got = scheduler.update_after_step(out, {request_id: sampled token}, now_s)
+    for req in got:                          # requests that received a token this step
+        if <engine's stop check: EOS, stop ids/strings, max_tokens>:
+            scheduler.finish_request(req.request_id, "stop" | "length", now_s)
+
+and between steps `add_request(req)` and `abort_request(request_id)`.
+
+What `schedule(now_s)` does, in order:
+  1. Expire old prefix-cache pages; end aborted requests ("cancelled") and those past their
+     deadline ("timed_out"), freeing their pages at once (`out.finished_requests`).
+  2. Running requests: decodes (1 token left to compute) first, then partially prefilled
+     ones (a chunk of at most prefill_chunk_size), most important first, while the token
+     budget lasts. When the pool has no page for one of them, preempt by recompute the least
+     important unscheduled running request (lowest effective priority, then latest
+     arrival; possibly the request itself): its pages are freed, num_computed_tokens goes
+     back to 0, its outputs are kept and recomputed later, and it returns to the waiting
+     queue ahead of requests of equal effective priority.
+  3. If nobody was preempted: admit waiting requests in order of effective priority while
+     the token budget, the slot limit (max_num_seqs running) and the pool allow. A
+     request's cached prefix (engine.page_pool) is attached first, so only the rest is
+     computed. Admission stops at the first request that does not fit (no overtaking, so a
+     long prompt cannot be starved by short ones).
+
+Effective priority = priority + priority_aging_per_s * (now_s - arrival_s): a request that
+waits long enough overtakes any fresh one, so low priority cannot starve.
+
+Invariants (tests/test_scheduler.py checks them on random workloads): the scheduled tokens of
+a step never exceed max_num_batched_tokens; at most max_num_seqs requests run; a page has
+one owner unless shared through the prefix cache's reference counts; every request ends with
+exactly one finish reason; when all requests have ended every page is free again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from configs.engine_config import SchedulerConfig
+from engine.api_types import FinishReason
+from engine.errors import DuplicateRequestError, InvalidRequestError
+from engine.page_pool import PagePool
+from engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step: all_token_ids[start : start + num_new]
+    start: int  # = request.num_computed_tokens when scheduled (position of the first one)
+    samples: bool  # start + num_new_tokens == num_tokens: a token is sampled from the last
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's plan. The device step reads each request's page_ids and token ids."""
+
+    scheduled: list[ScheduledRequest]  # batch order: running requests, then admissions
+    total_num_scheduled_tokens: int  # sum of num_new_tokens <= max_num_batched_tokens
+    preempted_request_ids: list[str]  # sent back to waiting this step (pages freed)
+    finished_requests: list[Request]  # ended inside schedule(): "cancelled" or "timed_out"
+    num_running: int  # after this schedule
+    num_waiting: int
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request.request_id: s.num_new_tokens for s in self.scheduled}
+
+    @property
+    def sampling_request_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.scheduled if s.samples]
+
+    @property
+    def aborted_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.finished_requests if r.finish_reason == "cancelled"]
+
+    @property
+    def timed_out_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.finished_requests if r.finish_reason == "timed_out"]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, page_pool: PagePool):
+        if page_pool.page_size != config.page_size or page_pool.num_pages != config.num_pages:
+            raise ValueError(f"page pool ({page_pool.num_pages} pages of "
+                             f"{page_pool.page_size}) does not match the config "
+                             f"({config.num_pages} pages of {config.page_size})")
+        self.config = config
+        self.pool = page_pool
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # sorted at each schedule()
+        self.running: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self.num_preemptions = 0
+        self.num_finished: collections.Counter[str] = collections.Counter()
+
+    # ---- requests in and out -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises DuplicateRequestError or InvalidRequestError."""
+        if request.request_id in self.requests:
+            raise DuplicateRequestError(request.request_id)
+        max_len = request.num_prompt_tokens + request.sampling.max_tokens
+        if max_len > self.config.max_model_len:
+            raise InvalidRequestError("prompt_token_ids + max_tokens", max_len,
+                                      f"<= max_model_len ({self.config.max_model_len})")
+        # NOTE: a request that could not fit in the pool alone would preempt itself forever.
+        if self.pool.pages_for_tokens(max_len) > self.pool.num_pages - 1:
+            raise InvalidRequestError("prompt_token_ids + max_tokens", max_len,
+                                      f"<= {(self.pool.num_pages - 1) * self.pool.page_size}"
+                                      " tokens (the whole KV page pool)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel at the next schedule() (unknown or finished ids are ignored)."""
+        if request_id in self.requests:
+            self._pending_aborts.append(request_id)
+
+    def finish_request(self, request_id: str, reason: FinishReason, now_s: float) -> bool:
+        """End a request now (the engine's stop checks, a failed step) and free its pages.
+        Returns False if it had already ended: the first reason stands."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, reason, now_s)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        self.pool.expire(now_s)
+        finished = self._end_aborted_and_late(now_s)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(now_s, budget, scheduled, preempted)
+        if not preempted:
+            self._admit_waiting(now_s, budget, scheduled)
+        total = sum(s.num_new_tokens for s in scheduled)
+        assert total <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        return SchedulerOutput(scheduled, total, preempted, finished,
+                               len(self.running), len(self.waiting))
+
+    def update_after_step(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+                          now_s: float) -> list[Request]:
+        """Commit a finished device step: advance computed tokens, register newly full pages
+        in the prefix cache, append sampled tokens. Returns the requests that received a
+        token, for the engine's stop checks."""
+        received = []
+        for s in output.scheduled:
+            request = s.request
+            if request.is_finished:  # ended between schedule() and now (finish_request)
+                continue
+            assert request.num_computed_tokens == s.start, request.request_id
+            request.num_computed_tokens += s.num_new_tokens
+            self.pool.cache_full_pages(request)
+            if s.samples:
+                request.append_output_token(sampled_token_ids[request.request_id], now_s)
+                received.append(request)
+        return received
+
+    def _schedule_running(self, now_s: float, budget: int, scheduled: list[ScheduledRequest],
+                          preempted: list[str]) -> int:
+        # Decodes first, then the most important; victims come from the not yet scheduled.
+        order = collections.deque(sorted(
+            self.running, key=lambda r: (r.num_remaining_tokens > 1, self._rank(r, now_s))))
+        while order and budget > 0:
+            request = order.popleft()
+            num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
+            while not self._grow_pages(request, num_new):
+                victim = max([request, *order], key=lambda r: self._rank(r, now_s))
+                self._preempt(victim, now_s)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                order.remove(victim)
+            else:
+                scheduled.append(self._scheduled(request, num_new, now_s))
+                budget -= num_new
+        return budget
+
+    def _admit_waiting(self, now_s: float, budget: int,
+                       scheduled: list[ScheduledRequest]) -> None:
+        # Preempted requests go ahead of others of equal effective priority.
+        self.waiting.sort(key=lambda r: (self._rank(r, now_s), r.num_preemptions == 0))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_pages, num_cached = self.pool.find_cached_prefix(request)
+            num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size,
+                          budget)
+            num_pages = self.pool.pages_for_tokens(num_cached + num_new) - len(cached_pages)
+            if not self.pool.can_allocate(num_pages, reserving=cached_pages):
+                self.pool.stats.allocation_failures += 1
+                break
+            self.pool.acquire(cached_pages)
+            request.page_ids = cached_pages + self.pool.allocate(num_pages)
+            request.num_computed_tokens = num_cached
+            request.num_registered_pages = len(cached_pages)
+            if self.pool.enable_prefix_caching:
+                self.pool.record_lookup(request.num_tokens, num_cached)
+            if request.num_cached_tokens < 0:  # first admission: what metrics report
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.waiting.pop(0)
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new, now_s))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int, now_s: float) -> ScheduledRequest:
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = now_s
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens)
+
+    def _rank(self, request: Request, now_s: float) -> tuple[float, float]:
+        """Sort key, most important first: effective priority, then earliest arrival."""
+        aged = request.priority + self.config.priority_aging_per_s * (now_s - request.arrival_s)
+        return (-aged, request.arrival_s)
+
+    def _grow_pages(self, request: Request, num_new: int) -> bool:
+        """Make the page table cover num_computed + num_new tokens; False if no room."""
+        num_pages = (self.pool.pages_for_tokens(request.num_computed_tokens + num_new)
+                     - len(request.page_ids))
+        if num_pages <= 0:
+            return True
+        pages = self.pool.allocate(num_pages)
+        if pages is None:
+            return False
+        request.page_ids.extend(pages)
+        return True
+
+    def _preempt(self, request: Request, now_s: float) -> None:
+        self.running.remove(request)
+        self._release(request, now_s)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)  # ordered at admission time
+
+    def _release(self, request: Request, now_s: float) -> None:
+        self.pool.free(request.page_ids, now_s)
+        request.page_ids = []
+        request.num_computed_tokens = 0
+        request.num_registered_pages = 0
+
+    def _end_aborted_and_late(self, now_s: float) -> list[Request]:
+        finished = []
+        for request_id in self._pending_aborts:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, "cancelled", now_s)
+                finished.append(request)
+        self._pending_aborts.clear()
+        for request in list(self.requests.values()):
+            if request.deadline_s is not None and now_s >= request.deadline_s:
+                self._finish(request, "timed_out", now_s)
+                finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, reason: FinishReason, now_s: float) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if request.page_ids:
+            self.pool.free(request.page_ids, now_s)
+            request.page_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_s = now_s
+        del self.requests[request.request_id]
+        self.num_finished[reason] += 1
+
+    # ---- stats -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.running), "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "num_finished": dict(self.num_finished), **self.pool.stats_dict(),
+        }
