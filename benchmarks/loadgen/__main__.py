@@ -1,0 +1,106 @@
+"""python -m benchmarks.loadgen: one load run, or a rate sweep, against a local server.
+
+    python -m benchmarks.loadgen --target=127.0.0.1:50051 --metrics_url=http://127.0.0.1:9090/metrics \
+        --workload=short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1,multi_tenant:0.1 \
+        --arrival=gamma --burstiness=4 --rate=2 --duration_s=60 --cancel_fraction=0.1 \
+        --slo=ttft_s=2,tpot_s=0.2,e2e_s=60 --price_per_device_hour=2.5 --out=/tmp/cap
+
+    add --sweep_rates=0.5,1,2,4 (or --sweep_start=0.5 --sweep_factor=2 --sweep_steps=6) for a
+    sweep: OUT/sweep.{json,md}, OUT/latency_vs_rate.png, and one report per rate.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import app, flags
+
+from benchmarks.loadgen import arrivals, report, sweep
+from benchmarks.loadgen.metrics import parse_slo_policy
+from benchmarks.loadgen.run import RunConfig, run_load
+
+F = flags.FLAGS
+flags.DEFINE_string("target", "127.0.0.1:50051", "gRPC HOST:PORT (loopback only)")
+flags.DEFINE_string("metrics_url", None, "Prometheus endpoint to scrape, e.g. "
+                    "http://127.0.0.1:9090/metrics")
+flags.DEFINE_string("workload", RunConfig.workload, "class:weight,... (see workloads.py)")
+flags.DEFINE_float("length_scale", 1.0, "multiplies every prompt/output length")
+flags.DEFINE_enum("arrival", "poisson", list(arrivals.KINDS), "arrival process")
+flags.DEFINE_float("rate", 1.0, "mean requests/s (open loop)")
+flags.DEFINE_float("burstiness", 4.0, "gamma: squared CV of inter-arrival gaps (1 = Poisson)")
+flags.DEFINE_float("on_s", 5.0, "onoff: burst length")
+flags.DEFINE_float("off_s", 5.0, "onoff: silence length")
+flags.DEFINE_float("period_s", 60.0, "diurnal: period of the ramp")
+flags.DEFINE_float("amplitude", 0.8, "diurnal: 0 flat .. 1 trough at zero")
+flags.DEFINE_integer("concurrency", 8, "closed loop: concurrent streams")
+flags.DEFINE_string("trace", None, "JSONL trace to replay (implies --arrival=trace)")
+flags.DEFINE_float("trace_speedup", 1.0, "divide trace arrival times by this")
+flags.DEFINE_float("duration_s", 60.0, "stop sending after this many seconds")
+flags.DEFINE_integer("max_requests", 1000, "stop after sending this many")
+flags.DEFINE_float("cancel_fraction", 0.0, "fraction cancelled at a random point")
+flags.DEFINE_float("request_timeout_s", 120.0, "gRPC deadline per request")
+flags.DEFINE_float("drain_timeout_s", 60.0, "after the last send, wait this long, then cancel")
+flags.DEFINE_bool("ignore_eos", True, "generate exactly the sampled output length")
+flags.DEFINE_float("temperature", 0.0, "sampling temperature")
+flags.DEFINE_integer("seed", 0, "seeds arrivals, lengths, prompts")
+flags.DEFINE_string("slo", "ttft_s=2,tpot_s=0.2,e2e_s=60", "default SLO")
+flags.DEFINE_multi_string("slo_class", [], "per-class SLO, e.g. long_generation:e2e_s=300")
+flags.DEFINE_float("price_per_device_hour", 0.0, "price of one serving device-hour")
+flags.DEFINE_integer("num_devices", 1, "devices the server uses")
+flags.DEFINE_float("power_w", None, "average power per device (energy cost)")
+flags.DEFINE_float("price_per_kwh", 0.0, "energy price")
+flags.DEFINE_float("warm_window_s", 60.0, "cold window at the start of the run")
+flags.DEFINE_float("scrape_interval_s", 0.5, "metrics scrape period")
+flags.DEFINE_string("save_trace", None, "write what was sent as a JSONL trace (open loop)")
+flags.DEFINE_list("sweep_rates", [], "sweep mode: these rates")
+flags.DEFINE_float("sweep_start", None, "sweep mode: first rate (geometric steps)")
+flags.DEFINE_float("sweep_factor", 2.0, "sweep mode: rate multiplier per step")
+flags.DEFINE_integer("sweep_steps", 6, "sweep mode: at most this many steps")
+flags.DEFINE_float("min_good_fraction", 0.9, "sweep gate: good / non-cancelled sent")
+flags.DEFINE_float("max_error_rate", 0.01, "sweep gate: (rejected+timed_out+failed) / sent")
+flags.DEFINE_string("gate_percentile", "p95", "sweep gate percentile for TTFT/TPOT/E2E")
+flags.DEFINE_bool("progress", True, "show a progress bar")
+flags.DEFINE_string("out", "/tmp/loadgen", "output directory")
+
+
+def config_from_flags(rate: float | None = None) -> RunConfig:
+    kind = "trace" if F.trace else F.arrival
+    arrival = arrivals.ArrivalConfig(kind, rate if rate is not None else F.rate, F.burstiness,
+                                     F.on_s, F.off_s, F.period_s, F.amplitude, F.concurrency,
+                                     F.seed)
+    return RunConfig(
+        target=F.target, metrics_url=F.metrics_url, workload=F.workload,
+        length_scale=F.length_scale, arrival=arrival, trace_path=F.trace,
+        trace_speedup=F.trace_speedup, duration_s=F.duration_s, max_requests=F.max_requests,
+        cancel_fraction=F.cancel_fraction, request_timeout_s=F.request_timeout_s,
+        drain_timeout_s=F.drain_timeout_s, ignore_eos=F.ignore_eos,
+        temperature=F.temperature, seed=F.seed, slo=parse_slo_policy(F.slo, F.slo_class),
+        cost=report.CostConfig(F.price_per_device_hour, F.num_devices, F.power_w,
+                               F.price_per_kwh),
+        warm_window_s=F.warm_window_s, scrape_interval_s=F.scrape_interval_s,
+        save_trace=F.save_trace, progress=F.progress)
+
+
+def main(argv):
+    del argv
+    out = pathlib.Path(F.out)
+    rates = [float(r) for r in F.sweep_rates]
+    if F.sweep_start is not None:
+        rates = sweep.geometric_rates(F.sweep_start, F.sweep_factor, F.sweep_steps)
+    if not rates:
+        rep = run_load(config_from_flags(), out)
+        print(json.dumps({k: rep[k] for k in ("requests_sent", "outcomes", "throughput",
+                                               "goodput_rps", "cost_per_success")},
+                         indent=1, default=str))
+        print(f"report: {out / 'report.md'}")
+        return
+    gates = sweep.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
+    result = sweep.run_sweep(rates, lambda r, d: run_load(config_from_flags(r), d), out,
+                             gates, cancel_fraction=F.cancel_fraction)
+    print(sweep.sweep_markdown(result))
+    print(f"sweep: {out / 'sweep.md'}")
+
+
+if __name__ == "__main__":
+    app.run(main)

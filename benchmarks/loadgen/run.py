@@ -1,0 +1,152 @@
+"""One load run end to end: conditions from ServerInfo, requests, scraping, report.
+
+    RunConfig --> specs (workload mix + arrival schedule, or a trace)
+              --> asyncio loop: open- or closed-loop dispatch over one grpc.aio channel
+              --> records + scraped server metrics --> build_report --> write_report
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import pathlib
+import socket
+import time
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from tqdm import tqdm
+
+from benchmarks.loadgen import arrivals, driver, report, trace
+from benchmarks.loadgen.metrics import SloPolicy
+from benchmarks.loadgen.scrape import Scraper, summarize_scrape
+from benchmarks.loadgen.workloads import WorkloadGenerator, mix_to_dict, parse_mix
+from serving.proto import pagedjax_pb2 as pb
+from serving.proto import pagedjax_pb2_grpc as pb_grpc
+
+
+@dataclasses.dataclass
+class RunConfig:
+    target: str = "127.0.0.1:50051"
+    metrics_url: str | None = None  # e.g. http://127.0.0.1:9090/metrics; None: no scraping
+    workload: str = "short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1," \
+                    "multi_tenant:0.1"
+    length_scale: float = 1.0
+    arrival: arrivals.ArrivalConfig = dataclasses.field(default_factory=arrivals.ArrivalConfig)
+    trace_path: str | None = None
+    trace_speedup: float = 1.0
+    duration_s: float = 60.0
+    max_requests: int = 1000
+    cancel_fraction: float = 0.0
+    request_timeout_s: float | None = 120.0
+    drain_timeout_s: float = 60.0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    seed: int = 0
+    slo: SloPolicy = dataclasses.field(default_factory=SloPolicy)
+    cost: report.CostConfig = dataclasses.field(default_factory=report.CostConfig)
+    warm_window_s: float = 60.0
+    scrape_interval_s: float = 0.5
+    save_trace: str | None = None
+    progress: bool = True
+
+
+def check_loopback(target: str) -> None:
+    """The load generator only drives a server on this machine."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise ValueError(f"target={target!r}: cannot resolve {host!r}: {e}") from e
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"target={target!r}: only loopback addresses are allowed, got {addrs}")
+
+
+def server_conditions(target: str) -> dict:
+    """Model, revision, engine config and limits from ServerInfo (empty dict if unavailable)."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            info = pb_grpc.PagedJaxStub(channel).ServerInfo(pb.ServerInfoRequest(), timeout=10)
+        except grpc.RpcError as e:
+            return {"server_info_error": f"{e.code().name}: {e.details()}"}
+    d = MessageToDict(info, preserving_proto_field_name=True)
+    versions = d.get("model", {}).get("versions", {})
+    return {"model": versions.get("name"), "revision": versions.get("revision"),
+            "tokenizer_hash": versions.get("tokenizer_hash"),
+            "engine_version": versions.get("engine_version"),
+            "kv_capacity_tokens": d.get("kv_capacity_tokens"), "limits": d.get("limits", {}),
+            "engine_config": d.get("engine_config", {}), "stats_at_start": d.get("stats", {})}
+
+
+def make_specs(cfg: RunConfig):
+    """(open-loop specs or None, generator for closed loop, workload description)."""
+    if cfg.trace_path:
+        entries = trace.load_trace(cfg.trace_path)[: cfg.max_requests]
+        specs = trace.specs_from_trace(entries, cfg.trace_speedup, cfg.seed)
+        return specs, None, {"trace": cfg.trace_path, "speedup": cfg.trace_speedup,
+                             "entries": len(entries)}
+    gen = WorkloadGenerator(parse_mix(cfg.workload), length_scale=cfg.length_scale,
+                            cancel_fraction=cfg.cancel_fraction, seed=cfg.seed)
+    mix = mix_to_dict(gen.mix, cfg.length_scale)
+    times = arrivals.schedule(cfg.arrival, cfg.duration_s, cfg.max_requests)
+    if times is None:
+        return None, gen, mix
+    return [gen.next(t) for t in times], None, mix
+
+
+async def _drive(cfg: RunConfig, specs, gen, bar) -> list:
+    async with grpc.aio.insecure_channel(cfg.target) as channel:
+        stub = pb_grpc.PagedJaxStub(channel)
+
+        async def send(spec, scheduled_s):
+            return await driver.run_one(stub, spec, scheduled_s=scheduled_s,
+                                        ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
+                                        seed=cfg.seed, timeout_s=cfg.request_timeout_s)
+
+        on_done = lambda rec: bar.update(1)
+        if specs is not None:
+            return await driver.dispatch_open_loop(
+                specs, send, start_s=time.perf_counter(), duration_s=cfg.duration_s,
+                drain_timeout_s=cfg.drain_timeout_s, on_done=on_done)
+        return await driver.dispatch_closed_loop(
+            gen.next, send, concurrency=cfg.arrival.concurrency, duration_s=cfg.duration_s,
+            max_requests=cfg.max_requests, drain_timeout_s=cfg.drain_timeout_s,
+            on_done=on_done)
+
+
+def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
+    """Runs the load, writes the report into `out_dir`, returns the report dict."""
+    check_loopback(cfg.target)
+    conditions = server_conditions(cfg.target)
+    specs, gen, workload = make_specs(cfg)
+    scraper = Scraper(cfg.metrics_url, cfg.scrape_interval_s).start() if cfg.metrics_url else None
+    total = len(specs) if specs is not None else cfg.max_requests
+    with tqdm(total=total, desc="requests", unit="req", disable=not cfg.progress) as bar:
+        t_start = time.perf_counter()
+        records = asyncio.run(_drive(cfg, specs, gen, bar))
+    if scraper:
+        scraper.stop()
+    conditions.update({
+        "target": cfg.target, "workload_mix": workload,
+        "arrival": arrivals.to_dict(cfg.arrival) if not cfg.trace_path else {"kind": "trace"},
+        "duration_s": cfg.duration_s, "max_requests": cfg.max_requests,
+        "cancel_fraction": cfg.cancel_fraction, "request_timeout_s": cfg.request_timeout_s,
+        "sampling": {"temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
+                     "seed": cfg.seed, "max_tokens": "sampled output length per request"},
+        "concurrency": (cfg.arrival.concurrency if cfg.arrival.kind == "closed"
+                        else "open loop (unbounded)"),
+        "server_info_at_end": server_conditions(cfg.target).get("stats_at_start", {}),
+    })
+    scrape = summarize_scrape(scraper.series, t_start) if scraper else {}
+    if scraper:
+        scrape["scrape_errors"] = scraper.errors
+    rep = report.build_report(records, conditions=conditions, policy=cfg.slo, cost=cfg.cost,
+                              scrape=scrape, warm_window_s=cfg.warm_window_s)
+    report.write_report(out_dir, rep, records)
+    if cfg.save_trace:
+        by_id = {s.request_id: s for s in specs or []}
+        entries = [trace.entry_from_spec(by_id[r.request_id], r.send_s - t_start)
+                   for r in records if r.request_id in by_id]
+        trace.save_trace(cfg.save_trace, sorted(entries, key=lambda e: e.arrival_s))
+    return rep

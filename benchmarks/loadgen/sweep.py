@@ -1,0 +1,138 @@
+"""Rate sweep: step the offered rate up, find the knee and the SLO operating point.
+
+Each step is a full run (its own report in `OUT/rate_<r>/`). From the steps:
+
+    gates(step)      every gate must pass at that rate:
+                       p<gate_percentile> of TTFT, TPOT, E2E <= the default SLO's limits
+                       good requests / requests sent (not counting client cancellations)
+                         >= min_good_fraction
+                       (rejected + timed_out + failed) / sent <= max_error_rate
+    operating point  the highest rate at which every gate passed, provided every lower rate
+                     passed too (a pass above a failure is noise, not capacity)
+    knee             the first rate whose p95 TTFT exceeds knee_factor x the p95 TTFT of the
+                     lowest rate, or whose successful req/s falls below 90% of the offered
+                     (non-cancelled) rate: where queueing starts to dominate
+
+The sweep stops after `stop_after_failures` consecutive failing steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Gates:
+    gate_percentile: str = "p95"
+    min_good_fraction: float = 0.9
+    max_error_rate: float = 0.01
+    knee_factor: float = 2.0
+
+
+def step_summary(rate: float, report: dict) -> dict:
+    """The part of a run's report the sweep needs."""
+    keys = ("ttft_s", "tpot_s", "e2e_s", "itl_s", "queue_s", "throughput", "goodput_rps",
+            "outcomes", "requests_sent", "slo", "cost_per_success")
+    return {"rate": rate, "good_requests": report["goodput"]["good_requests"],
+            **{k: report[k] for k in keys}}
+
+
+def check_gates(step: dict, gates: Gates) -> dict[str, bool]:
+    slo = step["slo"]["default"]
+    p = gates.gate_percentile
+    checks = {}
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        limit, value = slo.get(key), step[key][p]
+        if limit is not None:
+            checks[f"{key}_{p}"] = value is not None and value <= limit
+    o = step["outcomes"]
+    sent = step["requests_sent"]
+    not_cancelled = sent - o["cancelled"]
+    good = step["good_requests"]
+    checks["good_fraction"] = (not_cancelled > 0
+                               and good / not_cancelled >= gates.min_good_fraction)
+    errors = o["rejected"] + o["timed_out"] + o["failed"]
+    checks["error_rate"] = sent > 0 and errors / sent <= gates.max_error_rate
+    return checks
+
+
+def find_knee(steps: list[dict], gates: Gates, cancel_fraction: float = 0.0) -> float | None:
+    if not steps:
+        return None
+    base = steps[0]["ttft_s"]["p95"]
+    for s in steps:
+        p95 = s["ttft_s"]["p95"]
+        latency_up = base is not None and (p95 is None or p95 > gates.knee_factor * base)
+        falling_behind = s["throughput"]["rps"] < 0.9 * s["rate"] * (1.0 - cancel_fraction)
+        if latency_up or falling_behind:
+            return s["rate"]
+    return None
+
+
+def operating_point(steps: list[dict]) -> float | None:
+    best = None
+    for s in sorted(steps, key=lambda s: s["rate"]):
+        if not all(s["gates"].values()):
+            break
+        best = s["rate"]
+    return best
+
+
+def geometric_rates(start: float, factor: float, max_steps: int) -> list[float]:
+    if start <= 0 or factor <= 1 or max_steps < 1:
+        raise ValueError(f"sweep start={start} factor={factor} steps={max_steps}: need "
+                         "start > 0, factor > 1, steps >= 1")
+    return [round(start * factor**i, 4) for i in range(max_steps)]
+
+
+def run_sweep(rates: list[float], run_at: Callable[[float, pathlib.Path], dict],
+              out_dir: pathlib.Path, gates: Gates = Gates(), stop_after_failures: int = 2,
+              cancel_fraction: float = 0.0) -> dict:
+    """Runs `run_at(rate, step_dir) -> report` per rate; writes sweep.json/.md/.png."""
+    from benchmarks.loadgen import plots
+
+    steps = []
+    failures = 0
+    for rate in rates:
+        report = run_at(rate, out_dir / f"rate_{rate:g}")
+        step = step_summary(rate, report)
+        step["gates"] = check_gates(step, gates)
+        steps.append(step)
+        failures = 0 if all(step["gates"].values()) else failures + 1
+        if failures >= stop_after_failures:
+            break
+    result = {"gates": dataclasses.asdict(gates), "steps": steps,
+              "knee_rate": find_knee(steps, gates, cancel_fraction),
+              "operating_rate": operating_point(steps)}
+    op = [s for s in steps if s["rate"] == result["operating_rate"]]
+    result["operating_goodput_rps"] = op[0]["goodput_rps"] if op else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps(result, indent=2, default=str))
+    (out_dir / "sweep.md").write_text(sweep_markdown(result))
+    plots.latency_vs_rate(out_dir / "latency_vs_rate.png", steps, result["knee_rate"],
+                          result["operating_rate"], steps[0]["slo"]["default"] if steps else {})
+    return result
+
+
+def sweep_markdown(result: dict) -> str:
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"
+    lines = ["# Rate sweep", "",
+             (f"- knee: **{result['knee_rate']}** req/s; operating point (highest rate where "
+              f"every gate passed): **{result['operating_rate']}** req/s, goodput "
+              f"{result['operating_goodput_rps']} req/s"),
+             f"- gates: `{json.dumps(result['gates'])}`", "",
+             ("| rate | sent | ok | goodput req/s | out tok/s | TTFT p50/p95 ms | "
+              "TPOT p50/p95 ms | E2E p95 ms | gates |"), "|---|---|---|---|---|---|---|---|---|"]
+    for s in result["steps"]:
+        failed = [k for k, v in s["gates"].items() if not v]
+        lines.append(
+            f"| {s['rate']:g} | {s['requests_sent']} | {s['outcomes']['success']} | "
+            f"{s['goodput_rps']:.3f} | {s['throughput']['output_tps']:.1f} | "
+            f"{ms(s['ttft_s']['p50'])}/{ms(s['ttft_s']['p95'])} | "
+            f"{ms(s['tpot_s']['p50'])}/{ms(s['tpot_s']['p95'])} | {ms(s['e2e_s']['p95'])} | "
+            f"{'pass' if not failed else 'FAIL ' + ','.join(failed)} |")
+    lines += ["", "Plot: `latency_vs_rate.png`.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Capacity planner: memory feasibility (KV that fits) and replicas for a demand.
+
+    python -m benchmarks.planner plan --model=llama-3.1-8b --kv_dtype=bfloat16 \
+        --device_memory_gib=80 --weights_gib=16.1 --workspace_gib=6 --page_size=16 \
+        --prompt_median=512 --output_median=256 --max_tokens=1024 \
+        --rate=20 --goodput_per_replica=4.5 --reserve=0.3
+
+Memory (the seeds' arithmetic, `configs.kv_memory`):
+
+    KV bytes / token   = 2 x layers x KV heads x head_dim x bytes   (128 KiB at 32/8/128/2)
+    KV budget          = device memory x utilization - weights - workspace
+    KV pages           = floor(budget / (page_size x KV bytes / token))
+    sequences that fit = floor(pages / ceil(tokens per sequence / page_size))
+
+A sequence's KV grows to prompt + output tokens, and the admission controller cannot know the
+output length in advance: the worst case it must budget is prompt + max_tokens, not the
+expected output. The plan reports both.
+
+Replicas (goodput per replica measured by a rate sweep's operating point, not saturation):
+
+    replicas              = ceil(demand / goodput_per_replica x (1 + reserve))
+    output tokens/s demand = request rate x E[output tokens]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import sys
+
+from absl import app, flags
+
+from configs import kv_memory
+from configs.model_config import ModelConfig, from_name
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    kv_bytes_per_token: int
+    page_size: int
+    kv_budget_bytes: int
+    num_pages: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.page_size
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV that fit (whole pages only)."""
+        return self.num_pages * self.page_size
+
+    def sequences_that_fit(self, seq_len: int) -> int:
+        return self.num_pages // pages_per_sequence(seq_len, self.page_size)
+
+
+def pages_per_sequence(seq_len: int, page_size: int) -> int:
+    if seq_len < 1 or page_size < 1:
+        raise ValueError(f"seq_len={seq_len}, page_size={page_size}: both must be >= 1")
+    return math.ceil(seq_len / page_size)
+
+
+def memory_plan(cfg: ModelConfig, kv_dtype: str, device_memory_bytes: int, weights_bytes: int,
+                workspace_bytes: int, page_size: int = 16, utilization: float = 1.0,
+                kv_head_replication: int = 1) -> MemoryPlan:
+    """KV pages left after weights and workspace. Raises if nothing is left."""
+    per_token = kv_memory.kv_bytes_per_token(cfg, kv_dtype, kv_head_replication)
+    budget = int(device_memory_bytes * utilization) - weights_bytes - workspace_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"device_memory={device_memory_bytes / GIB:.2f} GiB x utilization {utilization} "
+            f"leaves no KV budget after weights {weights_bytes / GIB:.2f} GiB + workspace "
+            f"{workspace_bytes / GIB:.2f} GiB")
+    return MemoryPlan(per_token, page_size, budget, budget // (per_token * page_size))
+
+
+def replicas_needed(demand_rps: float, goodput_per_replica_rps: float, reserve: float) -> int:
+    """ceil(demand / goodput_per_replica x (1 + reserve))."""
+    if goodput_per_replica_rps <= 0:
+        raise ValueError(f"goodput_per_replica_rps={goodput_per_replica_rps}: must be > 0")
+    if reserve < 0:
+        raise ValueError(f"reserve={reserve}: must be >= 0")
+    # NOTE: round away float noise (e.g. 10 / 2 x 1.2 = 6.000000000000001) before the ceil.
+    return math.ceil(round(demand_rps / goodput_per_replica_rps * (1.0 + reserve), 9))
+
+
+def output_token_demand(rate_rps: float, mean_output_tokens: float) -> float:
+    """Output tokens per second the fleet must generate: rate x E[output tokens]."""
+    return rate_rps * mean_output_tokens
+
+
+def length_samples(prompt_median: float, output_median: float, prompt_sigma: float,
+                   output_sigma: float, rho: float, n: int = 20000, seed: int = 0
+                   ) -> list[tuple[int, int]]:
+    """Monte Carlo draws of a joint lognormal (same model as the load generator's)."""
+    from benchmarks.loadgen.workloads import LengthDist
+
+    dist = LengthDist(prompt_median, output_median, prompt_sigma, output_sigma, rho,
+                      max_in=10**9, max_out=10**9)
+    rng = random.Random(seed)
+    return [dist.sample(rng) for _ in range(n)]
+
+
+def length_summary(samples: list[tuple[int, int]], page_size: int, max_tokens: int | None
+                   ) -> dict:
+    from benchmarks.loadgen.metrics import percentile
+
+    totals = [i + o for i, o in samples]
+    worst = [i + max_tokens for i, _ in samples] if max_tokens else totals
+    mean = lambda xs: sum(xs) / len(xs)
+    return {"mean_prompt_tokens": mean([i for i, _ in samples]),
+            "mean_output_tokens": mean([o for _, o in samples]),
+            "mean_total_tokens": mean(totals),
+            "p95_total_tokens": percentile(totals, 95),
+            "mean_pages_expected": mean([pages_per_sequence(t, page_size) for t in totals]),
+            "mean_pages_budgeted": mean([pages_per_sequence(t, page_size) for t in worst]),
+            "page_rounding_waste": 1 - mean(totals) / (
+                page_size * mean([pages_per_sequence(t, page_size) for t in totals]))}
+
+
+def plan(cfg: ModelConfig, *, kv_dtype: str, device_memory_bytes: int, weights_bytes: int,
+         workspace_bytes: int, page_size: int, samples: list[tuple[int, int]],
+         max_tokens: int | None, seq_lens: list[int], rate_rps: float | None = None,
+         goodput_per_replica_rps: float | None = None, reserve: float = 0.2,
+         utilization: float = 1.0) -> dict:
+    mem = memory_plan(cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes,
+                      page_size, utilization)
+    lengths = length_summary(samples, page_size, max_tokens)
+    out = {"model": cfg.name, "kv_dtype": kv_dtype, "page_size": page_size,
+           "kv_bytes_per_token": mem.kv_bytes_per_token, "page_bytes": mem.page_bytes,
+           "device_memory_gib": device_memory_bytes / GIB, "weights_gib": weights_bytes / GIB,
+           "workspace_gib": workspace_bytes / GIB, "kv_budget_gib": mem.kv_budget_bytes / GIB,
+           "kv_pages": mem.num_pages, "kv_tokens": mem.kv_tokens,
+           "sequences_that_fit": {str(n): mem.sequences_that_fit(n) for n in seq_lens},
+           "lengths": lengths,
+           "concurrent_sequences_expected": int(mem.num_pages // lengths["mean_pages_expected"]),
+           "concurrent_sequences_budgeted": int(mem.num_pages // lengths["mean_pages_budgeted"]),
+           "max_tokens": max_tokens,
+           "caution": "max_tokens is not the actual output, but admission must budget it: a "
+                      "sequence may grow to prompt + max_tokens, so plan concurrency on the "
+                      "budgeted figure and treat the expected one as optimistic."}
+    if rate_rps is not None:
+        out["output_token_demand_tps"] = output_token_demand(rate_rps,
+                                                             lengths["mean_output_tokens"])
+        out["input_token_demand_tps"] = rate_rps * lengths["mean_prompt_tokens"]
+    if rate_rps is not None and goodput_per_replica_rps:
+        out["replicas"] = replicas_needed(rate_rps, goodput_per_replica_rps, reserve)
+        out["replica_formula"] = (f"ceil({rate_rps} / {goodput_per_replica_rps} x "
+                                  f"(1 + {reserve}))")
+    return out
+
+
+# ---- command line ------------------------------------------------------------------------
+
+F = flags.FLAGS
+flags.DEFINE_string("model", "llama-3.1-8b", "configs preset name")
+flags.DEFINE_string("kv_dtype", "bfloat16", "KV cache dtype")
+flags.DEFINE_string("weight_dtype", "bfloat16", "for the default weights size")
+flags.DEFINE_float("device_memory_gib", 80.0, "memory of one device (GiB)")
+flags.DEFINE_float("weights_gib", None, "measured weights (default: params x weight_dtype)")
+flags.DEFINE_float("workspace_gib", 2.0, "measured activations/workspace/graphs (GiB)")
+flags.DEFINE_float("utilization", 0.95, "fraction of device memory the server may use")
+flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+flags.DEFINE_float("prompt_median", 512, "lognormal prompt length median")
+flags.DEFINE_float("prompt_sigma", 0.6, "lognormal sigma of prompt length")
+flags.DEFINE_float("output_median", 256, "lognormal output length median")
+flags.DEFINE_float("output_sigma", 0.6, "lognormal sigma of output length")
+flags.DEFINE_float("rho", 0.0, "correlation of log lengths")
+flags.DEFINE_string("trace", None, "JSONL trace: lengths from it instead of the lognormal")
+flags.DEFINE_integer("max_tokens", 1024, "max_tokens the server budgets per request")
+flags.DEFINE_list("seq_lens", ["1024", "4096", "8192"], "sequence lengths to fit")
+flags.DEFINE_float("rate", None, "demand (requests/s)")
+flags.DEFINE_float("goodput_per_replica", None, "measured goodput of one replica (req/s)")
+flags.DEFINE_string("sweep_json", None, "take goodput_per_replica from a sweep.json")
+flags.DEFINE_float("reserve", 0.2, "headroom fraction (failures, rollouts, bursts)")
+
+
+def _samples_from_flags() -> list[tuple[int, int]]:
+    if F.trace:
+        from benchmarks.loadgen.trace import load_trace
+
+        return [(e.prompt_tokens, e.output_tokens) for e in load_trace(F.trace)]
+    return length_samples(F.prompt_median, F.output_median, F.prompt_sigma, F.output_sigma,
+                          F.rho)
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] != "plan":
+        sys.exit("usage: python -m benchmarks.planner plan [--flags]")
+    cfg = from_name(F.model)
+    weights = (F.weights_gib * GIB if F.weights_gib is not None
+               else cfg.num_params * kv_memory.dtype_bytes(F.weight_dtype))
+    goodput = F.goodput_per_replica
+    if F.sweep_json:
+        with open(F.sweep_json) as f:
+            goodput = json.load(f)["operating_goodput_rps"]
+    result = plan(cfg, kv_dtype=F.kv_dtype, device_memory_bytes=int(F.device_memory_gib * GIB),
+                  weights_bytes=int(weights), workspace_bytes=int(F.workspace_gib * GIB),
+                  page_size=F.page_size, samples=_samples_from_flags(),
+                  max_tokens=F.max_tokens, seq_lens=[int(s) for s in F.seq_lens],
+                  rate_rps=F.rate, goodput_per_replica_rps=goodput, reserve=F.reserve,
+                  utilization=F.utilization)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,75 @@
+"""The planner's worked examples from the seeds (benchmarks/planner.py)."""
+
+import dataclasses
+
+import pytest
+
+from benchmarks import planner
+from configs import kv_memory
+from configs.model_config import from_name
+
+GIB = 1024**3
+SEED_MODEL = dataclasses.replace(from_name("llama-3.1-8b"), name="seed")  # 32 layers, 8x128
+
+
+def test_seed_kv_arithmetic():
+    assert (SEED_MODEL.num_layers, SEED_MODEL.num_kv_heads, SEED_MODEL.head_dim) == (32, 8, 128)
+    assert kv_memory.kv_bytes_per_token(SEED_MODEL, "bfloat16") == 128 * 1024
+    assert kv_memory.kv_bytes_per_sequence(SEED_MODEL, 8192, "bfloat16") == GIB
+    assert 20 * kv_memory.kv_bytes_per_sequence(SEED_MODEL, 8192, "bfloat16") == 20 * GIB
+
+
+def test_memory_plan_pages_tokens_and_sequences_with_page_rounding():
+    # 80 GiB - 16 GiB weights - 4 GiB workspace = 60 GiB of KV = 480 sequences of 1 GiB... /8
+    plan = planner.memory_plan(SEED_MODEL, "bfloat16", 80 * GIB, 16 * GIB, 4 * GIB,
+                               page_size=16)
+    assert plan.page_bytes == 16 * 128 * 1024
+    assert plan.kv_budget_bytes == 60 * GIB
+    assert plan.kv_tokens == 60 * 8192  # 60 GiB / 128 KiB
+    assert plan.sequences_that_fit(8192) == 60
+    # 8193 tokens need one more page than 8192: 513 pages per sequence.
+    assert plan.sequences_that_fit(8193) == plan.num_pages // 513 == 59
+    assert planner.pages_per_sequence(17, 16) == 2
+
+
+def test_memory_plan_rejects_weights_that_do_not_leave_room():
+    with pytest.raises(ValueError, match="no KV budget"):
+        planner.memory_plan(SEED_MODEL, "bfloat16", 16 * GIB, 15 * GIB, 2 * GIB)
+
+
+@pytest.mark.parametrize("demand,goodput,reserve,expected", [
+    (10.0, 2.0, 0.2, 6),  # 10 / 2 x 1.2 = 6 exactly, not 7
+    (10.0, 3.0, 0.0, 4),
+    (20.0, 4.5, 0.3, 6),  # 5.78 -> 6
+    (1.0, 4.0, 0.5, 1),
+])
+def test_replicas_formula(demand, goodput, reserve, expected):
+    assert planner.replicas_needed(demand, goodput, reserve) == expected
+
+
+def test_replicas_rejects_zero_goodput():
+    with pytest.raises(ValueError, match="goodput_per_replica_rps=0"):
+        planner.replicas_needed(10, 0, 0.2)
+
+
+def test_output_token_demand():
+    assert planner.output_token_demand(20.0, 250.0) == 5000.0
+
+
+def test_plan_budgets_max_tokens_more_than_expected_lengths():
+    samples = [(100, 50), (300, 150)]  # totals 150, 450
+    out = planner.plan(SEED_MODEL, kv_dtype="bfloat16", device_memory_bytes=80 * GIB,
+                       weights_bytes=16 * GIB, workspace_bytes=4 * GIB, page_size=16,
+                       samples=samples, max_tokens=1024, seq_lens=[8192], rate_rps=10.0,
+                       goodput_per_replica_rps=2.0, reserve=0.2)
+    assert out["kv_bytes_per_token"] == 128 * 1024
+    assert out["sequences_that_fit"] == {"8192": 60}
+    assert out["lengths"]["mean_output_tokens"] == 100
+    assert out["output_token_demand_tps"] == 1000.0
+    assert out["replicas"] == 6
+    # ceil(150/16)=10, ceil(450/16)=29 -> 19.5 pages expected; budgeted ceil(1124/16)=71,
+    # ceil(1324/16)=83 -> 77 pages.
+    assert out["lengths"]["mean_pages_expected"] == 19.5
+    assert out["lengths"]["mean_pages_budgeted"] == 77
+    assert out["concurrent_sequences_budgeted"] < out["concurrent_sequences_expected"]
+    assert "max_tokens" in out["caution"]
