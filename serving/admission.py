@@ -1,0 +1,220 @@
+"""Admission control: request limits, and the bounded waiting queue in front of the engine.
+
+Everything here runs on the gRPC handler thread of the arriving request (the queue is also
+popped by the engine thread), so a rejection is decided within milliseconds of arrival:
+
+  check_limits(cfg, prompt, sampling)   -> InvalidRequestError (field, value, limit)
+  WaitingQueue.offer(item)              -> Rejected(reason, retry_after_ms) when the queue is
+                                           full by count or tokens, or the estimated wait is
+                                           already past the request's deadline
+  WaitingQueue.pop()                    -> highest effective priority: class + waited / aging_s,
+                                           so a LOW request waiting 2 * aging_s ranks with HIGH
+                                           (no starvation); FIFO among equals
+
+The drain rate (requests and tokens leaving the queue per second, over a sliding window) turns
+queue length into an estimated wait and a `retry-after-ms` hint.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import threading
+import time
+from typing import Any, Callable
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionConfig:
+    max_prompt_tokens: int = 8192
+    max_tokens: int = 4096  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256
+    max_model_len: int = 8192  # prompt + max_tokens must fit; the server takes the engine's
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_queue_requests: int = 256
+    max_queue_tokens: int = 2_000_000  # sum of prompt + max_tokens over queued requests
+    queue_timeout_s: float = 60.0
+    aging_s: float = 10.0  # each aging_s waited raises a request one priority class
+    drain_window_s: float = 10.0
+    min_retry_after_ms: int = 10
+    max_retry_after_ms: int = 60_000
+    default_retry_after_ms: int = 1_000  # when no drain rate has been measured yet
+
+    def __post_init__(self):
+        assert self.max_queue_requests >= 0, self.max_queue_requests
+        assert self.max_model_len >= 2, self.max_model_len
+        assert self.aging_s > 0 and self.queue_timeout_s > 0
+
+
+class Rejected(Exception):
+    """Admission said no; maps to RESOURCE_EXHAUSTED with trailing `retry-after-ms`."""
+
+    def __init__(self, reason: str, retry_after_ms: int, message: str):
+        self.reason, self.retry_after_ms = reason, retry_after_ms
+        super().__init__(message)
+
+
+def check_limits(cfg: AdmissionConfig, num_prompt_tokens: int, sp: SamplingParams) -> None:
+    """The limits checked before queueing; raises InvalidRequestError naming the field."""
+    checks = [
+        ("prompt", num_prompt_tokens, 1 <= num_prompt_tokens, "at least 1 token"),
+        ("prompt", num_prompt_tokens, num_prompt_tokens <= cfg.max_prompt_tokens,
+         f"at most {cfg.max_prompt_tokens} prompt tokens"),
+        ("max_tokens", sp.max_tokens, sp.max_tokens <= cfg.max_tokens,
+         f"at most {cfg.max_tokens}"),
+        ("max_tokens", sp.max_tokens, num_prompt_tokens + sp.max_tokens <= cfg.max_model_len,
+         f"prompt ({num_prompt_tokens}) + max_tokens <= max_model_len ({cfg.max_model_len})"),
+        ("stop", len(sp.stop), len(sp.stop) <= cfg.max_stop_strings,
+         f"at most {cfg.max_stop_strings} stop strings"),
+        ("stop", max(map(len, sp.stop), default=0),
+         all(len(s) <= cfg.max_stop_string_chars for s in sp.stop),
+         f"each stop string at most {cfg.max_stop_string_chars} characters"),
+    ]
+    for field, value, ok, limit in checks:
+        if not ok:
+            raise InvalidRequestError(field, value, limit)
+
+
+class DrainMeter:
+    """Requests and tokens leaving the queue per second, over the last `window_s` seconds.
+
+    rate = departures in the window / window_s; None until `min_events` departures are in the
+    window (no estimate is better than a wild one).
+    """
+
+    def __init__(self, window_s: float, min_events: int = 4):
+        self.window_s, self.min_events = window_s, min_events
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+
+    def record(self, now: float, num_tokens: int) -> None:
+        self._events.append((now, num_tokens))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rates(self, now: float) -> tuple[float, float] | None:
+        """(requests/s, tokens/s), or None when too few departures were seen."""
+        self._trim(now)
+        if len(self._events) < self.min_events:
+            return None
+        return len(self._events) / self.window_s, sum(t for _, t in self._events) / self.window_s
+
+
+@dataclasses.dataclass
+class QueuedRequest:
+    request_id: str
+    num_tokens: int  # prompt + max_tokens: what it may occupy
+    priority: int  # class: larger = more important
+    enqueued_s: float
+    deadline_s: float | None = None  # absolute, time.monotonic()
+    payload: Any = None
+    seq: int = 0  # FIFO tie-break, set by the queue
+
+
+class WaitingQueue:
+    """Bounded by count and by tokens; thread-safe. `clock` is injectable for tests."""
+
+    def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.clock = cfg, clock
+        self._items: dict[str, QueuedRequest] = {}
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+        self.drain = DrainMeter(cfg.drain_window_s)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    def offer(self, item: QueuedRequest) -> None:
+        """Enqueue, or raise Rejected at once."""
+        with self._lock:
+            now = self.clock()
+            rates = self.drain.rates(now)
+            count, tokens = len(self._items), self._tokens
+            if count + 1 > self.cfg.max_queue_requests:
+                raise Rejected("queue_full", self._retry_ms(rates, count + 1 - self.cfg.max_queue_requests, 0),
+                               f"waiting queue full ({count} >= {self.cfg.max_queue_requests} requests)")
+            if tokens + item.num_tokens > self.cfg.max_queue_tokens:
+                excess = tokens + item.num_tokens - self.cfg.max_queue_tokens
+                raise Rejected("queue_tokens", self._retry_ms(rates, 0, excess),
+                               f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
+                               f"{self.cfg.max_queue_tokens}")
+            wait_s = None if rates is None else count / rates[0]
+            if wait_s is not None and item.deadline_s is not None and now + wait_s > item.deadline_s:
+                late_s = now + wait_s - item.deadline_s
+                raise Rejected("deadline", self._clamp(1000 * late_s),
+                               f"estimated queue wait {wait_s:.3f}s exceeds the deadline "
+                               f"({item.deadline_s - now:.3f}s left)")
+            item.seq = next(self._counter)
+            item.enqueued_s = now
+            self._items[item.request_id] = item
+            self._tokens += item.num_tokens
+
+    def estimated_wait_s(self) -> float | None:
+        with self._lock:
+            rates = self.drain.rates(self.clock())
+            return None if rates is None else len(self._items) / rates[0]
+
+    def pop(self) -> QueuedRequest | None:
+        """The request with the highest class + waited / aging_s; FIFO among equals."""
+        with self._lock:
+            if not self._items:
+                return None
+            now = self.clock()
+            best = max(self._items.values(), key=lambda q: (self._effective(q, now), -q.seq))
+            self._take(best)
+            self.drain.record(now, best.num_tokens)
+            return best
+
+    def remove(self, request_id: str) -> QueuedRequest | None:
+        with self._lock:
+            item = self._items.get(request_id)
+            if item is not None:
+                self._take(item)
+            return item
+
+    def expire(self) -> list[tuple[QueuedRequest, str]]:
+        """Take out requests past their deadline ("timed_out") or the queue timeout."""
+        with self._lock:
+            now = self.clock()
+            gone = []
+            for item in list(self._items.values()):
+                if item.deadline_s is not None and now >= item.deadline_s:
+                    gone.append((item, "timed_out"))
+                elif now - item.enqueued_s >= self.cfg.queue_timeout_s:
+                    gone.append((item, "queue_timeout"))
+            for item, _ in gone:
+                self._take(item)
+            return gone
+
+    def _effective(self, q: QueuedRequest, now: float) -> float:
+        return q.priority + (now - q.enqueued_s) / self.cfg.aging_s
+
+    def _take(self, item: QueuedRequest) -> None:
+        del self._items[item.request_id]
+        self._tokens -= item.num_tokens
+
+    def _retry_ms(self, rates, excess_requests: int, excess_tokens: int) -> int:
+        """Time for the measured drain to take out the excess."""
+        if rates is None:
+            return self.cfg.default_retry_after_ms
+        per_s, tokens_per_s = rates
+        wait_s = max(excess_requests / per_s if per_s else math.inf,
+                     excess_tokens / tokens_per_s if tokens_per_s else 0.0)
+        return self._clamp(1000 * wait_s)
+
+    def _clamp(self, ms: float) -> int:
+        ms = self.cfg.max_retry_after_ms if math.isinf(ms) else math.ceil(ms)
+        return int(min(max(ms, self.cfg.min_retry_after_ms), self.cfg.max_retry_after_ms))

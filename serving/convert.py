@@ -1,0 +1,102 @@
+"""Protobuf messages <-> engine types (engine/api_types.py, engine/sampling_params.py)."""
+
+from __future__ import annotations
+
+import time
+
+from engine.api_types import RequestOutput
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from serving.proto import pagedjax_pb2 as pb
+
+# Priority class -> engine priority (larger = more important).
+ENGINE_PRIORITY = {pb.PRIORITY_UNSPECIFIED: 1, pb.PRIORITY_LOW: 0, pb.PRIORITY_NORMAL: 1,
+                   pb.PRIORITY_HIGH: 2}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs")
+
+# Token times cross the wire as unix nanoseconds; the engine stamps time.monotonic().
+_UNIX_MINUS_MONOTONIC_S = time.time() - time.monotonic()
+
+
+def unix_ns(monotonic_s: float) -> int:
+    return int((monotonic_s + _UNIX_MINUS_MONOTONIC_S) * 1e9)
+
+
+def chat_messages(chat: pb.ChatMessages) -> list[dict]:
+    if not chat.messages:
+        raise InvalidRequestError("chat.messages", 0, "at least one message")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"chat.messages[{i}].role", m.role, f"one of {CHAT_ROLES}")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", None, "set one of text, token_ids, chat")
+    if kind == "text":
+        return list(tokenizer.encode(req.text))
+    if kind == "chat":
+        text = tokenizer.apply_chat_template(chat_messages(req.chat), add_generation_prompt=True)
+        return list(tokenizer.encode(text))
+    ids = list(req.token_ids.ids)
+    if vocab_size is not None:
+        for i in ids:
+            if not 0 <= i < vocab_size:
+                raise InvalidRequestError("token_ids", i, f"0 <= id < vocab size {vocab_size}")
+    return ids
+
+
+def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> SamplingParams:
+    """Raises InvalidRequestError naming the field (SamplingParams validates itself)."""
+    s = req.sampling
+    kwargs = {f: getattr(s, f) for f in _SAMPLING_FIELDS if s.HasField(f)}
+    return SamplingParams(
+        **kwargs,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
+        min_tokens=req.min_tokens, stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+
+
+def delta_message(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
+    """Several per-step deltas of one request merged into one message."""
+    msg = pb.GenerateResponse(request_id=request_id)
+    for out in outputs:
+        msg.token_ids.extend(out.new_token_ids)
+        msg.token_times_unix_ns.extend(unix_ns(t) for t in out.token_times_s)
+        msg.text += out.new_text
+        for lp in out.logprobs or ():
+            msg.logprobs.append(pb.TokenLogprob(
+                token_id=lp.token_id, logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]))
+    return msg
+
+
+def merge_into(acc: pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
+    acc.token_ids.extend(msg.token_ids)
+    acc.token_times_unix_ns.extend(msg.token_times_unix_ns)
+    acc.text += msg.text
+    acc.logprobs.extend(msg.logprobs)
+
+
+def versions_message(identity) -> pb.ModelVersions:
+    return pb.ModelVersions(**versions_dict(identity))
+
+
+def versions_dict(identity) -> dict[str, str]:
+    return {k: str(getattr(identity, k, "")) for k in
+            ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version")}
+
+
+def final_info(finish_reason: str, prompt_tokens: int, cached_tokens: int,
+               completion_tokens: int, timings: dict, identity) -> pb.FinalInfo:
+    return pb.FinalInfo(
+        finish_reason=finish_reason,
+        usage=pb.Usage(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                       completion_tokens=completion_tokens),
+        timings=pb.Timings(**{k: timings.get(k) or 0.0
+                              for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}),
+        versions=versions_message(identity))

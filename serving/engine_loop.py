@@ -1,0 +1,246 @@
+"""The engine thread: the only thread that touches the engine.
+
+Threads and queues (JetStream orchestrator style):
+
+    gRPC handler threads (one per call, ThreadPoolExecutor)
+      | admission on the caller's thread: limits, breaker, tenant budget, WaitingQueue.offer
+      |   -> rejected at once (RESOURCE_EXHAUSTED / UNAVAILABLE / ...), never queued
+      v
+    WaitingQueue  (bounded by count and tokens; priority + aging; thread-safe)
+    abort queue   (SimpleQueue of request ids: client cancel / disconnect / deadline)
+      |   `wake` Event set on every offer and abort
+      v
+    engine thread (EngineLoop.run), each iteration:
+      1. apply aborts: drop from WaitingQueue, or engine.abort_request (pages freed next step)
+      2. expire queued requests past their deadline or the queue timeout
+      3. feed the engine from WaitingQueue while fewer than `max_inflight` are in it
+      4. engine.step() -> per-step deltas, routed to each request's StreamBuffer
+         (push never blocks; a full buffer cancels that request: slow consumer);
+         a raised step fails only its requests and feeds the circuit breaker
+      5. publish engine stats to the Prometheus gauges (every stats_interval_s)
+      |
+      v
+    StreamBuffer per request (bounded) -> its handler thread -> gRPC stream
+
+The handler decides admission and the engine thread never waits on a client, so an
+overloaded server answers new calls in milliseconds and a stalled reader cannot hold back
+the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from engine.api_types import RequestOutput
+from engine.errors import InvalidRequestError
+from serving.admission import WaitingQueue
+from serving.breaker import CircuitBreaker
+from serving.request_state import ActiveRequest, RequestLedger, Terminal
+
+log = logging.getLogger("pagedjax.serving")
+
+# finish_reason -> (outcome, outcome reason, status when not OK)
+_FINISH = {
+    "stop": ("success", "", grpc.StatusCode.OK),
+    "length": ("success", "", grpc.StatusCode.OK),
+    "timed_out": ("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED),
+    "cancelled": ("cancelled", "engine", grpc.StatusCode.CANCELLED),
+    "failed": ("failed", "engine_step", grpc.StatusCode.INTERNAL),
+}
+
+
+class EngineLoop:
+    def __init__(self, engine, waiting: WaitingQueue, ledger: RequestLedger,
+                 breaker: CircuitBreaker, metrics, *, max_inflight: int,
+                 stats_interval_s: float = 0.1, idle_wait_s: float = 0.05):
+        self.engine, self.waiting, self.ledger = engine, waiting, ledger
+        self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
+        self.stats_interval_s, self.idle_wait_s = stats_interval_s, idle_wait_s
+        self._active: dict[str, ActiveRequest] = {}  # admitted, not yet done with the engine
+        self._active_lock = threading.Lock()
+        self._in_engine: set[str] = set()  # engine thread only
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_stats_s = 0.0
+        self.last_stats: dict = {}
+        self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+
+    # ---- called from handler threads ------------------------------------------------------
+    def register(self, r: ActiveRequest) -> None:
+        with self._active_lock:
+            self._active[r.request_id] = r
+
+    def unregister(self, request_id: str) -> None:
+        with self._active_lock:
+            self._active.pop(request_id, None)
+
+    def is_active(self, request_id: str) -> bool:
+        with self._active_lock:
+            return request_id in self._active
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.put(request_id)
+        self.wake.set()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self.wake.set()
+        self.thread.join(timeout_s)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._iterate()
+            except Exception:  # noqa: BLE001 - keep serving; the bug is in the log
+                log.exception("engine loop iteration failed")
+                time.sleep(self.idle_wait_s)
+
+    def _iterate(self) -> None:
+        self._apply_aborts()
+        self._expire_queued()
+        self._feed()
+        if self.engine.has_unfinished():
+            self._step()
+        else:
+            self.wake.wait(self.idle_wait_s)
+            self.wake.clear()
+        self._publish_stats()
+
+    def _lookup(self, request_id: str) -> ActiveRequest | None:
+        with self._active_lock:
+            return self._active.get(request_id)
+
+    def _apply_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            if self.waiting.remove(request_id) is not None:
+                self.unregister(request_id)
+            elif request_id in self._in_engine:
+                self.engine.abort_request(request_id)
+
+    def _expire_queued(self) -> None:
+        for item, why in self.waiting.expire():
+            r = self._lookup(item.request_id)
+            if r is None:
+                continue
+            if why == "timed_out":
+                self._end(r, "timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
+                          "deadline passed while queued")
+            else:
+                self._end(r, "rejected", "queue_timeout", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"waited {self.waiting.cfg.queue_timeout_s}s in the queue")
+            self.unregister(item.request_id)
+
+    def _feed(self) -> None:
+        while len(self._in_engine) < self.max_inflight:
+            item = self.waiting.pop()
+            if item is None:
+                return
+            r = self._lookup(item.request_id)
+            if r is None or r.outcome is not None:  # cancelled while queued
+                self.unregister(item.request_id)
+                continue
+            r.added_s = time.monotonic()
+            try:
+                self.engine.add_request(r.engine_request)
+            except InvalidRequestError as e:
+                self._end(r, "rejected", "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT,
+                          str(e))
+                self.unregister(r.request_id)
+                continue
+            self._in_engine.add(r.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
+            self._fail_step(exc)
+            return
+        failed = False
+        for out in outputs:
+            failed |= out.finish_reason == "failed"
+            self._route(out)
+        if failed:
+            self.breaker.record_failure()
+        else:
+            self.breaker.record_success()
+
+    def _fail_step(self, exc: Exception) -> None:
+        """Fail the requests of the failed step: those named by the engine's exception
+        (`request_ids`, already dropped by the engine), else everything in the engine."""
+        self.breaker.record_failure()
+        named = getattr(exc, "request_ids", None)
+        ids = list(named) if named is not None else list(self._in_engine)
+        log.error("engine step failed (%s); failing %d request(s)", exc, len(ids))
+        for request_id in ids:
+            if named is None:
+                self.engine.abort_request(request_id)
+            self._in_engine.discard(request_id)
+            r = self._lookup(request_id)
+            if r is not None:
+                r.finish_reason = "failed"
+                self._end(r, "failed", "engine_step", grpc.StatusCode.INTERNAL,
+                          f"engine step failed: {exc}")
+                self.unregister(request_id)
+
+    def _route(self, out: RequestOutput) -> None:
+        if out.new_token_ids:
+            self.metrics.generated_tokens.inc(len(out.new_token_ids))
+        if out.finished:
+            self._in_engine.discard(out.request_id)
+        r = self._lookup(out.request_id)
+        if r is None:
+            return
+        r.token_times_s.extend(out.token_times_s)
+        r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        if out.finished:
+            self._finish(r, out)
+        elif r.outcome is None and not r.stream.push(out):
+            self.engine.abort_request(r.request_id)
+            self._end(r, "cancelled", "slow_consumer", grpc.StatusCode.ABORTED,
+                      f"stream buffer overflowed ({r.stream.limit} undelivered messages): "
+                      "client reads too slowly; request cancelled")
+
+    def _finish(self, r: ActiveRequest, out: RequestOutput) -> None:
+        if out.metrics is not None:
+            r.engine_queue_s = out.metrics.queue_s
+        r.finish_reason = out.finish_reason
+        r.timings = r.compute_timings(time.monotonic())
+        outcome, reason, status = _FINISH.get(out.finish_reason, _FINISH["failed"])
+        details = out.error or f"finish_reason={out.finish_reason}"
+        self.ledger.settle(r, outcome, reason, status, "" if outcome == "success" else details)
+        r.stream.push(out)
+        if status != grpc.StatusCode.OK:
+            r.stream.close(Terminal(status, details))
+        self.unregister(r.request_id)
+
+    def _end(self, r: ActiveRequest, outcome: str, reason: str, status: grpc.StatusCode,
+             details: str) -> None:
+        """End a request without a final output: record it and close its stream."""
+        self.ledger.settle(r, outcome, reason, status, details)
+        r.stream.close(Terminal(status, details))
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_s < self.stats_interval_s:
+            return
+        self._last_stats_s = now
+        try:
+            self.last_stats = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 - stats must never take the loop down
+            log.exception("engine.stats() failed")
+            return
+        self.metrics.observe_stats(self.last_stats, len(self.waiting))

@@ -1,0 +1,211 @@
+"""The pagedjax gRPC server: assembles engine, engine thread, admission, tenants, metrics,
+health and reflection (threads and queues: see serving/engine_loop.py).
+
+    python -m serving.server --model=smollm2-135m --port=50051 --metrics_port=9090
+    python -m serving.server --model=mock --port=0          # MockEngine, no JAX needed
+
+Logs `serving on PORT` once ready. Programmatic use (tests, serving/cli.py):
+
+    server = PagedJaxServer(engine, ServerConfig(...)).start()   # server.port, .metrics_port
+    ...
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from concurrent import futures
+
+import grpc
+from absl import app, flags
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serving import convert
+from serving.admission import AdmissionConfig, WaitingQueue
+from serving.breaker import CircuitBreaker
+from serving.engine_loop import EngineLoop
+from serving.metrics import ServerMetrics, start_metrics_http
+from serving.proto import pagedjax_pb2 as pb
+from serving.proto import pagedjax_pb2_grpc as pb_grpc
+from serving.request_state import RequestLedger
+from serving.service import PagedJaxService, ServiceLimits
+from serving.tenants import TenantLimiter, TenantRegistry
+
+log = logging.getLogger("pagedjax.serving")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    admission: AdmissionConfig = AdmissionConfig()
+    stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
+    max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
+    breaker_failure_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
+    max_workers: int | None = None  # gRPC handler threads; None: queue + inflight + 32
+    host: str = "[::]"
+    port: int = 0  # 0: ephemeral (see PagedJaxServer.port)
+    metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
+    engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
+
+
+class PagedJaxServer:
+    def __init__(self, engine, config: ServerConfig = ServerConfig(),
+                 tenants: TenantRegistry | None = None):
+        self.engine, self.config = engine, config
+        stats = dict(engine.stats())
+        admission = config.admission
+        engine_len = stats.get("max_model_len")
+        if engine_len:
+            admission = dataclasses.replace(
+                admission, max_model_len=min(admission.max_model_len, int(engine_len)))
+        max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
+        identity = engine.identity
+        self.metrics = ServerMetrics(identity.name, identity.revision)
+        self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
+        self.waiting = WaitingQueue(admission)
+        self.limiter = TenantLimiter()
+        self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
+        self.loop = EngineLoop(engine, self.waiting, self.ledger, self.breaker, self.metrics,
+                               max_inflight=max_inflight)
+        self.loop.last_stats = stats
+        self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
+        self.service = PagedJaxService(
+            engine, self.limits, tenants or TenantRegistry(), self.limiter, self.waiting,
+            self.breaker, self.loop, self.ledger, config.engine_config)
+        workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
+        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(workers,
+                                                                  thread_name_prefix="grpc"))
+        pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+        self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        self.metrics_port: int | None = None
+        self._metrics_http = None
+
+    def start(self) -> "PagedJaxServer":
+        self.loop.start()
+        if self.config.metrics_port is not None:
+            self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
+            self.metrics_port = self._metrics_http.server_port
+        self.grpc_server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("gRPC server started on port %d (metrics port %s)", self.port, self.metrics_port)
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace_s).wait()
+        self.loop.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+    def wait(self) -> None:
+        self.grpc_server.wait_for_termination()
+
+
+# ---- command line -------------------------------------------------------------------------
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The server's absl flags; defined on demand so importing this module defines none."""
+    flags.DEFINE_string("model", "mock", "model preset / path, or 'mock' for the MockEngine")
+    flags.DEFINE_string("host", "[::]", "address to bind")
+    flags.DEFINE_integer("port", 50051, "gRPC port (0: ephemeral)")
+    flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none)")
+    flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
+    # engine
+    flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+    flags.DEFINE_integer("num_pages", None, "KV pages (None: engine default from memory)")
+    flags.DEFINE_integer("max_num_seqs", 32, "requests in one batch")
+    flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
+    flags.DEFINE_integer("prefill_chunk_size", 256, "prefill chunk")
+    flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
+    flags.DEFINE_string("mesh", None, "device mesh, e.g. 'tp=2' (None: one device)")
+    flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
+    # admission
+    flags.DEFINE_integer("max_prompt_tokens", 8192, "")
+    flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
+    flags.DEFINE_integer("default_max_tokens", 256, "")
+    flags.DEFINE_integer("max_model_len", 8192, "prompt + max_tokens limit (capped by the engine)")
+    flags.DEFINE_integer("max_stop_strings", 16, "")
+    flags.DEFINE_integer("max_queue_requests", 256, "waiting queue bound (requests)")
+    flags.DEFINE_integer("max_queue_tokens", 2_000_000, "waiting queue bound (prompt + max_tokens)")
+    flags.DEFINE_float("queue_timeout_s", 60.0, "")
+    flags.DEFINE_float("aging_s", 10.0, "seconds of waiting that raise a request one priority class")
+    flags.DEFINE_integer("stream_buffer_messages", 256, "per-stream buffer before cancelling")
+    flags.DEFINE_integer("max_inflight", None, "requests in the engine at once (None: max_num_seqs)")
+    flags.DEFINE_integer("breaker_failures", 3, "consecutive failed steps that open the breaker")
+    flags.DEFINE_float("breaker_cooldown_s", 5.0, "")
+    flags.DEFINE_integer("max_workers", None, "gRPC handler threads")
+
+
+def engine_options_from_flags() -> dict:
+    return {"page_size": FLAGS.page_size, "num_pages": FLAGS.num_pages,
+            "max_num_seqs": FLAGS.max_num_seqs,
+            "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
+            "prefill_chunk_size": FLAGS.prefill_chunk_size,
+            "prefix_caching": FLAGS.prefix_caching, "mesh": FLAGS.mesh}
+
+
+def build_engine(model: str, options: dict):
+    """'mock' -> MockEngine; anything else -> the real engine, imported lazily (JAX)."""
+    if model == "mock":
+        from serving.mock_engine import MockEngine
+        return MockEngine(max_num_seqs=options["max_num_seqs"],
+                          num_pages=options["num_pages"] or 4096, page_size=options["page_size"],
+                          max_model_len=FLAGS.max_model_len, step_time_s=FLAGS.mock_step_time_s)
+    import engine as engine_pkg
+    if hasattr(engine_pkg, "build_engine"):
+        return engine_pkg.build_engine(model, **options)
+    from engine.core import EngineCore
+    return EngineCore.from_flags(model=model, **options)
+
+
+def config_from_flags(engine_config: dict) -> ServerConfig:
+    admission = AdmissionConfig(
+        max_prompt_tokens=FLAGS.max_prompt_tokens, max_tokens=FLAGS.max_tokens_limit,
+        default_max_tokens=FLAGS.default_max_tokens, max_model_len=FLAGS.max_model_len,
+        max_stop_strings=FLAGS.max_stop_strings, max_queue_requests=FLAGS.max_queue_requests,
+        max_queue_tokens=FLAGS.max_queue_tokens, queue_timeout_s=FLAGS.queue_timeout_s,
+        aging_s=FLAGS.aging_s)
+    return ServerConfig(
+        admission=admission, stream_buffer_messages=FLAGS.stream_buffer_messages,
+        max_inflight=FLAGS.max_inflight, breaker_failure_threshold=FLAGS.breaker_failures,
+        breaker_cooldown_s=FLAGS.breaker_cooldown_s, max_workers=FLAGS.max_workers,
+        host=FLAGS.host, port=FLAGS.port,
+        metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
+        engine_config={"model": FLAGS.model, **engine_config})
+
+
+def main(argv) -> None:
+    del argv
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = engine_options_from_flags()
+    engine = build_engine(FLAGS.model, options)
+    server = PagedJaxServer(engine, config_from_flags(options),
+                            TenantRegistry.from_file(FLAGS.tenants_config))
+    server.start()
+    print(f"serving on {server.port}", flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+def run() -> None:
+    define_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

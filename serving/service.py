@@ -1,0 +1,231 @@
+"""The PagedJax gRPC service: one handler thread per call (see engine_loop.py for the
+threads and queues). Generate runs admission on its own thread, in this order, and every
+refusal is recorded as that request's one outcome before the call ends:
+
+    x-api-key -> tenant            UNAUTHENTICATED         rejected{unauthenticated}
+    model / revision pin           FAILED_PRECONDITION     rejected{model_mismatch}
+    prompt, sampling, limits       INVALID_ARGUMENT        rejected{invalid_argument}
+    deadline already passed        DEADLINE_EXCEEDED       timed_out{expired_on_arrival}
+    circuit breaker                UNAVAILABLE + retry     rejected{circuit_open}
+    tenant concurrency / tokens    RESOURCE_EXHAUSTED + retry  rejected{tenant_*}
+    waiting queue / est. wait      RESOURCE_EXHAUSTED + retry  rejected{queue_*, deadline}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+
+import grpc
+
+from engine.api_types import EngineRequest
+from engine.errors import InvalidRequestError
+from serving import convert
+from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue, check_limits
+from serving.breaker import CircuitBreaker
+from serving.engine_loop import EngineLoop
+from serving.proto import pagedjax_pb2 as pb
+from serving.proto import pagedjax_pb2_grpc as pb_grpc
+from serving.request_state import ActiveRequest, RequestLedger, StreamBuffer, Terminal
+from serving.tenants import TenantLimiter, TenantRegistry, UnknownApiKey
+
+RETRY_AFTER_KEY = "retry-after-ms"
+API_KEY = "x-api-key"
+_POLL_S = 0.1  # how often a waiting handler checks that its client is still there
+
+
+class _Refusal(Exception):
+    def __init__(self, status: grpc.StatusCode, reason: str, details: str,
+                 retry_after_ms: int | None = None, outcome: str = "rejected"):
+        self.status, self.reason, self.details = status, reason, details
+        self.retry_after_ms, self.outcome = retry_after_ms, outcome
+        super().__init__(details)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceLimits:
+    admission: AdmissionConfig
+    stream_buffer_messages: int
+    max_inflight: int
+
+
+class PagedJaxService(pb_grpc.PagedJaxServicer):
+    def __init__(self, engine, limits: ServiceLimits, tenants: TenantRegistry,
+                 limiter: TenantLimiter, waiting: WaitingQueue, breaker: CircuitBreaker,
+                 loop: EngineLoop, ledger: RequestLedger, engine_config: dict):
+        self.engine, self.limits, self.tenants, self.limiter = engine, limits, tenants, limiter
+        self.waiting, self.breaker, self.loop, self.ledger = waiting, breaker, loop, ledger
+        self.identity = engine.identity
+        self.engine_config = engine_config
+        self.vocab_size = getattr(engine.tokenizer, "vocab_size", None)
+
+    # ---- Generate -------------------------------------------------------------------------
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        arrival_s = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        tenant_name = "?"
+        try:
+            tenant = self._authenticate(context)
+            tenant_name = tenant.name
+            r = self._admit(request, request_id, tenant, context, arrival_s)
+        except _Refusal as e:
+            self.ledger.reject(request_id, tenant_name, e.reason, e.status, e.details, arrival_s,
+                               outcome=e.outcome)
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
+            context.abort(e.status, e.details)
+        context.add_callback(lambda: self._on_call_end(r))
+        self.loop.wake.set()
+        yield from self._relay(r, request.stream, context)
+
+    def _authenticate(self, context):
+        api_key = dict(context.invocation_metadata()).get(API_KEY)
+        try:
+            return self.tenants.authenticate(api_key)
+        except UnknownApiKey as e:
+            raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", str(e)) from e
+
+    def _check_model(self, model: str, revision: str) -> None:
+        if model and model != self.identity.name:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch",
+                           f"model {model!r} is not served here (loaded: {self.identity.name!r})")
+        if revision and revision != self.identity.revision:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch",
+                           f"revision {revision!r} is pinned but {self.identity.revision!r} is "
+                           "loaded")
+
+    def _deadline_s(self, context, arrival_s: float) -> float | None:
+        remaining = context.time_remaining()
+        if remaining is None or remaining > 1e8:
+            return None
+        if remaining <= 0:
+            raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "expired_on_arrival",
+                           "deadline passed before the request was admitted",
+                           outcome="timed_out")
+        return arrival_s + remaining
+
+    def _admit(self, request, request_id, tenant, context, arrival_s) -> ActiveRequest:
+        self._check_model(request.model, request.revision)
+        try:
+            prompt = convert.prompt_token_ids(request, self.engine.tokenizer, self.vocab_size)
+            sp = convert.sampling_params(request, self.limits.admission.default_max_tokens)
+            check_limits(self.limits.admission, len(prompt), sp)
+        except InvalidRequestError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
+        if self.loop.is_active(request_id):
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument",
+                           f"request_id={request_id!r} is invalid: already in flight")
+        deadline_s = self._deadline_s(context, arrival_s)
+        retry_ms = self.breaker.allow()
+        if retry_ms is not None:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, "circuit_open",
+                           "engine steps are failing; circuit breaker open", retry_ms)
+        try:
+            reservation = self.limiter.acquire(tenant, len(prompt), sp.max_tokens)
+        except InvalidRequestError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
+        except Rejected as e:
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e),
+                           e.retry_after_ms) from e
+        priority = convert.ENGINE_PRIORITY.get(request.priority, 1)
+        engine_request = EngineRequest(request_id, prompt, sp, priority=priority,
+                                       tenant=tenant.name, deadline_s=deadline_s)
+        r = ActiveRequest(request_id, tenant, reservation, engine_request, arrival_s,
+                          StreamBuffer(self.limits.stream_buffer_messages))
+        self.loop.register(r)
+        try:
+            self.waiting.offer(QueuedRequest(request_id, len(prompt) + sp.max_tokens, priority,
+                                             arrival_s, deadline_s, payload=None))
+        except Rejected as e:
+            self.loop.unregister(request_id)
+            self.limiter.release(tenant, reservation, 0, refund_all=True)
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e),
+                           e.retry_after_ms) from e
+        return r
+
+    def _on_call_end(self, r: ActiveRequest) -> None:
+        """gRPC callback when the call ends for any reason: a call that ends before its
+        request did was cancelled by the client (or its deadline passed)."""
+        if r.outcome is not None:
+            return
+        deadline = r.engine_request.deadline_s
+        late = deadline is not None and time.monotonic() >= deadline
+        outcome, reason, status = (("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
+                                   if late else ("cancelled", "client", grpc.StatusCode.CANCELLED))
+        if self.ledger.settle(r, outcome, reason, status, "call ended by the client"):
+            self.loop.abort(r.request_id)
+
+    def _relay(self, r: ActiveRequest, stream: bool, context):
+        """Stream buffer -> gRPC messages; ends with the final message or the terminal status."""
+        acc = pb.GenerateResponse(request_id=r.request_id)
+        while True:
+            items, terminal = r.stream.get(_POLL_S)
+            if items:
+                msg = convert.delta_message(r.request_id, items)
+                last = items[-1]
+                done = last.finished and last.finish_reason in ("stop", "length")
+                if done:
+                    msg.final.CopyFrom(convert.final_info(
+                        last.finish_reason, r.num_prompt_tokens, r.num_cached_tokens,
+                        r.num_output_tokens, r.timings or {}, self.identity))
+                if stream and (msg.token_ids or msg.text or done):
+                    yield msg
+                elif not stream:
+                    convert.merge_into(acc, msg)
+                if done:
+                    if not stream:
+                        acc.final.CopyFrom(msg.final)
+                        yield acc
+                    return
+            if terminal is not None:
+                self._abort(context, terminal)
+            if not context.is_active():
+                return
+
+    def _abort(self, context, terminal: Terminal):
+        context.abort(terminal.code, terminal.details)
+
+    # ---- the other RPCs -------------------------------------------------------------------
+    def Tokenize(self, request: pb.TokenizeRequest, context):
+        try:
+            self._check_model(request.model, "")
+        except _Refusal as e:
+            context.abort(e.status, e.details)
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            try:
+                messages = convert.chat_messages(request.chat)
+            except InvalidRequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            text = self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt)
+        else:
+            text = request.text
+        return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(text), text=text)
+
+    def _model_info(self) -> pb.ModelInfo:
+        return pb.ModelInfo(versions=convert.versions_message(self.identity),
+                            max_model_len=self.limits.admission.max_model_len)
+
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[self._model_info()])
+
+    def ServerInfo(self, request, context):
+        a = self.limits.admission
+        stats = dict(self.loop.last_stats)
+        limits = pb.Limits(
+            max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
+            default_max_tokens=a.default_max_tokens, max_model_len=a.max_model_len,
+            max_stop_strings=a.max_stop_strings, max_queue_requests=a.max_queue_requests,
+            max_queue_tokens=a.max_queue_tokens, queue_timeout_s=a.queue_timeout_s,
+            stream_buffer_messages=self.limits.stream_buffer_messages,
+            max_inflight=self.limits.max_inflight)
+        numeric = {k: float(v) for k, v in stats.items()
+                   if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        numeric["server_queue_requests"] = float(len(self.waiting))
+        return pb.ServerInfoResponse(
+            model=self._model_info(), kv_capacity_tokens=int(stats.get("kv_capacity_tokens", 0)),
+            limits=limits, engine_config={k: str(v) for k, v in self.engine_config.items()},
+            stats=numeric, circuit_breaker=self.breaker.state)
