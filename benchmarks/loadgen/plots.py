@@ -51,7 +51,8 @@ def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict)
         if pts:
             ax1.scatter(*zip(*pts), s=8, color=color, label=outcome)
     ax1.set_ylabel("TTFT (s) by send time")
-    ax1.legend(fontsize=8)
+    if ax1.get_legend_handles_labels()[0]:
+        ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     found = server.get("found", {})
     for name in ("running", "waiting"):
@@ -63,7 +64,8 @@ def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict)
         ax3.set_ylabel("KV usage", color="tab:green")
     ax2.set_xlabel("seconds since first send")
     ax2.set_ylabel("requests running / waiting")
-    ax2.legend(fontsize=8, loc="upper left")
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=8, loc="upper left")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
