@@ -1,0 +1,258 @@
+"""Pallas GPU kernels (Triton lowering) for ragged and decode paged attention.
+
+NOTE: why the Triton lowering and not Mosaic GPU. In JAX 0.10.2 both exist; the Triton
+lowering (`jax.experimental.pallas.triton`) takes plain `jnp` bodies with gathers through a
+vector of page ids (`k_ref[layer, head, page_ids]`), runs under `interpret=True` on CPU (so
+the kernels are tested in CI), lowers on a CPU-only machine (`lower(lowering_platforms=
+("cuda",))`, checked in the tests) and is what JAX's own `pallas.ops.gpu.paged_attention`
+uses, so the benchmark compares like with like. Mosaic GPU kernels are built from
+Hopper-specific primitives (TMA copies, wgmma, barriers) the CPU interpreter does not run,
+and a page-gathered K/V block needs one TMA per page. The Triton lowering is deprecated in
+JAX 0.11: moving to Mosaic GPU is the follow-up once kernels can be checked on a GPU.
+
+Both kernels take the full stacked cache [L, K, num_pages, page_size, hd] in global memory
+(no BlockSpec) and a layer index in a [1] int32 input, so no layer is ever copied out. Each
+program walks blocks of `pages_per_block` pages of one sequence with an online softmax:
+
+  ragged  grid (query block g, kv head h): BQ query tokens of one sequence x the Gp query
+          heads of KV head h = one [BQ*Gp, hd] tile. Query blocks are numbered over the
+          whole batch (sum over sequences of cdiv(query_len, BQ) <= cdiv(T, BQ) + S), the
+          block -> (sequence, block-in-sequence) table is built outside in jnp. Only the KV
+          blocks between the window start and the tile's last query position are read.
+          Results go out through a masked store into a zero-initialised [T+BQ, K, Gp, hd]
+          (aliased), so rows of other sequences in the tile are never written.
+  decode  grid (sequence, kv head, split): flash-decoding: each split reads a contiguous
+          share of the sequence's KV blocks into [Gp, hd] partials (o, m, l); one jnp
+          combine merges the splits. Gp = the group padded to >= 16 (Triton dot minimum).
+
+Masking: logits outside the causal/window/length mask become -1e30 and their probabilities
+0, and V (and the V scales for int8) are zeroed past kv_len, so NaN garbage in unused slots
+never reaches the output; fully masked rows divide by 1 and give zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.layout import block_table, num_query_blocks, pad_page_table, pow2
+from pallas_kernels.reference import token_to_seq
+
+MASK_VALUE = -1e30
+# Tuning table (H200 guesses until measured): tokens per KV block, query-tile rows.
+KV_BLOCK_TOKENS = {"ragged": 64, "decode": 128}
+Q_TILE_ROWS = 64
+DECODE_SPLITS = 8
+
+
+def _check_gpu_shapes(page_size, head_dim):
+    for name, n in (("page_size", page_size), ("head_dim", head_dim)):
+        if n != pow2(n) or n < 8:
+            raise ValueError(f"{name}={n}: the Pallas GPU kernels need a power of two >= 8")
+
+
+def _attend_blocks(q, q_pos, row_valid, kv_len, seq, j_start, j_end, layer, head,
+                   page_table_ref, k_ref, v_ref, ks_ref, vs_ref, *, pages_per_block, sm_scale,
+                   sliding_window, soft_cap):
+    """Online softmax of q [M, hd] over KV blocks j_start..j_end-1 of sequence `seq`.
+    Returns o [M, hd] (unnormalised), m [M], l [M], all float32."""
+    m_rows, head_dim = q.shape
+    page_size = k_ref.shape[3]
+    block = pages_per_block * page_size
+    compute_dtype = q.dtype
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+
+    def body(j, carry):
+        o, m, l = carry
+        page_ids = page_table_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]  # [PPB]
+        k = k_ref[layer, head, page_ids].reshape(block, head_dim)  # [BK, hd]
+        v = v_ref[layer, head, page_ids].reshape(block, head_dim)
+        kv_pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)  # [BK]
+        in_cache = kv_pos < kv_len
+        logits = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+        if ks_ref is not None:
+            k_scale = ks_ref[layer, head, page_ids].reshape(block)  # [BK]
+            logits = logits * k_scale[None, :]
+        logits = logits * sm_scale  # [M, BK]
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        mask = row_valid[:, None] & in_cache[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        logits = jnp.where(mask, logits, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(logits - m_new[:, None]), 0.0)  # [M, BK]
+        l_new = alpha * l + jnp.sum(p, axis=1)
+        if vs_ref is not None:
+            v_scale = vs_ref[layer, head, page_ids].reshape(block)
+            p = p * jnp.where(in_cache, v_scale, 0.0)[None, :]
+        v = jnp.where(in_cache[:, None], v.astype(compute_dtype), 0.0).astype(compute_dtype)
+        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        return alpha[:, None] * o + pv, m_new, l_new
+
+    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
+            jnp.full((m_rows,), MASK_VALUE, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
+    return lax.fori_loop(j_start, j_end, body, init)
+
+
+def _kv_block_range(first_pos, last_pos, block, sliding_window):
+    """KV blocks covering positions max(0, first_pos - window + 1) .. last_pos."""
+    lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    return lo // block, last_pos // block + 1
+
+
+def _ragged_kernel(block_seq_ref, block_idx_ref, query_start_ref, kv_lens_ref, layer_ref,
+                   page_table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, _o_init_ref, o_ref, *,
+                   block_q, group, pages_per_block, sm_scale, sliding_window, soft_cap):
+    # q_ref/o_ref [T+BQ, K, Gp, hd]; k_ref/v_ref [L, K, num_pages, ps, hd]; page_table [S, Pp]
+    g, head = pl.program_id(0), pl.program_id(1)
+    group_pad, head_dim = q_ref.shape[2], q_ref.shape[3]
+    seq = block_seq_ref[g]  # -1 for a block past the batch's last one
+    seq_c = jnp.maximum(seq, 0)
+    b = block_idx_ref[g]
+    q_start = query_start_ref[seq_c]
+    q_len = query_start_ref[seq_c + 1] - q_start
+    kv_len = kv_lens_ref[seq_c]
+    layer = layer_ref[0]
+    row0 = q_start + b * block_q
+    rows = block_q * group_pad
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    i = b * block_q + r // group_pad  # query index inside the sequence, per tile row
+    row_valid = (i < q_len) & (r % group_pad < group) & (seq >= 0)
+    q_pos = kv_len - q_len + i
+    q = q_ref[pl.ds(row0, block_q), head, :, :].reshape(rows, head_dim)
+    last_pos = kv_len - q_len + jnp.minimum((b + 1) * block_q, q_len) - 1
+    j_start, j_end = _kv_block_range(kv_len - q_len + b * block_q, last_pos,
+                                     pages_per_block * k_ref.shape[3], sliding_window)
+    j_end = jnp.where(seq >= 0, j_end, j_start)
+    o, _, l = _attend_blocks(q, q_pos, row_valid, kv_len, seq_c, j_start, j_end, layer, head,
+                             page_table_ref, k_ref, v_ref, ks_ref, vs_ref,
+                             pages_per_block=pages_per_block, sm_scale=sm_scale,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+    o = o / jnp.where(l > 0, l, 1.0)[:, None]
+    tok = b * block_q + lax.broadcasted_iota(jnp.int32, (block_q, group_pad, head_dim), 0)
+    store_mask = (tok < q_len) & (seq >= 0)
+    plgpu.store(o_ref.at[pl.ds(row0, block_q), head, :, :],
+                o.reshape(block_q, group_pad, head_dim).astype(o_ref.dtype), mask=store_mask)
+
+
+def _layer_array(layer):
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, query_start,
+                               num_seqs, layer, *, sm_scale, max_query_len,
+                               sliding_window=None, soft_cap=None, k_scales=None,
+                               v_scales=None, interpret=False):
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = k_pages.shape
+    _check_gpu_shapes(page_size, head_dim)
+    group = num_heads // num_kv_heads
+    group_pad = pow2(group)
+    block_q = max(max(1, 16 // group_pad), min(max(1, Q_TILE_ROWS // group_pad),
+                                               pow2(max_query_len)))
+    pages_per_block = max(1, KV_BLOCK_TOKENS["ragged"] // page_size)
+    num_s = kv_lens.shape[0]
+    num_blocks = num_query_blocks(num_tokens, num_s, max_query_len, block_q)
+    block_seq, block_idx, _ = block_table(query_start, num_seqs, block_q, num_blocks)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    o_init_index = 9 if k_scales is None else 11  # None scales are no kernel inputs
+    kernel = functools.partial(
+        _ragged_kernel, block_q=block_q, group=group, pages_per_block=pages_per_block,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = pl.pallas_call(
+        kernel, grid=(num_blocks, num_kv_heads), out_shape=out_shape,
+        input_output_aliases={o_init_index: 0}, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name="ragged_paged_attention",
+    )(block_seq, block_idx, query_start, kv_lens, _layer_array(layer),
+      pad_page_table(page_table, pages_per_block), qg, k_pages, v_pages, k_scales, v_scales,
+      jnp.zeros(qg.shape, q.dtype))
+    out = out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+    _, _, valid = token_to_seq(query_start, num_seqs, num_tokens)
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def _decode_kernel(kv_lens_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
+                   o_ref, m_ref, l_ref, *, group, pages_per_block, blocks_per_split, sm_scale,
+                   sliding_window, soft_cap):
+    # q_ref [Gp, hd] (one sequence, one KV head); o_ref [Gp, hd]; m_ref, l_ref [Gp]
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    group_pad = q_ref.shape[0]
+    kv_len = kv_lens_ref[seq]
+    block = pages_per_block * k_ref.shape[3]
+    r = lax.broadcasted_iota(jnp.int32, (group_pad,), 0)
+    row_valid = (r < group) & (kv_len > 0)
+    q_pos = jnp.zeros((group_pad,), jnp.int32) + (kv_len - 1)
+    lo, hi = _kv_block_range(kv_len - 1, kv_len - 1, block, sliding_window)
+    j_start = jnp.maximum(lo, split * blocks_per_split)
+    j_end = jnp.minimum(jnp.where(kv_len > 0, hi, 0), (split + 1) * blocks_per_split)
+    o, m, l = _attend_blocks(q_ref[...], q_pos, row_valid, kv_len, seq, j_start,
+                             jnp.maximum(j_end, j_start), layer_ref[0], head, page_table_ref,
+                             k_ref, v_ref, ks_ref, vs_ref, pages_per_block=pages_per_block,
+                             sm_scale=sm_scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def decode_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, layer, *, sm_scale,
+                               sliding_window=None, soft_cap=None, k_scales=None,
+                               v_scales=None, interpret=False, num_splits=None):
+    num_s, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = k_pages.shape
+    _check_gpu_shapes(page_size, head_dim)
+    group = num_heads // num_kv_heads
+    group_pad = max(16, pow2(group))
+    pages_per_block = max(1, min(KV_BLOCK_TOKENS["decode"] // page_size,
+                                 pow2(page_table.shape[1])))
+    page_table = pad_page_table(page_table, pages_per_block)
+    num_kv_blocks = page_table.shape[1] // pages_per_block
+    splits = min(num_splits or DECODE_SPLITS, num_kv_blocks)
+    blocks_per_split = pl.cdiv(num_kv_blocks, splits)
+    qg = q.reshape(num_s, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    kernel = functools.partial(
+        _decode_kernel, group=group, pages_per_block=pages_per_block,
+        blocks_per_split=blocks_per_split, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap)
+    part = (splits, num_s, num_kv_heads, group_pad)
+    o, m, l = pl.pallas_call(
+        kernel, grid=(num_s, num_kv_heads, splits),
+        in_specs=[pl.no_block_spec] * 3
+        + [pl.BlockSpec((None, None, group_pad, head_dim), lambda s, h, i: (s, h, 0, 0))]
+        + [pl.no_block_spec] * 2 + [None if k_scales is None else pl.no_block_spec] * 2,
+        out_specs=[
+            pl.BlockSpec((None, None, None, group_pad, head_dim),
+                         lambda s, h, i: (i, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, group_pad), lambda s, h, i: (i, s, h, 0)),
+            pl.BlockSpec((None, None, None, group_pad), lambda s, h, i: (i, s, h, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32)],
+        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name="decode_paged_attention",
+    )(kv_lens, _layer_array(layer), page_table, qg, k_pages, v_pages, k_scales, v_scales)
+    out = combine_splits(o, m, l)  # [S, K, Gp, hd]
+    return out[:, :, :group].reshape(num_s, num_heads, head_dim).astype(q.dtype)
+
+
+def combine_splits(o, m, l):
+    """Merge flash-decoding partials o [N, ..., hd], m, l [N, ...] over the split axis."""
+    m_max = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_max[None])  # [N, ...]
+    l_tot = jnp.sum(w * l, axis=0)
+    o_tot = jnp.sum(w[..., None] * o, axis=0)
+    return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
