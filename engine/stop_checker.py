@@ -1,0 +1,112 @@
+"""Host-side stop conditions for one request: turns each sampled token into the text to emit
+now and, when the request is done, its finish reason.
+
+Rules, checked in this order for every new token (output index i = tokens before it):
+  1. EOS (unless ignore_eos) and stop_token_ids end the request with "stop" when i >= min_tokens;
+     the stopping token's text is not emitted. (The sampler already bans them before
+     min_tokens; if one still arrives it is treated as an ordinary token.)
+  2. The token's text is appended; a stop string ends the request with "stop" when an
+     occurrence of it ends in text of a token with i >= min_tokens. The stop string and
+     everything after it is never emitted, also when it spans several tokens.
+  3. max_tokens reached ends the request with "length".
+
+Streaming without leaking a stop string: text whose tail could still grow into a stop string
+(the longest suffix that is a proper prefix of one) is held back until the next token decides
+it; when the request finishes for another reason the held text is flushed.
+
+    emitted | held ("</s" could become "</stop>") | new text ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol
+
+from engine.api_types import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class Detokenizer(Protocol):
+    def add_token(self, token_id: int) -> str:
+        """New, complete UTF-8 text produced by this token (may be empty)."""
+
+
+class StopResult(NamedTuple):
+    text: str  # to emit now
+    finish_reason: FinishReason | None  # None while the request continues
+
+
+class RequestFinishedError(RuntimeError):
+    def __init__(self, num_tokens: int):
+        super().__init__(f"the request already finished after {num_tokens} tokens")
+
+
+class StopChecker:
+    def __init__(self, sampling_params: SamplingParams, eos_token_ids: Iterable[int],
+                 detokenizer: Detokenizer):
+        self.params = sampling_params
+        self.detokenizer = detokenizer
+        self._stop_ids = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            self._stop_ids |= set(eos_token_ids)
+        self._held = ""  # text that may be the start of a stop string
+        self.num_output_tokens = 0
+        self.finish_reason: FinishReason | None = None
+
+    def add_token(self, token_id: int) -> StopResult:
+        """Account for one sampled token; returns the text to emit and the finish reason."""
+        if self.finish_reason is not None:
+            raise RequestFinishedError(self.num_output_tokens)
+        index = self.num_output_tokens
+        self.num_output_tokens += 1
+        if token_id in self._stop_ids and index >= self.params.min_tokens:
+            return self._finish("stop", self.flush())
+        text, stopped = self._scan(self.detokenizer.add_token(token_id),
+                                   check=index >= self.params.min_tokens)
+        if stopped:
+            return self._finish("stop", text)
+        if self.num_output_tokens >= self.params.max_tokens:
+            return self._finish("length", text + self.flush())
+        return StopResult(text, None)
+
+    def flush(self) -> str:
+        """The held-back text (for a request ending for any other reason)."""
+        text, self._held = self._held, ""
+        return text
+
+    def _finish(self, reason: FinishReason, text: str) -> StopResult:
+        self.finish_reason = reason
+        self._held = ""
+        return StopResult(text, reason)
+
+    def _scan(self, new_text: str, check: bool) -> tuple[str, bool]:
+        """(text to emit, whether a stop string was found) after appending new_text."""
+        buf = self._held + new_text
+        if check:
+            cut = self._earliest_stop(buf, len(self._held))
+            if cut is not None:
+                self._held = ""
+                return buf[:cut], True
+        keep = self._longest_partial_stop(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def _earliest_stop(self, buf: str, held_len: int) -> int | None:
+        """Start of the earliest stop string occurrence that ends in the new text."""
+        starts = []
+        for stop in self.params.stop:
+            # Occurrences lying wholly inside the held text ended before min_tokens.
+            start = buf.find(stop, max(0, held_len - len(stop) + 1))
+            if start >= 0:
+                starts.append(start)
+        return min(starts, default=None)
+
+    def _longest_partial_stop(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.params.stop:
+            for n in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
