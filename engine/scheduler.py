@@ -198,7 +198,8 @@ class Scheduler:
     def _admit_waiting(self, now_s: float, budget: int,
                        scheduled: list[ScheduledRequest]) -> None:
         # Preempted requests go ahead of others of equal effective priority.
-        self.waiting.sort(key=lambda r: (self._rank(r, now_s), r.num_preemptions == 0))
+        self.waiting.sort(key=lambda r: (self._rank(r, now_s)[0], r.num_preemptions == 0,
+                                         r.arrival_s))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_pages, num_cached = self.pool.find_cached_prefix(request)
