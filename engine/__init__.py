@@ -1,1 +1,28 @@
-"""engine package."""
+"""The engine: host-side scheduling over a paged KV cache and a jitted device step.
+
+    engine.request / page_pool / scheduler   host side, plain Python (no device)
+    engine.batch                             plan -> fixed-shape arrays (the boundary)
+    engine.step / kv_cache / sampling        device side, pure jitted functions
+    engine.core.EngineCore                   the step loop (serving drives it)
+    engine.llm.LLM                           the notebook API
+"""
+
+
+def __getattr__(name):
+    # Lazy, so `import engine.scheduler` does not pull in JAX.
+    if name in ("LLM", "CompletionOutput"):
+        from engine import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "EngineCore":
+        from engine.core import EngineCore
+
+        return EngineCore
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineCore", "CompletionOutput"]

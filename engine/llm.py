@@ -1,0 +1,120 @@
+"""The notebook API.
+
+    from engine import LLM, SamplingParams
+    llm = LLM("smollm2-135m")                      # or a GGUF path / HF directory / "tiny"
+    outs = llm.generate(["Hello", [{"role": "user", "content": "Hi!"}]],
+                        SamplingParams(temperature=0, max_tokens=32))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].metrics.ttft_s
+    for delta in llm.generate_stream("Tell me a story"): print(delta.new_text, end="")
+
+A string prompt is used as is (BOS added if the tokenizer adds one); a list of chat messages
+gets the model's chat template; a list of ints is used as token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+from configs.engine_config import EngineConfig
+from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[dict] | list[int]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    metrics: RequestMetrics | None
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", *, mesh: str | None = None,
+                 warmup: bool = False, impl: str = "auto", **engine_options):
+        from models.registry import load_model
+
+        t0 = time.perf_counter()
+        self.config = EngineConfig(model=model, **engine_options)
+        self.model = load_model(model)
+        self.engine = EngineCore(self.model, self.config, impl=impl, mesh=mesh)
+        self.tokenizer = self.model.tokenizer
+        self._ids = itertools.count()
+        log.info("LLM(%s) ready in %.1fs", model, time.perf_counter() - t0)
+        if warmup:
+            from engine.warmup import warmup as run_warmup
+
+            run_warmup(self.engine)
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, tenant: str) -> str:
+        rid = f"llm-{next(self._ids)}"
+        self.engine.add_request(EngineRequest(rid, self.encode_prompt(prompt), params,
+                                              priority=priority, tenant=tenant))
+        return rid
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priority: int = 0, tenant: str = "default") -> list[CompletionOutput]:
+        """Runs all prompts together (continuous batching); returns outputs in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for "
+                             f"{len(prompts)} prompts")
+        ids = [self._add(p, sp, priority, tenant) for p, sp in zip(prompts, params)]
+        results = {rid: CompletionOutput(rid, [], "", [], None, None, None) for rid in ids}
+        for rid in ids:
+            results[rid].prompt_token_ids = []
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._accumulate(results.get(out.request_id), out)
+        return [results[rid] for rid in ids]
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                        *, priority: int = 0) -> Iterator[RequestOutput]:
+        """Yields this request's deltas as they come (other requests keep running)."""
+        rid = self._add(prompt, sampling_params or SamplingParams(), priority, "default")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    @staticmethod
+    def _accumulate(res: CompletionOutput | None, out: RequestOutput) -> None:
+        if res is None:
+            return
+        res.text += out.new_text
+        res.token_ids += out.new_token_ids
+        if out.logprobs is not None:
+            res.logprobs = (res.logprobs or []) + out.logprobs
+        if out.finished:
+            res.finish_reason, res.metrics = out.finish_reason, out.metrics
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

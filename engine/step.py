@@ -1,0 +1,67 @@
+"""The device step: one pure function, jitted once per `BatchShape` (and sampler variant).
+
+    (params, kv_cache, penalty_state, batch) -> (kv_cache, penalty_state, packed results)
+
+The KV cache and the penalty state are donated, so XLA updates them in place. The results
+come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens bit-cast), the only
+device->host transfer of a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from configs.model_config import ModelConfig
+from engine.batch import BatchShape, StepBatch
+from engine.kv_cache import PagedKVCache
+from engine.sampling import SamplingFlags, sample, update_counts
+from models.llama import Params, forward
+from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
+
+
+def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str):
+    """The model's attention over the paged cache for this batch layout (engine/batch.py)."""
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    Sd = shape.num_decode
+    opts = dict(sm_scale=sm_scale, sliding_window=cfg.sliding_window, impl=impl)
+
+    def attention(q, k, v, layer, cache: PagedKVCache):
+        kp, vp, ks, vs = write_kv(cache.k_pages, cache.v_pages, k, v, batch.slot_mapping, layer,
+                                  k_scales=cache.k_scales, v_scales=cache.v_scales)
+        scales = dict(k_scales=ks, v_scales=vs)
+        outs = []
+        if Sd:
+            outs.append(decode_paged_attention(q[:Sd], kp, vp, batch.kv_lens_d,
+                                               batch.page_table_d, layer, **opts, **scales))
+        if shape.num_prefill_tokens:
+            outs.append(ragged_paged_attention(
+                q[Sd:], kp, vp, batch.kv_lens_p, batch.page_table_p, batch.query_start_p,
+                batch.num_seqs_p, layer, max_query_len=shape.max_query_len, **opts, **scales))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+        return out.astype(q.dtype), PagedKVCache(kp, vp, ks, vs)
+
+    return attention
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shape", "flags", "use_penalties", "impl"),
+                   donate_argnames=("kv_cache", "counts"))
+def engine_step(params: Params, kv_cache: PagedKVCache, counts: jax.Array,
+                prompt_mask: jax.Array, batch: StepBatch, *, cfg: ModelConfig,
+                shape: BatchShape, flags: SamplingFlags, use_penalties: bool,
+                impl: str = "auto"):
+    """Returns (kv_cache, counts, packed [Sd + Sp, 2 + 2K] float32)."""
+    attention = paged_attention_fn(cfg, batch, shape, impl)
+    logits, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache,
+                               attention, batch.logits_indices)  # [Sd + Sp, V]
+    if use_penalties:
+        rows_counts = counts[batch.slot_ids]  # [R, V]
+        rows_mask = prompt_mask[batch.slot_ids]
+        result = sample(logits, batch.sampling, rows_counts, rows_mask, flags)
+        counts = update_counts(counts, batch.slot_ids, result.tokens, batch.sample_mask)
+    else:
+        result = sample(logits, batch.sampling, flags=flags)
+    return kv_cache, counts, result.pack()
