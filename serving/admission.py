@@ -11,8 +11,9 @@ popped by the engine thread), so a rejection is decided within milliseconds of a
                                            so a LOW request waiting 2 * aging_s ranks with HIGH
                                            (no starvation); FIFO among equals
 
-The drain rate (requests and tokens leaving the queue per second, over a sliding window) turns
-queue length into an estimated wait and a `retry-after-ms` hint.
+The drain rate (DrainMeter: requests and tokens the saturated engine lets through per second,
+recorded by the engine thread) turns queue length into an estimated wait and a
+`retry-after-ms` hint.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -82,30 +84,55 @@ def check_limits(cfg: AdmissionConfig, num_prompt_tokens: int, sp: SamplingParam
 
 
 class DrainMeter:
-    """Requests and tokens leaving the queue per second, over the last `window_s` seconds.
+    """How fast the engine frees room while it is saturated: requests (and their reserved
+    tokens) leaving the engine per second of saturated time, over the last `window_s`.
 
-    rate = departures in the window / window_s; None until `min_events` departures are in the
-    window (no estimate is better than a wild one).
+    Saturated = the engine holds `max_inflight` requests, so every departure lets one queued
+    request in: this is the queue's drain rate. Time when the engine had free slots does not
+    count (departures then say nothing about how fast a backlog drains), so a burst after an
+    idle spell is not misjudged. rate = departures / saturated seconds in the window; None
+    until `min_events` departures are in the window. The engine thread records, handler
+    threads read.
     """
 
     def __init__(self, window_s: float, min_events: int = 4):
         self.window_s, self.min_events = window_s, min_events
         self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._busy: collections.deque[tuple[float, float]] = collections.deque()
+        self._busy_since: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def saturated(self) -> bool:
+        return self._busy_since is not None
+
+    def set_saturated(self, now: float, saturated: bool) -> None:
+        with self._lock:
+            if saturated and self._busy_since is None:
+                self._busy_since = now
+            elif not saturated and self._busy_since is not None:
+                self._busy.append((self._busy_since, now))
+                self._busy_since = None
 
     def record(self, now: float, num_tokens: int) -> None:
-        self._events.append((now, num_tokens))
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
+        """A request left the saturated engine, freeing room for `num_tokens` queued tokens."""
+        with self._lock:
+            self._events.append((now, num_tokens))
 
     def rates(self, now: float) -> tuple[float, float] | None:
-        """(requests/s, tokens/s), or None when too few departures were seen."""
-        self._trim(now)
-        if len(self._events) < self.min_events:
-            return None
-        return len(self._events) / self.window_s, sum(t for _, t in self._events) / self.window_s
+        """(requests/s, tokens/s) of saturated time, or None when too few were seen."""
+        with self._lock:
+            start = now - self.window_s
+            while self._events and self._events[0][0] < start:
+                self._events.popleft()
+            while self._busy and self._busy[0][1] < start:
+                self._busy.popleft()
+            busy_s = sum(end - max(begin, start) for begin, end in self._busy)
+            if self._busy_since is not None:
+                busy_s += now - max(self._busy_since, start)
+            if len(self._events) < self.min_events or busy_s <= 0:
+                return None
+            return len(self._events) / busy_s, sum(t for _, t in self._events) / busy_s
 
 
 @dataclasses.dataclass
@@ -175,7 +202,6 @@ class WaitingQueue:
             now = self.clock()
             best = max(self._items.values(), key=lambda q: (self._effective(q, now), -q.seq))
             self._take(best)
-            self.drain.record(now, best.num_tokens)
             return best
 
     def remove(self, request_id: str) -> QueuedRequest | None:

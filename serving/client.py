@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 from absl import app, flags
@@ -88,8 +88,8 @@ def _retry_after_ms(call) -> int | None:
         for key, value in call.trailing_metadata() or ():
             if key == "retry-after-ms":
                 return int(value)
-    except Exception:  # noqa: BLE001 - no trailers on some failures
-        pass
+    except Exception:  # noqa: BLE001 - some failures (e.g. local deadline) carry no trailers
+        return None
     return None
 
 
@@ -99,7 +99,7 @@ class GenerateClient:
         self.channel = grpc.insecure_channel(target, options=options or ())
         self.stub = pb_grpc.PagedJaxStub(self.channel)
 
-    def __enter__(self) -> "GenerateClient":
+    def __enter__(self) -> GenerateClient:
         return self
 
     def __exit__(self, *exc) -> None:

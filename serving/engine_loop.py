@@ -101,7 +101,7 @@ class EngineLoop:
         while not self._stop.is_set():
             try:
                 self._iterate()
-            except Exception:  # noqa: BLE001 - keep serving; the bug is in the log
+            except Exception:
                 log.exception("engine loop iteration failed")
                 time.sleep(self.idle_wait_s)
 
@@ -109,6 +109,8 @@ class EngineLoop:
         self._apply_aborts()
         self._expire_queued()
         self._feed()
+        self.waiting.drain.set_saturated(time.monotonic(),
+                                         len(self._in_engine) >= self.max_inflight)
         if self.engine.has_unfinished():
             self._step()
         else:
@@ -188,7 +190,7 @@ class EngineLoop:
         for request_id in ids:
             if named is None:
                 self.engine.abort_request(request_id)
-            self._in_engine.discard(request_id)
+            self._left_engine(request_id)
             r = self._lookup(request_id)
             if r is not None:
                 r.finish_reason = "failed"
@@ -196,11 +198,22 @@ class EngineLoop:
                           f"engine step failed: {exc}")
                 self.unregister(request_id)
 
+    def _left_engine(self, request_id: str) -> None:
+        """Room freed in the engine: a departure for the drain rate if it was saturated."""
+        if request_id not in self._in_engine:
+            return
+        self._in_engine.discard(request_id)
+        if self.waiting.drain.saturated:
+            r = self._lookup(request_id)
+            tokens = 0 if r is None else (len(r.engine_request.prompt_token_ids)
+                                          + r.engine_request.sampling.max_tokens)
+            self.waiting.drain.record(time.monotonic(), tokens)
+
     def _route(self, out: RequestOutput) -> None:
         if out.new_token_ids:
             self.metrics.generated_tokens.inc(len(out.new_token_ids))
         if out.finished:
-            self._in_engine.discard(out.request_id)
+            self._left_engine(out.request_id)
         r = self._lookup(out.request_id)
         if r is None:
             return
@@ -240,7 +253,7 @@ class EngineLoop:
         self._last_stats_s = now
         try:
             self.last_stats = dict(self.engine.stats())
-        except Exception:  # noqa: BLE001 - stats must never take the loop down
+        except Exception:
             log.exception("engine.stats() failed")
             return
         self.metrics.observe_stats(self.last_stats, len(self.waiting))

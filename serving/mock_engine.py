@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import time
 
@@ -117,6 +118,10 @@ class MockEngine:
         if n + request.sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", request.sampling.max_tokens,
                                       f"prompt ({n}) + max_tokens <= {self.max_model_len}")
+        if n + request.sampling.max_tokens > self.num_pages * self.page_size:
+            raise InvalidRequestError("max_tokens", request.sampling.max_tokens,
+                                      f"prompt ({n}) + max_tokens <= KV capacity "
+                                      f"({self.num_pages * self.page_size} tokens)")
         if any(s.req.request_id == request.request_id for s in self._all()):
             raise DuplicateRequestError(request.request_id)
         arrival = request.arrival_s if request.arrival_s is not None else time.monotonic()
@@ -301,7 +306,7 @@ def _metrics(seq: _Seq, now: float) -> RequestMetrics:
         queue_s=None if first is None else first - seq.arrival_s,
         ttft_s=times[0] - seq.arrival_s if times else None,
         tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-        itl_s=[b - a for a, b in zip(times, times[1:])],
+        itl_s=[b - a for a, b in itertools.pairwise(times)],
         e2e_s=now - seq.arrival_s,
         cached_tokens=seq.num_cached_tokens,
         num_preemptions=seq.num_preemptions)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -104,7 +105,7 @@ class ActiveRequest:
             "ttft_s": t[0] - a if t else None,
             "tpot_s": (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
             "e2e_s": now - a,
-            "itl_s": [y - x for x, y in zip(t, t[1:])],
+            "itl_s": [y - x for x, y in itertools.pairwise(t)],
         }
 
 

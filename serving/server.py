@@ -40,7 +40,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    admission: AdmissionConfig = AdmissionConfig()
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
@@ -53,8 +53,9 @@ class ServerConfig:
 
 
 class PagedJaxServer:
-    def __init__(self, engine, config: ServerConfig = ServerConfig(),
+    def __init__(self, engine, config: ServerConfig | None = None,
                  tenants: TenantRegistry | None = None):
+        config = config or ServerConfig()
         self.engine, self.config = engine, config
         stats = dict(engine.stats())
         admission = config.admission
@@ -88,7 +89,7 @@ class PagedJaxServer:
         self.metrics_port: int | None = None
         self._metrics_http = None
 
-    def start(self) -> "PagedJaxServer":
+    def start(self) -> PagedJaxServer:
         self.loop.start()
         if self.config.metrics_port is not None:
             self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)

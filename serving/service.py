@@ -110,8 +110,11 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         self._check_model(request.model, request.revision)
         try:
             prompt = convert.prompt_token_ids(request, self.engine.tokenizer, self.vocab_size)
-            sp = convert.sampling_params(request, self.limits.admission.default_max_tokens)
-            check_limits(self.limits.admission, len(prompt), sp)
+            a = self.limits.admission
+            # NOTE: unset max_tokens is the default, shrunk to what the context leaves.
+            default = max(1, min(a.default_max_tokens, a.max_tokens, a.max_model_len - len(prompt)))
+            sp = convert.sampling_params(request, default)
+            check_limits(a, len(prompt), sp)
         except InvalidRequestError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
         if self.loop.is_active(request_id):

@@ -23,7 +23,7 @@ import json
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from engine.errors import InvalidRequestError
 from serving.admission import Rejected
@@ -52,7 +52,7 @@ class TenantRegistry:
         self.default = default or TenantPolicy(DEFAULT_TENANT)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "TenantRegistry":
+    def from_dict(cls, cfg: dict) -> TenantRegistry:
         tenants, keys = {}, {}
         for t in cfg.get("tenants", []):
             policy = TenantPolicy(t["name"], t.get("max_concurrency"), t.get("tokens_per_minute"))
@@ -64,7 +64,7 @@ class TenantRegistry:
         return cls(tenants, keys, bool(cfg.get("allow_anonymous", not tenants)), default)
 
     @classmethod
-    def from_file(cls, path: str | None) -> "TenantRegistry":
+    def from_file(cls, path: str | None) -> TenantRegistry:
         if not path:
             return cls()
         with open(path) as f:

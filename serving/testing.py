@@ -1,0 +1,51 @@
+"""Helpers for tests and demos: a real server on an ephemeral localhost port."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+from serving.admission import AdmissionConfig
+from serving.client import GenerateClient
+from serving.mock_engine import MockEngine
+from serving.server import PagedJaxServer, ServerConfig
+from serving.tenants import TenantRegistry
+
+
+@contextlib.contextmanager
+def running_server(engine=None, *, tenants: TenantRegistry | None = None,
+                   admission: AdmissionConfig | None = None, api_key: str | None = None,
+                   **config) -> Iterator[tuple[PagedJaxServer, GenerateClient]]:
+    """Starts a server (MockEngine unless given) on 127.0.0.1:0 and a client for it."""
+    engine = engine if engine is not None else MockEngine(step_time_s=0.002)
+    cfg = ServerConfig(host="127.0.0.1", port=0, admission=admission or AdmissionConfig(),
+                       **config)
+    server = PagedJaxServer(engine, cfg, tenants).start()
+    client = GenerateClient(f"127.0.0.1:{server.port}", api_key=api_key)
+    try:
+        yield server, client
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0,
+             what: str = "condition") -> None:
+    """Polls until predicate() holds; a generous timeout only guards against a hang."""
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def outcome_counts(server: PagedJaxServer) -> dict[tuple[str, str], float]:
+    """{(outcome, reason): count} read from the server's Prometheus registry."""
+    counts = {}
+    for metric in server.metrics.outcomes.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                counts[(s.labels["outcome"], s.labels["reason"])] = s.value
+    return counts
+
