@@ -223,6 +223,8 @@ class PagePool:
         num_full = request.num_computed_tokens // self.page_size
         if request.num_registered_pages >= num_full:
             return
+        if request.page_keys_generation not in (-1, self.generation):
+            return  # admitted before clear_cache: its K/V came (partly) from the old model
         keys, ps, tokens = self.page_keys(request), self.page_size, request.all_token_ids
         extra = self.extra_keys(request)
         for i in range(request.num_registered_pages, num_full):
@@ -251,8 +253,9 @@ class PagePool:
         return num_expired
 
     def clear_cache(self, model_keys: tuple | None = None) -> None:
-        """Forget every cached page (a model revision change). Pages in use stay in use but
-        are never registered again under the new keys."""
+        """Forget every cached page (a model revision change). Pages in use stay in use, and
+        nothing a request admitted before the clear computes is ever cached (its K/V mixes
+        the old model's); a request readmitted after a preemption is keyed afresh."""
         if model_keys is not None:
             self.model_keys = tuple(model_keys)
         self.generation += 1

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 
 from engine.api_types import EngineRequest, FinishReason
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 
@@ -53,14 +54,14 @@ class Request:
     token_times_s: list[float] = dataclasses.field(default_factory=list)  # one per output
     finish_s: float | None = None
     # Prefix-cache keys of the full pages of all_token_ids (filled by the page pool).
-    page_keys: list[int] = dataclasses.field(default_factory=list)
+    page_keys: list[int] = dataclasses.field(default_factory=list, repr=False)
     page_keys_generation: int = -1
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
+            raise InvalidRequestError("prompt_token_ids", [], "must hold at least one token")
         self._all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @classmethod

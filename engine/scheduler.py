@@ -28,7 +28,10 @@ What `schedule(now_s)` does, in order:
      long prompt cannot be starved by short ones).
 
 Effective priority = priority + priority_aging_per_s * (now_s - arrival_s): a request that
-waits long enough overtakes any fresh one, so low priority cannot starve.
+waits long enough overtakes any fresh one, so low priority cannot starve. NOTE: the order
+this defines does not depend on now_s (the difference between two requests' effective
+priorities is constant), so the waiting queue is kept sorted by the static key
+priority - rate * arrival_s instead of being re-sorted every step.
 
 Invariants (tests/test_scheduler.py checks them on random workloads): the scheduled tokens of
 a step never exceed max_num_batched_tokens; at most max_num_seqs requests run; a page has
@@ -38,6 +41,7 @@ exactly one finish reason; when all requests have ended every page is free again
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
@@ -97,9 +101,10 @@ class Scheduler:
         self.config = config
         self.pool = page_pool
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: list[Request] = []  # sorted at each schedule()
+        self.waiting: list[Request] = []  # admission order (_waiting_key), kept sorted
         self.running: list[Request] = []
         self._pending_aborts: list[str] = []
+        self._with_deadline: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: collections.Counter[str] = collections.Counter()
 
@@ -119,7 +124,9 @@ class Scheduler:
                                       " tokens (the whole KV page pool)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.deadline_s is not None:
+            self._with_deadline[request.request_id] = request
+        self._enqueue(request)
 
     def abort_request(self, request_id: str) -> None:
         """Cancel at the next schedule() (unknown or finished ids are ignored)."""
@@ -179,12 +186,12 @@ class Scheduler:
                           preempted: list[str]) -> int:
         # Decodes first, then the most important; victims come from the not yet scheduled.
         order = collections.deque(sorted(
-            self.running, key=lambda r: (r.num_remaining_tokens > 1, self._rank(r, now_s))))
+            self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._rank(r))))
         while order and budget > 0:
             request = order.popleft()
             num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
             while not self._grow_pages(request, num_new):
-                victim = max([request, *order], key=lambda r: self._rank(r, now_s))
+                victim = max([request, *order], key=self._rank)
                 self._preempt(victim, now_s)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -197,9 +204,6 @@ class Scheduler:
 
     def _admit_waiting(self, now_s: float, budget: int,
                        scheduled: list[ScheduledRequest]) -> None:
-        # Preempted requests go ahead of others of equal effective priority.
-        self.waiting.sort(key=lambda r: (self._rank(r, now_s)[0], r.num_preemptions == 0,
-                                         r.arrival_s))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_pages, num_cached = self.pool.find_cached_prefix(request)
@@ -229,10 +233,17 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens)
 
-    def _rank(self, request: Request, now_s: float) -> tuple[float, float]:
+    def _rank(self, request: Request) -> tuple[float, float]:
         """Sort key, most important first: effective priority, then earliest arrival."""
-        aged = request.priority + self.config.priority_aging_per_s * (now_s - request.arrival_s)
+        aged = request.priority - self.config.priority_aging_per_s * request.arrival_s
         return (-aged, request.arrival_s)
+
+    def _waiting_key(self, request: Request) -> tuple[float, bool, float]:
+        # Preempted requests go ahead of others of equal effective priority.
+        return (self._rank(request)[0], request.num_preemptions == 0, request.arrival_s)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._waiting_key)
 
     def _grow_pages(self, request: Request, num_new: int) -> bool:
         """Make the page table cover num_computed + num_new tokens; False if no room."""
@@ -252,7 +263,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(request)  # ordered at admission time
+        self._enqueue(request)
 
     def _release(self, request: Request, now_s: float) -> None:
         self.pool.free(request.page_ids, now_s)
@@ -268,8 +279,8 @@ class Scheduler:
                 self._finish(request, "cancelled", now_s)
                 finished.append(request)
         self._pending_aborts.clear()
-        for request in list(self.requests.values()):
-            if request.deadline_s is not None and now_s >= request.deadline_s:
+        for request in list(self._with_deadline.values()):
+            if now_s >= request.deadline_s:
                 self._finish(request, "timed_out", now_s)
                 finished.append(request)
         return finished
@@ -286,6 +297,7 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_s = now_s
         del self.requests[request.request_id]
+        self._with_deadline.pop(request.request_id, None)
         self.num_finished[reason] += 1
 
     # ---- stats -------------------------------------------------------------------------

@@ -145,9 +145,14 @@ def test_revision_change_clears_the_cache():
 
 def test_pages_in_use_at_a_revision_change_are_not_cached_again():
     pool = _pool()
-    a = _computed(pool, range(8))
+    a = _req(range(12))
+    a.page_ids = pool.allocate(3)
+    a.num_computed_tokens = 8
+    pool.cache_full_pages(a)
+    assert pool.num_cached_pages == 2
     pool.clear_cache(("rev2", "tok", "tmpl"))
-    pool.cache_full_pages(a)  # computed with the old model: must stay uncached
+    a.num_computed_tokens = 12  # its third page, computed on top of the old model's K/V
+    pool.cache_full_pages(a)
     assert pool.num_cached_pages == 0
     pool.free(a.page_ids, now_s=0.0)
     pool.check_invariants()
