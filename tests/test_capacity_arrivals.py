@@ -1,6 +1,7 @@
 """Arrival processes, workloads, trace replay and the open-loop dispatcher (no network)."""
 
 import asyncio
+import itertools
 import statistics
 
 import pytest
@@ -8,8 +9,13 @@ import pytest
 from benchmarks.loadgen import arrivals, driver, trace
 from benchmarks.loadgen.arrivals import ArrivalConfig
 from benchmarks.loadgen.metrics import RequestRecord
-from benchmarks.loadgen.workloads import (Corpus, LengthDist, WorkloadGenerator, mix_to_dict,
-                                          parse_mix)
+from benchmarks.loadgen.workloads import (
+    Corpus,
+    LengthDist,
+    WorkloadGenerator,
+    mix_to_dict,
+    parse_mix,
+)
 
 LONG = 2000.0  # seconds of simulated arrivals: enough for a few-% rate tolerance
 
@@ -30,7 +36,7 @@ def test_schedule_respects_max_requests_and_is_seeded():
 
 
 def _cv2(times):
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     return statistics.pvariance(gaps) / statistics.mean(gaps) ** 2
 
 

@@ -110,7 +110,7 @@ def test_scrape_parse_and_pick():
 def fake_step_report(rate, ttft_p95, success_frac, tpot=0.05):
     sent = int(rate * 10)
     ok = round(sent * success_frac)
-    lat = lambda v: {"p50": v / 2, "p95": v, "p99": v * 1.2}  # noqa: E731
+    lat = lambda v: {"p50": v / 2, "p95": v, "p99": v * 1.2}
     return {"ttft_s": lat(ttft_p95), "tpot_s": lat(tpot), "e2e_s": lat(ttft_p95 + 1),
             "itl_s": lat(tpot), "queue_s": lat(0.1),
             "throughput": {"rps": ok / 10, "output_tps": ok * 5.0},

@@ -81,10 +81,15 @@ def _absorb_status(rec: RequestRecord, err: grpc.aio.AioRpcError, cancelled_by_u
 async def run_one(stub: pb_grpc.PagedJaxStub, spec: RequestSpec, *, scheduled_s: float | None,
                   ignore_eos: bool = True, temperature: float = 0.0, seed: int | None = None,
                   timeout_s: float | None = None, early_cancel_s: float = 0.2,
-                  metadata: tuple = ()) -> RequestRecord:
-    """Sends one request, reads its stream to the end, returns what it observed."""
+                  api_keys: dict[str, str] | None = None) -> RequestRecord:
+    """Sends one request, reads its stream to the end, returns what it observed.
+
+    The server knows tenants by API key: `api_keys` maps the spec's tenant to the key sent as
+    `x-api-key` (no key: the server's anonymous/default tenant).
+    """
     rec = new_record(spec, scheduled_s)
-    md = metadata + (("x-tenant", spec.tenant),)
+    key = (api_keys or {}).get(spec.tenant)
+    md = (("x-api-key", key),) if key else None
     rec.send_s = time.perf_counter()
     call = stub.Generate(build_request(spec, ignore_eos, temperature, seed), timeout=timeout_s,
                          metadata=md)

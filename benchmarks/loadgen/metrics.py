@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 OUTCOMES = ("success", "cancelled", "rejected", "timed_out", "failed")
@@ -207,6 +208,11 @@ def goodput(records: Sequence[RequestRecord], policy: SloPolicy, duration_s: flo
             "fraction_of_sent": len(good) / len(records) if records else None}
 
 
+def reason_key(reason: str) -> str:
+    """Groups reasons that differ only in numbers ("wait 5.0s exceeds 2.9s" -> "wait #s ...")."""
+    return re.sub(r"\d+(\.\d+)?", "#", reason) if reason else "unspecified"
+
+
 def outcome_counts(records: Sequence[RequestRecord]) -> dict:
     """Counts by outcome, plus rejections (and failures) broken down by reason."""
     counts = {k: 0 for k in OUTCOMES}
@@ -217,6 +223,6 @@ def outcome_counts(records: Sequence[RequestRecord]) -> dict:
         counts[r.outcome] += 1
         if r.outcome in ("rejected", "failed", "timed_out"):
             reasons = by_reason.setdefault(r.outcome, {})
-            key = r.reason or "unspecified"
+            key = reason_key(r.reason)
             reasons[key] = reasons.get(key, 0) + 1
     return {**counts, "by_reason": by_reason}

@@ -58,7 +58,10 @@ def markdown(r: dict) -> str:
              (f"- cost per successful request: {_f(r['cost_per_success'], 4)} "
               f"(per SLO-meeting request: {_f(r['cost']['cost_per_good_request'], 4)}; "
               f"price/device-hour {r['cost']['price_per_device_hour']})"),
-             f"- prefix cache: {_f(r['prefix_cache']['hit_rate'])} of prompt tokens cached",
+             (f"- prefix cache: {_f(r['prefix_cache']['hit_rate'])} of prompt tokens cached "
+              f"(server-reported per request; scraped counters: "
+              f"{_f(r['server_metrics'].get('prefix_cache_hit_rate'))}); preemptions during "
+              f"the run: {_f(r['server_metrics'].get('preemptions'))}"),
              f"- load generator dispatch lag p99: {_ms(r['dispatch_lag_s']['p99'])} ms", "",
              "## Latency (successful requests)", ""]
     lines += latency_table({"all": r, **{f"class {k}": v for k, v in r["by_class"].items()},

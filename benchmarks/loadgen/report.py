@@ -142,10 +142,11 @@ def build_report(records: Sequence[RequestRecord], *, conditions: dict, policy: 
     }
 
 
-def write_report(out_dir: str | pathlib.Path, report: dict,
-                 records: Sequence[RequestRecord]) -> list[pathlib.Path]:
-    """report.json, report.md, records.jsonl and the PNG plots; returns the paths."""
-    from benchmarks.loadgen import plots, render
+def write_report(out_dir: str | pathlib.Path, report: dict, records: Sequence[RequestRecord],
+                 plots: bool = True) -> list[pathlib.Path]:
+    """report.json, report.md, records.jsonl and (if `plots`) the PNGs; returns the paths."""
+    from benchmarks.loadgen import plots as plotting
+    from benchmarks.loadgen import render
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,5 +155,6 @@ def write_report(out_dir: str | pathlib.Path, report: dict,
     paths[1].write_text(render.markdown(report))
     with open(paths[2], "w") as f:
         f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in records)
-    paths += plots.run_plots(out, report, records)
+    if plots:
+        paths += plotting.run_plots(out, report, records)
     return paths

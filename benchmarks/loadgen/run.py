@@ -49,7 +49,9 @@ class RunConfig:
     warm_window_s: float = 60.0
     scrape_interval_s: float = 0.5
     save_trace: str | None = None
+    api_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # tenant -> x-api-key
     progress: bool = True
+    plots: bool = True
 
 
 def check_loopback(target: str) -> None:
@@ -102,7 +104,8 @@ async def _drive(cfg: RunConfig, specs, gen, bar) -> list:
         async def send(spec, scheduled_s):
             return await driver.run_one(stub, spec, scheduled_s=scheduled_s,
                                         ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
-                                        seed=cfg.seed, timeout_s=cfg.request_timeout_s)
+                                        seed=cfg.seed, timeout_s=cfg.request_timeout_s,
+                                        api_keys=cfg.api_keys)
 
         on_done = lambda rec: bar.update(1)
         if specs is not None:
@@ -143,7 +146,7 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
         scrape["scrape_errors"] = scraper.errors
     rep = report.build_report(records, conditions=conditions, policy=cfg.slo, cost=cfg.cost,
                               scrape=scrape, warm_window_s=cfg.warm_window_s)
-    report.write_report(out_dir, rep, records)
+    report.write_report(out_dir, rep, records, plots=cfg.plots)
     if cfg.save_trace:
         by_id = {s.request_id: s for s in specs or []}
         entries = [trace.entry_from_spec(by_id[r.request_id], r.send_s - t_start)

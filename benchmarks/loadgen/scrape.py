@@ -16,14 +16,16 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Report field -> regex over series keys. First match wins (sorted keys).
+# Report field -> regexes over metric names, tried in order (the serving package's names
+# first, looser fallbacks after). First match wins.
 KNOWN = {
-    "kv_usage": r"kv.*(usage|utili[sz]ation|used).*(ratio|fraction|perc)?",
-    "running": r"(num_)?running|requests_running",
-    "waiting": r"(num_)?waiting|requests_waiting|queue_(depth|size|len)",
-    "preemptions": r"preempt",
-    "prefix_hit_tokens": r"prefix.*hit.*tokens|cached_tokens",
-    "prefix_query_tokens": r"prefix.*(query|queries|lookup).*tokens|prompt_tokens_total",
+    "kv_usage": (r"kv_usage_ratio$", r"kv.*(usage|utili[sz]ation)"),
+    "running": (r"num_requests_running$", r"running"),
+    "waiting": (r"num_requests_waiting$", r"waiting|queue_(depth|size|len)"),
+    "preemptions": (r"preemptions_total$", r"preempt"),
+    "prefix_hit_tokens": (r"prefix_cache_hits_tokens_total$", r"prefix.*hit.*tokens"),
+    "prefix_query_tokens": (r"prefix_cache_queries_tokens_total$",
+                            r"prefix.*(query|queries|lookup).*tokens"),
 }
 
 
@@ -70,14 +72,17 @@ class Scraper:
             self._stop.wait(self.interval_s)
 
 
-def pick(series: list[tuple[float, dict[str, float]]], pattern: str) -> str | None:
-    """The first series key (sorted, histograms' _bucket/_sum/_count skipped) matching."""
+def pick(series: list[tuple[float, dict[str, float]]], patterns: tuple[str, ...]) -> str | None:
+    """The first series key matching the first pattern that matches any (histogram parts and
+    _created samples skipped)."""
     keys = sorted({k for _, sample in series for k in sample})
-    rx = re.compile(pattern)
-    for k in keys:
-        if rx.search(k.split("{")[0]) and not re.search(r"_(bucket|sum|count|created)$",
-                                                        k.split("{")[0]):
-            return k
+    names = [(k, k.split("{")[0]) for k in keys]
+    names = [(k, n) for k, n in names if not re.search(r"_(bucket|sum|count|created)$", n)]
+    for pattern in patterns:
+        rx = re.compile(pattern)
+        for key, name in names:
+            if rx.search(name):
+                return key
     return None
 
 
@@ -89,8 +94,8 @@ def timeseries(series: list[tuple[float, dict[str, float]]], key: str,
 def summarize_scrape(series: list[tuple[float, dict[str, float]]], t0: float) -> dict:
     """Known series over time plus derived figures (peak KV usage, prefix hit rate, ...)."""
     found, missing = {}, []
-    for name, pattern in KNOWN.items():
-        key = pick(series, pattern)
+    for name, patterns in KNOWN.items():
+        key = pick(series, patterns)
         if key is None:
             missing.append(name)
             continue
