@@ -229,6 +229,7 @@ def test_ttl_expires_released_pages_only():
     assert pool.stats.expirations == 1
     assert pool.find_cached_prefix(_req(range(5)))[1] == 0
     assert pool.expire(now_s=1e9) == 0  # b is in use: it never expires
+    assert all(pool.ref_counts[p] == 1 for p in b.page_ids)
     assert pool.find_cached_prefix(_req(range(10, 15)))[1] == 4
     pool.check_invariants()
 
