@@ -103,7 +103,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # admission order (_waiting_key), kept sorted
         self.running: list[Request] = []
-        self._pending_aborts: list[str] = []
+        self._pending_aborts: list[Request] = []  # objects, not ids: an id may be reused
         self._with_deadline: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: collections.Counter[str] = collections.Counter()
@@ -130,8 +130,9 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> None:
         """Cancel at the next schedule() (unknown or finished ids are ignored)."""
-        if request_id in self.requests:
-            self._pending_aborts.append(request_id)
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._pending_aborts.append(request)
 
     def finish_request(self, request_id: str, reason: FinishReason, now_s: float) -> bool:
         """End a request now (the engine's stop checks, a failed step) and free its pages.
@@ -273,9 +274,8 @@ class Scheduler:
 
     def _end_aborted_and_late(self, now_s: float) -> list[Request]:
         finished = []
-        for request_id in self._pending_aborts:
-            request = self.requests.get(request_id)
-            if request is not None:
+        for request in self._pending_aborts:
+            if not request.is_finished:  # else it ended first (finish_request, twice aborted)
                 self._finish(request, "cancelled", now_s)
                 finished.append(request)
         self._pending_aborts.clear()

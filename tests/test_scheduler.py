@@ -231,6 +231,17 @@ def test_abort_takes_effect_at_the_next_schedule():
     assert s.num_finished == {"cancelled": 1}
 
 
+def test_abort_does_not_hit_a_new_request_that_reuses_the_id():
+    s = _sched()
+    s.add_request(_req("x", 3))
+    s.abort_request("x")
+    s.finish_request("x", "stop", 0.0)  # ended before the abort took effect
+    fresh = _req("x", 3)
+    s.add_request(fresh)
+    out = s.schedule(1.0)
+    assert out.aborted_request_ids == [] and fresh.status is RequestStatus.RUNNING
+
+
 def test_abort_a_waiting_request():
     s = _sched(max_num_seqs=1)
     s.add_request(_req("a", 3))
