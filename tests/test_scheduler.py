@@ -462,3 +462,56 @@ def test_random_workloads_keep_the_invariants(page_size, extra_pages, max_num_se
         event(f"{name} > 0: {stats[name] > 0}")
     for reason in s.num_finished:
         event(f"finished {reason}")
+
+
+def _run_with_fake_model(cfg: SchedulerConfig, prompts: list[tuple[list[int], str, int]]):
+    """Run requests to the end with a fake model that READS its context back from the fake
+    KV pages: next token = f(tokens found at positions 0..n-1 through the page table). A
+    wrong page (a bad cache hit, a page reused while still referenced) changes the output."""
+    s = Scheduler(cfg, PagePool.from_config(cfg, model_keys=("rev",)))
+    ps, kv = cfg.page_size, {}
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=m), cache_salt=salt,
+                    arrival_s=float(i))
+            for i, (p, salt, m) in enumerate(prompts)]
+    for r in reqs:
+        s.add_request(r)
+    now = 0.0
+    while s.has_unfinished() and now < 2000:
+        now += 1.0
+        out = s.schedule(now)
+        sampled = {}
+        for x in out.scheduled:
+            r = x.request
+            for pos in range(x.start, x.start + x.num_new_tokens):
+                kv[(r.page_ids[pos // ps], pos % ps)] = (r.cache_salt, r.all_token_ids[pos])
+            if x.samples:
+                context = [kv[(r.page_ids[pos // ps], pos % ps)] for pos in range(r.num_tokens)]
+                assert all(salt == r.cache_salt for salt, _ in context)
+                sampled[r.request_id] = hash(tuple(t for _, t in context)) % 20 + 1
+        for r in s.update_after_step(out, sampled, now):
+            if r.num_output_tokens >= r.sampling.max_tokens or r.output_token_ids[-1] == 20:
+                s.finish_request(r.request_id, "length", now)
+    assert not s.has_unfinished()
+    assert s.pool.num_free_pages == cfg.num_pages - 1
+    return [r.output_token_ids for r in reqs], s.stats()
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompts=st.lists(st.tuples(_PROMPT, st.sampled_from(["s1", "s2"]), st.integers(1, 8)),
+                        min_size=1, max_size=10),
+       page_size=st.sampled_from([1, 2, 4]), extra_pages=st.integers(0, 2),
+       max_num_seqs=st.integers(2, 4), budget=st.integers(1, 12))
+def test_outputs_are_the_same_with_cache_on_or_off_and_a_tiny_or_large_pool(
+        prompts, page_size, extra_pages, max_num_seqs, budget):
+    small = SchedulerConfig(page_size=page_size, num_pages=-(-20 // page_size) + 1 + extra_pages,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                            prefill_chunk_size=budget, max_model_len=64,
+                            enable_prefix_caching=True, prefix_cache_ttl_s=None)
+    reference, _ = _run_with_fake_model(
+        dataclasses.replace(small, num_pages=1000, enable_prefix_caching=False), prompts)
+    cached, stats = _run_with_fake_model(small, prompts)
+    uncached, _ = _run_with_fake_model(
+        dataclasses.replace(small, enable_prefix_caching=False), prompts)
+    assert cached == reference and uncached == reference
+    event(f"hits > 0: {stats['prefix_hit_tokens'] > 0}")
+    event(f"preemptions > 0: {stats['num_preemptions'] > 0}")
