@@ -10,7 +10,10 @@ model's chat template. Two ways in:
 A GGUF stores no tokenizer.json, only llama.cpp's metadata. `from_gguf` rebuilds the byte-level
 BPE the way `transformers` does for the same file (transformers/integrations/gguf/
 gguf_tokenizer_mapping.py: `byte_level_tokenizer`, `add_gguf_special_tokens`, `set_split_regex`),
-so our ids equal `AutoTokenizer.from_pretrained(folder, gguf_file=...)`'s; the tests check it.
+so our ids equal `AutoTokenizer.from_pretrained(folder, gguf_file=...)`'s (the tests check it),
+except that by default the pre-tokenizer follows llama.cpp where the two disagree: a run of
+spaces before a digit in SmolLM2's vocabulary (see `Compat`; `compat="transformers"` matches
+transformers exactly).
 
 Streaming text out of a generation goes through `new_detokenizer()`: see
 `IncrementalDetokenizer` below for why it decodes a sliding window of tokens.
@@ -23,11 +26,12 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
+from engine.errors import InvalidRequestError
 from models.chat_template import ChatTemplate, ChatTemplateError
 from models.errors import ModelLoadError
 
@@ -51,9 +55,20 @@ _SPLIT_REGEX_BY_PRE = {
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
-# GPT-2's own regex (ByteLevel(use_regex=True)); "smollm" additionally isolates every digit.
-_GPT2_LIKE_PRE = ("gpt2", "gpt-2", "default", "smollm")
-SUPPORTED_GGUF_PRE = tuple(sorted((*_GPT2_LIKE_PRE, *_SPLIT_REGEX_BY_PRE)))
+# GPT-2's own regex (ByteLevel(use_regex=True)) ...
+_GPT2_PRE = ("gpt2", "gpt-2", "default", "mpt", "olmo")
+# ... after isolating every digit (llama.cpp's "\p{N}" pass; Digits(individual_digits) in the
+# models' own tokenizer.json). See `Compat` for why this set matters.
+_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell")
+SUPPORTED_GGUF_PRE = tuple(sorted((*_GPT2_PRE, *_DIGITS_THEN_GPT2_PRE, *_SPLIT_REGEX_BY_PRE)))
+
+# Whose reading of `tokenizer.ggml.pre` to follow where llama.cpp and transformers disagree.
+# They disagree only on the digit-isolating pre-tokenizers above ("smollm"...): transformers'
+# GGUF converter (5.x) does not know them and falls back to plain GPT-2 splitting. The ids then
+# differ for a run of spaces before a digit: "a   3" is [a, ĠĠĠ, 3] for llama.cpp and for
+# SmolLM2's own tokenizer.json (what the model was trained on), but [a, ĠĠ, Ġ, 3] for
+# transformers. Everything else is identical (the tests check both settings).
+Compat = Literal["llama.cpp", "transformers"]
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -98,8 +113,17 @@ class Tokenizer:
     # --- construction -----------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | os.PathLike | Any) -> Tokenizer:
-        """Build from a GGUF file's `tokenizer.*` metadata (path, or an open `gguf.GGUFReader`)."""
+    def from_gguf(
+        cls, path_or_reader: str | os.PathLike | Any, compat: Compat = "llama.cpp"
+    ) -> Tokenizer:
+        """Build from a GGUF file's `tokenizer.*` metadata (path, or an open `gguf.GGUFReader`).
+
+        `compat` picks whose pre-tokenizer to follow where llama.cpp and transformers disagree
+        (only for digit-isolating vocabularies such as SmolLM2's; see `Compat`). The default
+        follows llama.cpp, which matches how the model was trained.
+        """
+        if compat not in ("llama.cpp", "transformers"):
+            raise ValueError(f"compat={compat!r}: expected 'llama.cpp' or 'transformers'")
         reader, source = _open_gguf(path_or_reader)
         meta = _GGUFMetadata(reader, source)
         model_kind = meta.get("tokenizer.ggml.model", required=True)
@@ -116,6 +140,7 @@ class Tokenizer:
             token_types,
             meta.get("tokenizer.ggml.pre"),
             source,
+            compat,
         )
         ids = {name: meta.token_id(key, len(tokens)) for name, key in _GGUF_ID_KEYS.items()}
         special = {name: tokens[i] if i is not None else None for name, i in ids.items()}
@@ -191,7 +216,15 @@ class Tokenizer:
         template already wrote its own BOS (or use `encode_chat`)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as e:  # the Rust side refuses lone surrogates, which are not UTF-8
+            bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+            if bad is None:
+                raise
+            raise InvalidRequestError(
+                f"text[{bad}]", text[bad], "must be valid Unicode (a lone surrogate is not)"
+            ) from e
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD). Same default as transformers."""
@@ -423,19 +456,18 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
 
 
-def _byte_level_pre_tokenizer(pre: str | None, source: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer llama.cpp names `tokenizer.ggml.pre` (None: GPT-2's, as llama.cpp's default)."""
-    if pre is None or pre in _GPT2_LIKE_PRE:
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre == "smollm":
-            # NOTE: SmolLM2's own tokenizer.json and llama.cpp both isolate every digit first.
-            # transformers' GGUF converter does not; it makes no difference for SmolLM2 (no
-            # token in its vocabulary holds a digit next to anything else; the tests check it),
-            # but it would for a vocabulary trained this way that did.
-            return pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
+def _byte_level_pre_tokenizer(
+    pre: str | None, source: str, compat: Compat
+) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp names `tokenizer.ggml.pre` (None: GPT-2's, llama.cpp's default)."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre is None or pre in _GPT2_PRE:
         return byte_level
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        if compat == "transformers":
+            return byte_level
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, byte_level])
     if pre in _SPLIT_REGEX_BY_PRE:
         return pre_tokenizers.Sequence(
             [
@@ -454,6 +486,7 @@ def _byte_level_backend(
     token_types: Sequence[int],
     pre: str | None,
     source: str,
+    compat: Compat,
 ) -> tokenizers.Tokenizer:
     """Byte-level BPE from llama.cpp's vocabulary, as transformers' `byte_level_tokenizer` builds it."""
     spelling = bytes_to_unicode()
@@ -480,7 +513,7 @@ def _byte_level_backend(
         fuse_unk=False,
     )
     backend = tokenizers.Tokenizer(model)
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre, source)
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre, source, compat)
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>...) match whole and are special; user-defined ones match whole.
     control = [
