@@ -76,7 +76,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 2**20  # used when num_pages is None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    prefill_chunk_size: int = 256
+    prefill_chunk_size: int | None = None  # None: min(256, max_num_batched_tokens)
     max_model_len: int | None = None  # None: the model's max_seq_len
     priority_aging_per_s: float = 0.1
     prefix_caching: bool = True
@@ -113,7 +113,9 @@ class EngineConfig:
         return SchedulerConfig(
             page_size=self.page_size, num_pages=num_pages, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            prefill_chunk_size=self.prefill_chunk_size, max_model_len=max_model_len,
+            prefill_chunk_size=(self.prefill_chunk_size if self.prefill_chunk_size is not None
+                                else min(256, self.max_num_batched_tokens)),
+            max_model_len=max_model_len,
             priority_aging_per_s=self.priority_aging_per_s,
             enable_prefix_caching=self.prefix_caching,
             prefix_cache_ttl_s=self.prefix_cache_ttl_s,

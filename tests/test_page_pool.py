@@ -290,4 +290,8 @@ def test_engine_config_resolves_a_kv_budget_into_pages():
         EngineConfig(kv_cache_bytes=1000).scheduler_config(model)
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+    assert EngineConfig(max_num_batched_tokens=64).scheduler_config(model).prefill_chunk_size == 64
+    assert EngineConfig().scheduler_config(model).prefill_chunk_size == 256
+    with pytest.raises(ValueError, match="prefill_chunk_size=100"):
+        EngineConfig(max_num_batched_tokens=64, prefill_chunk_size=100)
     assert PagePool.from_config(sched).num_pages == 100
