@@ -44,15 +44,19 @@ def _quantize_np(x):
 
 def make_case(rng: np.random.Generator, *, kv_lens, q_lens, page_size, num_kv_heads, group,
               head_dim, dtype=jnp.float32, int8=False, num_layers=1, layer=0, pad_seqs=0,
-              pad_tokens=0, extra_pages=2, shuffle=True, nan_fill=True) -> PagedCase:
+              pad_tokens=0, extra_pages=2, shuffle=True, nan_fill=True, num_pages=None,
+              pages_per_seq=None, num_tokens=None) -> PagedCase:
     """A ragged batch: sequence s has kv_lens[s] tokens cached (its last q_lens[s] are the
-    queries). pad_seqs empty sequences and pad_tokens q rows are appended as padding."""
+    queries). pad_seqs empty sequences and pad_tokens q rows are appended as padding.
+    num_pages / pages_per_seq / num_tokens fix the array sizes (so cases of different
+    lengths share one compiled function); by default they fit the lengths."""
     assert all(0 <= ql <= kl for ql, kl in zip(q_lens, kv_lens))
     fill = np.nan if nan_fill else 0.0
     num_real = len(kv_lens)
     pages_needed = [-(-n // page_size) for n in kv_lens]
-    max_pages = max([1, *pages_needed]) + 1  # one spare column of null entries
-    num_pages = 1 + sum(pages_needed) + extra_pages
+    max_pages = pages_per_seq or max([1, *pages_needed]) + 1  # spare null entries
+    num_pages = num_pages or 1 + sum(pages_needed) + extra_pages
+    assert max(pages_needed, default=0) <= max_pages and sum(pages_needed) < num_pages
     ids = np.arange(1, num_pages)
     if shuffle:
         ids = rng.permutation(ids)
@@ -91,6 +95,9 @@ def make_case(rng: np.random.Generator, *, kv_lens, q_lens, page_size, num_kv_he
         v_scales[unused] = fill
     num_heads = num_kv_heads * group
     total = sum(q_lens)
+    if num_tokens is not None:
+        assert num_tokens >= total
+        pad_tokens = num_tokens - total
     q = rng.standard_normal((total + pad_tokens, num_heads, head_dim)).astype(np.float32)
     q[total:] = fill
     query_start = np.concatenate([[0], np.cumsum(q_lens), np.full(pad_seqs, total)])
@@ -133,3 +140,16 @@ def naive_attention(case: PagedCase, *, sm_scale, sliding_window=None, soft_cap=
                 out[start + i, h] = (w / w.sum()) @ vh
         start += q_len
     return out
+
+
+def make_decode_case(rng: np.random.Generator, kv_lens, *, sm_scale, sliding_window=None,
+                     soft_cap=None, **kw):
+    """Decode inputs: (case, q [S, H, hd], expected [S, H, hd]). Empty slots (kv_len 0) get
+    NaN queries and expect zeros."""
+    case = make_case(rng, kv_lens=kv_lens, q_lens=[1 if n else 0 for n in kv_lens], **kw)
+    expected = naive_attention(case, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap)
+    live = (np.asarray(kv_lens) > 0)[:, None, None]
+    rows = np.minimum(np.asarray(case.query_start[:len(kv_lens)]), case.q.shape[0] - 1)
+    q = np.where(live, np.asarray(case.q.astype(jnp.float32))[rows], np.nan)
+    return case, jnp.asarray(q, case.q.dtype), np.where(live, expected[rows], 0.0)

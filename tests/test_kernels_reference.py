@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels.testing import make_case, naive_attention
+from pallas_kernels.testing import make_case, make_decode_case, naive_attention
 
 # (kv_lens, q_lens): 0, 1, exact page multiples, boundary crossings, chunks from mid-page.
 RAGGED_SHAPES = [
@@ -17,18 +17,6 @@ RAGGED_SHAPES = [
     ([16, 17, 5], [16, 3, 5]),  # full prefill of exactly one page, decode-ish, short
     ([40, 0, 9, 32], [7, 0, 1, 32]),  # chunk mid-page after cache, empty seq, 2-page prefill
 ]
-
-
-def _decode_case(rng, kv_lens, **kw):
-    case = make_case(rng, kv_lens=kv_lens, q_lens=[1 if n else 0 for n in kv_lens], **kw)
-    expected = naive_attention(case, sm_scale=0.3)
-    rows = np.asarray(case.query_start[:-1])
-    q = np.where(np.asarray(kv_lens)[:, None, None] > 0,
-                 np.asarray(case.q.astype(jnp.float32))[np.minimum(rows, case.q.shape[0] - 1)],
-                 np.nan)
-    dec_expected = np.where(np.asarray(kv_lens)[:, None, None] > 0,
-                            expected[np.minimum(rows, case.q.shape[0] - 1)], 0.0)
-    return case, jnp.asarray(q, case.q.dtype), dec_expected
 
 
 @pytest.mark.parametrize("page_size,group,head_dim,dtype,shapes", [
@@ -91,8 +79,8 @@ def test_layer_index_reads_only_that_layer(num_layers, layer):
 
 def test_decode_reference_matches_naive_and_empty_slots_are_zero():
     rng = np.random.default_rng(11)
-    case, q, expected = _decode_case(rng, [1, 0, 16, 33], page_size=16, num_kv_heads=2,
-                                     group=4, head_dim=64)
+    case, q, expected = make_decode_case(rng, [1, 0, 16, 33], sm_scale=0.3, page_size=16,
+                                         num_kv_heads=2, group=4, head_dim=64)
     out = pk.decode_paged_attention(q, case.k_pages, case.v_pages, case.kv_lens[:4],
                                     case.page_table[:4], 0, sm_scale=0.3, impl="reference")
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-4, rtol=1e-4)
