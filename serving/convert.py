@@ -33,6 +33,14 @@ def chat_messages(chat: pb.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True):
+    """The template's text, encoded without adding special tokens again (it wrote its own)."""
+    if hasattr(tokenizer, "encode_chat"):
+        return list(tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text))
+
+
 def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
@@ -40,8 +48,7 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None)
     if kind == "text":
         return list(tokenizer.encode(req.text))
     if kind == "chat":
-        text = tokenizer.apply_chat_template(chat_messages(req.chat), add_generation_prompt=True)
-        return list(tokenizer.encode(text))
+        return chat_token_ids(tokenizer, chat_messages(req.chat))
     ids = list(req.token_ids.ids)
     if vocab_size is not None:
         for i in ids:

@@ -136,7 +136,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_prompt_tokens", 8192, "")
     flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
     flags.DEFINE_integer("default_max_tokens", 256, "")
-    flags.DEFINE_integer("max_model_len", 8192, "prompt + max_tokens limit (capped by the engine)")
+    flags.DEFINE_integer("max_model_len", None,
+                         "prompt + max_tokens limit (None: the model's context)")
     flags.DEFINE_integer("max_stop_strings", 16, "")
     flags.DEFINE_integer("max_queue_requests", 256, "waiting queue bound (requests)")
     flags.DEFINE_integer("max_queue_tokens", 2_000_000, "waiting queue bound (prompt + max_tokens)")
@@ -157,24 +158,35 @@ def engine_options_from_flags() -> dict:
             "prefix_caching": FLAGS.prefix_caching, "mesh": FLAGS.mesh}
 
 
-def build_engine(model: str, options: dict):
-    """'mock' -> MockEngine; anything else -> the real engine, imported lazily (JAX)."""
+def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
+                 max_model_len: int | None = None):
+    """'mock' -> MockEngine; anything else -> the real EngineCore, imported lazily (JAX).
+
+    `options`: page_size, num_pages, max_num_seqs, max_num_batched_tokens,
+    prefill_chunk_size, prefix_caching, mesh (see engine_options_from_flags)."""
+    options = dict(options)
     if model == "mock":
         from serving.mock_engine import MockEngine
         return MockEngine(max_num_seqs=options["max_num_seqs"],
-                          num_pages=options["num_pages"] or 4096, page_size=options["page_size"],
-                          max_model_len=FLAGS.max_model_len, step_time_s=FLAGS.mock_step_time_s)
+                          num_pages=options.get("num_pages") or 4096,
+                          page_size=options["page_size"], max_model_len=max_model_len or 8192,
+                          step_time_s=mock_step_time_s)
     import engine as engine_pkg
-    if hasattr(engine_pkg, "build_engine"):
+    if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
+    from configs.engine_config import EngineConfig
     from engine.core import EngineCore
-    return EngineCore.from_flags(model=model, **options)
+    from models.registry import load_model
+    mesh = options.pop("mesh", None)
+    config = EngineConfig(model=model, max_model_len=max_model_len, **options)
+    return EngineCore(load_model(model), config, mesh=mesh)
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
     admission = AdmissionConfig(
         max_prompt_tokens=FLAGS.max_prompt_tokens, max_tokens=FLAGS.max_tokens_limit,
-        default_max_tokens=FLAGS.default_max_tokens, max_model_len=FLAGS.max_model_len,
+        default_max_tokens=FLAGS.default_max_tokens,
+        max_model_len=FLAGS.max_model_len or AdmissionConfig.max_model_len,
         max_stop_strings=FLAGS.max_stop_strings, max_queue_requests=FLAGS.max_queue_requests,
         max_queue_tokens=FLAGS.max_queue_tokens, queue_timeout_s=FLAGS.queue_timeout_s,
         aging_s=FLAGS.aging_s)
@@ -192,7 +204,8 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = engine_options_from_flags()
-    engine = build_engine(FLAGS.model, options)
+    engine = build_engine(FLAGS.model, options, mock_step_time_s=FLAGS.mock_step_time_s,
+                          max_model_len=FLAGS.max_model_len)
     server = PagedJaxServer(engine, config_from_flags(options),
                             TenantRegistry.from_file(FLAGS.tenants_config))
     server.start()

@@ -67,9 +67,16 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         request_id = request.request_id or uuid.uuid4().hex
         tenant_name = "?"
         try:
-            tenant = self._authenticate(context)
-            tenant_name = tenant.name
-            r = self._admit(request, request_id, tenant, context, arrival_s)
+            try:
+                tenant = self._authenticate(context)
+                tenant_name = tenant.name
+                r = self._admit(request, request_id, tenant, context, arrival_s)
+            except _Refusal:
+                raise
+            except ValueError as e:  # e.g. the model has no chat template
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
+            except Exception as e:  # noqa: BLE001 - still exactly one recorded outcome
+                raise _Refusal(grpc.StatusCode.INTERNAL, "internal", repr(e)) from e
         except _Refusal as e:
             self.ledger.reject(request_id, tenant_name, e.reason, e.status, e.details, arrival_s,
                                outcome=e.outcome)
@@ -204,9 +211,12 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             text = self.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt)
+            ids = convert.chat_token_ids(self.engine.tokenizer, messages,
+                                         request.add_generation_prompt)
         else:
             text = request.text
-        return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(text), text=text)
+            ids = self.engine.tokenizer.encode(text)
+        return pb.TokenizeResponse(token_ids=ids, text=text)
 
     def _model_info(self) -> pb.ModelInfo:
         return pb.ModelInfo(versions=convert.versions_message(self.identity),
