@@ -119,8 +119,20 @@ def validate_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"messages[{i}].content", content, "must be a string or a list of content blocks"
             )
-        chat.append(_plain(message))
+        chat.append(_alias_reasoning(_plain(message)))
     return chat
+
+
+# Names a message's reasoning may come under; templates read `reasoning_content` (or `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """Expose reasoning under both names templates read, as transformers does."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _is_content(content: Any) -> bool:
