@@ -17,7 +17,8 @@ Threads and queues (JetStream orchestrator style):
       4. engine.step() -> per-step deltas, routed to each request's StreamBuffer
          (push never blocks; a full buffer cancels that request: slow consumer);
          a raised step fails only its requests and feeds the circuit breaker
-      5. publish engine stats to the Prometheus gauges (every stats_interval_s)
+      5. publish engine stats to the Prometheus gauges (every stats_interval_s), and the
+         breaker state to the health service (NOT_SERVING while open)
       |
       v
     StreamBuffer per request (bounded) -> its handler thread -> gRPC stream
@@ -57,7 +58,8 @@ _FINISH = {
 class EngineLoop:
     def __init__(self, engine, waiting: WaitingQueue, ledger: RequestLedger,
                  breaker: CircuitBreaker, metrics, *, max_inflight: int,
-                 stats_interval_s: float = 0.1, idle_wait_s: float = 0.05):
+                 stats_interval_s: float = 0.1, idle_wait_s: float = 0.05,
+                 on_breaker_change=None):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
         self.stats_interval_s, self.idle_wait_s = stats_interval_s, idle_wait_s
@@ -69,6 +71,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._last_stats_s = 0.0
         self.last_stats: dict = {}
+        self._on_breaker_change = on_breaker_change  # called with the new state's name
+        self._breaker_state = "closed"
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
 
     # ---- called from handler threads ------------------------------------------------------
@@ -164,6 +168,7 @@ class EngineLoop:
                 self.unregister(r.request_id)
                 continue
             self._in_engine.add(r.request_id)
+            self.metrics.prompt_tokens.inc(len(r.engine_request.prompt_token_ids))
 
     def _step(self) -> None:
         try:
@@ -251,6 +256,10 @@ class EngineLoop:
         if now - self._last_stats_s < self.stats_interval_s:
             return
         self._last_stats_s = now
+        state = self.breaker.state
+        if state != self._breaker_state and self._on_breaker_change is not None:
+            self._on_breaker_change(state)
+        self._breaker_state = state
         try:
             self.last_stats = dict(self.engine.stats())
         except Exception:

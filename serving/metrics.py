@@ -53,7 +53,7 @@ class ServerMetrics:
         self.kv_pages_used = gauge("pagedjax_kv_pages_used", "KV cache pages in use")
         self.kv_pages_free = gauge("pagedjax_kv_pages_free", "KV cache pages free")
         self.kv_usage = gauge("pagedjax_kv_usage_ratio", "Fraction of KV pages in use")
-        self.prompt_tokens = counter("pagedjax_prompt_tokens", "Prompt tokens of finished requests")
+        self.prompt_tokens = counter("pagedjax_prompt_tokens", "Prompt tokens handed to the engine")
         self.generated_tokens = counter("pagedjax_generation_tokens", "Generated tokens")
         self.preemptions = counter("pagedjax_preemptions", "Requests preempted by the engine")
         self.prefix_queries = counter("pagedjax_prefix_cache_queries_tokens",
@@ -91,9 +91,8 @@ class ServerMetrics:
                 getattr(self, attr).inc(delta)
             self._last_stats[key] = now
 
-    def observe_finished(self, *, prompt_tokens: int, completion_tokens: int, ttft_s, tpot_s,
-                         e2e_s, queue_s, itl_s) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
+    def observe_finished(self, *, ttft_s, tpot_s, e2e_s, queue_s, itl_s) -> None:
+        """Latency histograms of a successful request (seconds; None: not measured)."""
         for hist, value in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.e2e, e2e_s),
                             (self.queue, queue_s)):
             if value is not None:

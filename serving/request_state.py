@@ -136,9 +136,7 @@ class RequestLedger:
                              refund_all=r.added_s is None)  # never reached the engine
         self.metrics.record_outcome(outcome, reason)
         if outcome == "success":
-            self.metrics.observe_finished(prompt_tokens=r.num_prompt_tokens,
-                                          completion_tokens=r.num_output_tokens,
-                                          **{k: r.timings[k] for k in
+            self.metrics.observe_finished(**{k: r.timings[k] for k in
                                              ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")})
         record = {"request_id": r.request_id, "tenant": r.tenant.name, "outcome": outcome,
                   "reason": reason, "status": status.name, "finish_reason": r.finish_reason,

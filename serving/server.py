@@ -71,7 +71,8 @@ class PagedJaxServer:
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
         self.loop = EngineLoop(engine, self.waiting, self.ledger, self.breaker, self.metrics,
-                               max_inflight=max_inflight)
+                               max_inflight=max_inflight,
+                               on_breaker_change=self._set_health)
         self.loop.last_stats = stats
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         self.service = PagedJaxService(
@@ -95,10 +96,15 @@ class PagedJaxServer:
             self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
             self.metrics_port = self._metrics_http.server_port
         self.grpc_server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._set_health("closed")
         log.info("gRPC server started on port %d (metrics port %s)", self.port, self.metrics_port)
         return self
+
+    def _set_health(self, breaker_state: str) -> None:
+        status = (health_pb2.HealthCheckResponse.NOT_SERVING if breaker_state == "open"
+                  else health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()

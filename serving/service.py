@@ -83,7 +83,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             context.abort(e.status, e.details)
-        context.add_callback(lambda: self._on_call_end(r))
+        if not context.add_callback(lambda: self._on_call_end(r)):
+            self._on_call_end(r)  # the call already ended (client gone)
         self.loop.wake.set()
         yield from self._relay(r, request.stream, context)
 

@@ -8,6 +8,7 @@ import threading
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
@@ -111,19 +112,28 @@ def test_slow_consumer_is_cancelled_and_does_not_hold_back_others():
 def test_circuit_breaker_opens_and_a_probe_closes_it():
     engine = MockEngine(step_time_s=0.001)
     with running_server(engine, breaker_failure_threshold=2,
-                        breaker_cooldown_s=0.3) as (server, client):
+                        breaker_cooldown_s=1.0) as (server, client):
+        health = health_pb2_grpc.HealthStub(client.channel)
+
+        def serving_status():
+            return health.Check(health_pb2.HealthCheckRequest()).status
+
         engine.fail_next_steps(2)
         first = client.generate("abc", max_tokens=5)
         second = client.generate("abc", max_tokens=5)
         assert (first.code, second.code) == ("INTERNAL", "INTERNAL")
         assert "engine step failed" in first.details
         rejected = client.generate("abc", max_tokens=5)
-        assert rejected.code == "UNAVAILABLE" and 0 < rejected.retry_after_ms <= 300
+        assert rejected.code == "UNAVAILABLE" and 0 < rejected.retry_after_ms <= 1000
         assert client.server_info().circuit_breaker == "open"
+        wait_for(lambda: serving_status() == health_pb2.HealthCheckResponse.NOT_SERVING,
+                 what="health NOT_SERVING while open")
         wait_for(lambda: server.breaker.state == "half_open", what="cooldown")
         probe = client.generate("abc", max_tokens=5)
         assert probe.ok and probe.text == "defgh"
         assert server.breaker.state == "closed"
+        wait_for(lambda: serving_status() == health_pb2.HealthCheckResponse.SERVING,
+                 what="health SERVING again")
         assert client.generate("xyz", max_tokens=3).ok
         counts = outcome_counts(server)
         assert counts == {("failed", "engine_step"): 2, ("rejected", "circuit_open"): 1,
