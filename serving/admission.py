@@ -194,6 +194,11 @@ class WaitingQueue:
             rates = self.drain.rates(self.clock())
             return None if rates is None else len(self._items) / rates[0]
 
+    def retry_after_hint_ms(self) -> int:
+        """When one more request could get in, from the measured drain rate."""
+        with self._lock:
+            return self._retry_ms(self.drain.rates(self.clock()), 1, 0)
+
     def pop(self) -> QueuedRequest | None:
         """The request with the highest class + waited / aging_s; FIFO among equals."""
         with self._lock:

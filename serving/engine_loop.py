@@ -147,7 +147,8 @@ class EngineLoop:
                           "deadline passed while queued")
             else:
                 self._end(r, "rejected", "queue_timeout", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"waited {self.waiting.cfg.queue_timeout_s}s in the queue")
+                          f"waited {self.waiting.cfg.queue_timeout_s}s in the queue",
+                          self.waiting.retry_after_hint_ms())
             self.unregister(item.request_id)
 
     def _feed(self) -> None:
@@ -246,10 +247,10 @@ class EngineLoop:
         self.unregister(r.request_id)
 
     def _end(self, r: ActiveRequest, outcome: str, reason: str, status: grpc.StatusCode,
-             details: str) -> None:
+             details: str, retry_after_ms: int | None = None) -> None:
         """End a request without a final output: record it and close its stream."""
         self.ledger.settle(r, outcome, reason, status, details)
-        r.stream.close(Terminal(status, details))
+        r.stream.close(Terminal(status, details, retry_after_ms))
 
     def _publish_stats(self) -> None:
         now = time.monotonic()

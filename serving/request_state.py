@@ -31,6 +31,7 @@ class Terminal:
 
     code: grpc.StatusCode
     details: str
+    retry_after_ms: int | None = None  # sent as trailing metadata `retry-after-ms`
 
 
 class StreamBuffer:

@@ -33,6 +33,7 @@ from serving.tenants import TenantLimiter, TenantRegistry, UnknownApiKey
 
 RETRY_AFTER_KEY = "retry-after-ms"
 API_KEY = "x-api-key"
+MAX_REQUEST_ID_CHARS = 256
 _POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 
 
@@ -125,6 +126,10 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             check_limits(a, len(prompt), sp)
         except InvalidRequestError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument",
+                           f"request_id of {len(request_id)} characters is invalid: at most "
+                           f"{MAX_REQUEST_ID_CHARS}")
         if self.loop.is_active(request_id):
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument",
                            f"request_id={request_id!r} is invalid: already in flight")
@@ -196,6 +201,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                 return
 
     def _abort(self, context, terminal: Terminal):
+        if terminal.retry_after_ms is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(terminal.retry_after_ms)),))
         context.abort(terminal.code, terminal.details)
 
     # ---- the other RPCs -------------------------------------------------------------------

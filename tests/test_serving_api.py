@@ -85,6 +85,7 @@ def test_token_id_prompt_stop_string_and_prefix_cache(served):
     (dict(prompt="abc", max_tokens=4, min_tokens=5), "min_tokens"),
     (dict(prompt="abc", stop=["x", "y", "z"]), "stop"),
     (dict(messages=[{"role": "robot", "content": "x"}]), "role"),
+    (dict(prompt="abc", request_id="x" * 257), "request_id"),
 ])
 def test_bad_input_is_invalid_argument_naming_field(served, fields, field):
     _, client = served

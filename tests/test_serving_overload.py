@@ -138,3 +138,41 @@ def test_circuit_breaker_opens_and_a_probe_closes_it():
         counts = outcome_counts(server)
         assert counts == {("failed", "engine_step"): 2, ("rejected", "circuit_open"): 1,
                           ("success", ""): 2}
+
+
+def test_priority_order_and_queue_timeout_through_the_server():
+    engine = MockEngine(step_time_s=0.002)
+    admission = AdmissionConfig(queue_timeout_s=5.0)
+    with running_server(engine, admission=admission, max_inflight=1) as (server, client):
+        done = []
+
+        def run(name, **fields):
+            res = client.generate("abc", **fields)
+            done.append((name, res))
+
+        blocker = threading.Thread(target=run, args=("blocker",), kwargs=dict(max_tokens=150))
+        blocker.start()
+        wait_for(lambda: server.loop.last_stats.get("num_running") == 1, what="blocker running")
+        low = threading.Thread(target=run, args=("low",), kwargs=dict(max_tokens=5,
+                                                                      priority="low"))
+        low.start()
+        wait_for(lambda: len(server.waiting) == 1, what="low queued")
+        high = threading.Thread(target=run, args=("high",), kwargs=dict(max_tokens=5,
+                                                                        priority="high"))
+        high.start()
+        for t in (blocker, low, high):
+            t.join(30)
+        assert [name for name, _ in done] == ["blocker", "high", "low"]
+        assert all(res.ok for _, res in done)
+    short = AdmissionConfig(queue_timeout_s=0.05)
+    with running_server(MockEngine(step_time_s=0.002), admission=short,
+                        max_inflight=1) as (server, client):
+        call = client.stream(build_request("abc", max_tokens=300))
+        next(call)
+        res = client.generate("abc", max_tokens=5)
+        assert res.code == "RESOURCE_EXHAUSTED" and "in the queue" in res.details
+        assert res.retry_after_ms is not None and res.retry_after_ms > 0
+        call.cancel()
+        wait_for(lambda: _total(server) == 2, what="both outcomes")
+        assert outcome_counts(server) == {("rejected", "queue_timeout"): 1,
+                                          ("cancelled", "client"): 1}
