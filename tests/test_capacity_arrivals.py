@@ -187,3 +187,16 @@ def test_open_loop_records_every_request_even_when_send_fails_or_hangs():
                                                     drain_timeout_s=0.05))
     assert sorted(r.outcome for r in records) == ["failed", "success", "timed_out"]
     assert any("boom" in r.reason for r in records)
+
+
+def test_build_request_maps_spec_fields():
+    from benchmarks.loadgen.workloads import RequestSpec
+    from serving.proto import pagedjax_pb2 as pb
+
+    spec = RequestSpec("id-1", "short_qa", "Four score", 3, 17, "gold", 1)
+    req = driver.build_request(spec, ignore_eos=True, temperature=0.0, seed=5)
+    assert (req.request_id, req.text, req.max_tokens) == ("id-1", "Four score", 17)
+    assert req.ignore_eos and req.stream and req.sampling.seed == 5
+    assert req.priority == pb.PRIORITY_HIGH
+    spec.priority = -7  # clamped to LOW
+    assert driver.build_request(spec, True, 0.0, None).priority == pb.PRIORITY_LOW

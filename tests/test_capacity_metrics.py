@@ -137,3 +137,9 @@ def test_outcome_counts_add_up_and_break_down_reasons():
     assert c["by_reason"]["timed_out"] == {"unspecified": 1}
     with pytest.raises(ValueError, match="oom"):
         m.outcome_counts([RequestRecord("x", outcome="oom")])
+
+
+def test_reason_key_folds_numbers():
+    assert m.reason_key("wait 5.000s exceeds the deadline (2.998s left)") == (
+        "wait #s exceeds the deadline (#s left)")
+    assert m.reason_key("") == "unspecified"
