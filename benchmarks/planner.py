@@ -154,6 +154,28 @@ def plan(cfg: ModelConfig, *, kv_dtype: str, device_memory_bytes: int, weights_b
     return out
 
 
+def render_plan(p: dict) -> str:
+    """The plan as a few lines a person reads."""
+    fits = ", ".join(f"{n} tokens: {k}" for n, k in p["sequences_that_fit"].items())
+    lines = [
+        (f"{p['model']}: {p['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token "
+         f"({p['kv_dtype']}), {p['page_bytes'] / 2**20:.2f} MiB per {p['page_size']}-token page"),
+        (f"KV budget {p['kv_budget_gib']:.2f} GiB = {p['device_memory_gib']:.1f} GiB x "
+         f"utilization - weights {p['weights_gib']:.2f} - workspace {p['workspace_gib']:.2f} "
+         f"-> {p['kv_pages']} pages, {p['kv_tokens']:,} tokens"),
+        f"sequences that fit: {fits}",
+        (f"at the length distribution: {p['concurrent_sequences_expected']} concurrent "
+         f"sequences at expected lengths, {p['concurrent_sequences_budgeted']} when "
+         f"max_tokens={p['max_tokens']} is budgeted"),
+        f"caution: {p['caution']}"]
+    if "output_token_demand_tps" in p:
+        lines.append(f"demand: {p['output_token_demand_tps']:.0f} output tok/s, "
+                     f"{p['input_token_demand_tps']:.0f} input tok/s")
+    if "replicas" in p:
+        lines.append(f"replicas: {p['replicas']} = {p['replica_formula']}")
+    return "\n".join(lines)
+
+
 # ---- command line ------------------------------------------------------------------------
 
 F = flags.FLAGS
@@ -177,6 +199,7 @@ flags.DEFINE_float("rate", None, "demand (requests/s)")
 flags.DEFINE_float("goodput_per_replica", None, "measured goodput of one replica (req/s)")
 flags.DEFINE_string("sweep_json", None, "take goodput_per_replica from a sweep.json")
 flags.DEFINE_float("reserve", 0.2, "headroom fraction (failures, rollouts, bursts)")
+flags.DEFINE_enum("format", "text", ["text", "json"], "output format")
 
 
 def _samples_from_flags() -> list[tuple[int, int]]:
@@ -204,7 +227,7 @@ def main(argv):
                   max_tokens=F.max_tokens, seq_lens=[int(s) for s in F.seq_lens],
                   rate_rps=F.rate, goodput_per_replica_rps=goodput, reserve=F.reserve,
                   utilization=F.utilization)
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1) if F.format == "json" else render_plan(result))
 
 
 if __name__ == "__main__":

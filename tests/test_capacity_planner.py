@@ -73,3 +73,15 @@ def test_plan_budgets_max_tokens_more_than_expected_lengths():
     assert out["lengths"]["mean_pages_budgeted"] == 77
     assert out["concurrent_sequences_budgeted"] < out["concurrent_sequences_expected"]
     assert "max_tokens" in out["caution"]
+
+
+def test_render_plan_states_replicas_and_caution():
+    out = planner.plan(SEED_MODEL, kv_dtype="bfloat16", device_memory_bytes=80 * GIB,
+                       weights_bytes=16 * GIB, workspace_bytes=4 * GIB, page_size=16,
+                       samples=[(100, 50)], max_tokens=1024, seq_lens=[8192], rate_rps=20.0,
+                       goodput_per_replica_rps=4.5, reserve=0.3)
+    text = planner.render_plan(out)
+    assert "128 KiB of KV per token" in text
+    assert "8192 tokens: 60" in text
+    assert "replicas: 6 = ceil(20.0 / 4.5 x (1 + 0.3))" in text
+    assert "max_tokens" in text
