@@ -180,26 +180,22 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         special = {name: _token_content(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
         ids = {name: backend.token_to_id(tok) if tok else None for name, tok in special.items()}
-        eos_ids = [ids["eos_token"]] if ids["eos_token"] is not None else []
-        generation = _read_json(folder / "generation_config.json")
-        gen_eos = generation.get("eos_token_id")
-        eos_ids += (
-            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        )
         if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
             # Same rule as transformers' TokenizersBackend: explicit flags rebuild the post-processor.
+            add_bos = bool(config.get("add_bos_token")) and ids["bos_token"] is not None
+            add_eos = bool(config.get("add_eos_token")) and ids["eos_token"] is not None
             backend.post_processor = _template_processing(
-                (special["bos_token"], ids["bos_token"]) if config.get("add_bos_token") else None,
-                (special["eos_token"], ids["eos_token"]) if config.get("add_eos_token") else None,
+                (special["bos_token"], ids["bos_token"]) if add_bos else None,
+                (special["eos_token"], ids["eos_token"]) if add_eos else None,
             )
-        template = config.get("chat_template")
-        if template is None and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        # generation_config.json may list more ids that end a generation (Llama 3: <|eot_id|>...).
+        gen_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         return cls(
             backend,
             bos_token_id=ids["bos_token"],
-            eos_token_ids=eos_ids,
-            chat_template=_chat_template(template, folder / "tokenizer_config.json"),
+            eos_token_ids=[i for i in (ids["eos_token"], *gen_eos) if i is not None],
+            chat_template=_hf_chat_template(folder, config),
             special_tokens=special,
             source=str(folder),
         )
@@ -431,13 +427,30 @@ def _template_processing(
     )
 
 
-def _chat_template(text: str | None, source: os.PathLike | str) -> ChatTemplate | None:
+def _chat_template(text: Any, source: str) -> ChatTemplate | None:
     if isinstance(text, list):  # tokenizer_config may hold named templates: [{"name", "template"}]
         named = {t.get("name"): t.get("template") for t in text if isinstance(t, Mapping)}
         text = named.get("default")
     if not text:
         return None
-    return ChatTemplate(text, source=str(source))
+    if not isinstance(text, str):
+        raise ModelLoadError(f"{source}: chat template is a {type(text).__name__}, not text")
+    try:
+        return ChatTemplate(text, source=source)
+    except ChatTemplateError as e:  # a model whose template does not compile does not load
+        raise ModelLoadError(str(e)) from e
+
+
+def _hf_chat_template(folder: Path, config: dict) -> ChatTemplate | None:
+    """The template in tokenizer_config.json, or in chat_template.jinja (newer transformers)."""
+    if config.get("chat_template") is not None:
+        return _chat_template(
+            config["chat_template"], f"{folder / 'tokenizer_config.json'}: chat_template"
+        )
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return _chat_template(jinja_file.read_text(encoding="utf-8"), str(jinja_file))
+    return None
 
 
 def _token_content(value: Any) -> str | None:

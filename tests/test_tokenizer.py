@@ -283,6 +283,26 @@ def test_hf_dir_round_trip_of_a_gguf_tokenizer(tmp_path):
     assert back.apply_chat_template(messages) == tok.apply_chat_template(messages)
 
 
+def test_hf_dir_chat_template_jinja_file(tmp_path):
+    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    folder = write_hf_dir(tmp_path / "hf", tok, {"eos_token": "<|im_end|>"})
+    assert Tokenizer.from_hf_dir(folder).chat_template is None
+    (folder / "chat_template.jinja").write_text(TINY_TEMPLATE)
+    back = Tokenizer.from_hf_dir(folder)
+    assert back.chat_template_sha256 == tok.chat_template_sha256
+    assert back.eos_token_ids == (2,)
+
+
+def test_broken_chat_template_fails_the_load_naming_file_and_key(tmp_path):
+    path = write_tiny_gguf(
+        tmp_path / "t.gguf", **{"tokenizer.chat_template": "{% for m in messages %}"}
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"t\.gguf: tokenizer\.chat_template: chat template line 1"
+    ):
+        Tokenizer.from_gguf(path)
+
+
 def test_hf_dir_add_bos_token_in_config_rebuilds_post_processor(tmp_path):
     tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": True}
