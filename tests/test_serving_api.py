@@ -66,6 +66,8 @@ def test_token_id_prompt_stop_string_and_prefix_cache(served):
     _, client = served
     res = client.generate(token_ids=list(b"qa"), max_tokens=20, stop=["efg"])
     assert (res.text, res.finish_reason) == ("bcd", "stop")
+    res = client.generate("a", max_tokens=20, stop_token_ids=[ord("d")])
+    assert (res.token_ids, res.text, res.finish_reason) == ([98, 99, 100], "bc", "stop")
     first = client.generate("0123456789", max_tokens=1)
     second = client.generate("0123456789", max_tokens=1)
     assert (first.cached_tokens, second.cached_tokens) == (0, 8)  # page_size 4
@@ -176,6 +178,24 @@ def test_tenants_from_api_key_and_token_budget(tmp_path):
         counts = outcome_counts(server)
         assert counts[("rejected", "unauthenticated")] == 2
         assert counts[("rejected", "tenant_tokens")] == 1 and counts[("success", "")] == 2
+
+
+def test_tenant_concurrency_limit():
+    registry = TenantRegistry.from_dict({"tenants": [
+        {"name": "solo", "api_keys": ["k-solo"], "max_concurrency": 1},
+        {"name": "other", "api_keys": ["k-other"]}]})
+    with running_server(tenants=registry, api_key="k-solo") as (server, client):
+        call = client.stream(build_request("abc", max_tokens=300))
+        next(call)
+        res = client.generate("abc", max_tokens=2)
+        assert res.code == "RESOURCE_EXHAUSTED" and res.retry_after_ms > 0
+        with GenerateClient(f"127.0.0.1:{server.port}", api_key="k-other") as other:
+            assert other.generate("abc", max_tokens=2).ok  # limits are per tenant
+        call.cancel()
+        wait_for(lambda: server.limiter.active("solo") == 0, what="slot released")
+        assert client.generate("abc", max_tokens=2).ok
+        counts = outcome_counts(server)
+        assert counts[("rejected", "tenant_concurrency")] == 1
 
 
 def test_build_request_fields():
