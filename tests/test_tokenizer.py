@@ -366,6 +366,28 @@ def test_tokenizer_hash_changes_with_the_vocabulary(tmp_path):
     assert a.sha256 == again.sha256
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pre", ["gpt2", "smollm", "llama-bpe", "qwen2"])
+def test_pre_tokenizers_match_transformers_gguf_converter(tmp_path, pre):
+    # transformers' own converter, fed the same metadata (skips its slow GGUF read).
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    tokens = tiny_vocab()
+    meta = {
+        "tokenizer_type": "gpt2",
+        "pre_tokenizer_type": pre,
+        "tokens": tokens,
+        "merges": TINY_MERGES,
+        "token_type": [3] * len(TINY_SPECIALS) + [1] * (len(tokens) - len(TINY_SPECIALS)),
+    }
+    ref, _ = mapping.convert_gguf_tokenizer("llama", meta)
+    path = write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.pre": pre})
+    ours = Tokenizer.from_gguf(path, compat="transformers")
+    for text in [*TEXTS, *DIGIT_TEXTS, "hello world 1234567 DON'T\r\n\r\n  x"]:
+        assert ours.encode(text) == ref.encode(text).ids, text
+        splits = ours.backend.pre_tokenizer.pre_tokenize_str(text)
+        assert splits == ref.pre_tokenizer.pre_tokenize_str(text), text
+
+
 # --- SmolLM2's real tokenizer ------------------------------------------------------------------
 
 
