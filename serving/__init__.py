@@ -1,1 +1,21 @@
-"""serving package."""
+"""The gRPC serving layer: API, admission control, tenants, metrics, client, mock engine.
+
+    proto/pagedjax.proto   the API (stubs committed; proto/regen.sh regenerates them)
+    server.py              PagedJaxServer: assembles everything; `python -m serving.server`
+    service.py             the RPC handlers; Generate's admission order and status codes
+    engine_loop.py         the engine thread; THE map of threads and queues (its docstring)
+    admission.py           limits, the bounded WaitingQueue (priority + aging), drain rate
+    tenants.py             x-api-key -> tenant; concurrency and tokens-per-minute budgets
+    breaker.py             circuit breaker over engine steps
+    request_state.py       per-request stream buffer, one-outcome ledger, JSON request log
+    metrics.py             Prometheus metrics in a per-server registry
+    convert.py             protobuf <-> engine types
+    client.py              GenerateClient; `python -m serving.client`
+    mock_engine.py         MockEngine: the engine interface with hand-checkable arithmetic
+    testing.py             running_server(): a real server on an ephemeral port, for tests
+
+One Generate call: handler thread -> admission (reject at once, or WaitingQueue) -> engine
+thread feeds the engine, steps it, pushes deltas to the request's StreamBuffer -> handler
+thread streams them -> final message (finish reason, usage, timings, resolved versions) ->
+exactly one recorded outcome and one JSON log line.
+"""

@@ -129,6 +129,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 50051, "gRPC port (0: ephemeral)")
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none)")
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
+    flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
     flags.DEFINE_integer("num_pages", None, "KV pages (None: engine default from memory)")
@@ -205,10 +206,21 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         engine_config={"model": FLAGS.model, **engine_config})
 
 
+def _setup_request_log(path: str | None) -> None:
+    """One bare JSON object per line (no log prefix), so the lines parse as JSON."""
+    handler = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    request_log = logging.getLogger("pagedjax.requests")
+    request_log.addHandler(handler)
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
+
+
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_request_log(FLAGS.request_log)
     options = engine_options_from_flags()
     engine = build_engine(FLAGS.model, options, mock_step_time_s=FLAGS.mock_step_time_s,
                           max_model_len=FLAGS.max_model_len)
