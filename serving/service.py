@@ -39,9 +39,10 @@ _POLL_S = 0.1  # how often a waiting handler checks that its client is still the
 
 class _Refusal(Exception):
     def __init__(self, status: grpc.StatusCode, reason: str, details: str,
-                 retry_after_ms: int | None = None, outcome: str = "rejected"):
+                 retry_after_ms: int | None = None, outcome: str = "rejected",
+                 tenant: str = "?"):
         self.status, self.reason, self.details = status, reason, details
-        self.retry_after_ms, self.outcome = retry_after_ms, outcome
+        self.retry_after_ms, self.outcome, self.tenant = retry_after_ms, outcome, tenant
         super().__init__(details)
 
 
@@ -66,20 +67,10 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         arrival_s = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
-        tenant_name = "?"
         try:
-            try:
-                tenant = self._authenticate(context)
-                tenant_name = tenant.name
-                r = self._admit(request, request_id, tenant, context, arrival_s)
-            except _Refusal:
-                raise
-            except ValueError as e:  # e.g. the model has no chat template
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
-            except Exception as e:  # noqa: BLE001 - still exactly one recorded outcome
-                raise _Refusal(grpc.StatusCode.INTERNAL, "internal", repr(e)) from e
+            r = self._admit_call(request, request_id, context, arrival_s)
         except _Refusal as e:
-            self.ledger.reject(request_id, tenant_name, e.reason, e.status, e.details, arrival_s,
+            self.ledger.reject(request_id, e.tenant, e.reason, e.status, e.details, arrival_s,
                                outcome=e.outcome)
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
@@ -88,6 +79,23 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             self._on_call_end(r)  # the call already ended (client gone)
         self.loop.wake.set()
         yield from self._relay(r, request.stream, context)
+
+    def _admit_call(self, request, request_id, context, arrival_s) -> ActiveRequest:
+        """Admission, with every failure turned into a _Refusal (one recorded outcome)."""
+        tenant_name = "?"
+        try:
+            tenant = self._authenticate(context)
+            tenant_name = tenant.name
+            return self._admit(request, request_id, tenant, context, arrival_s)
+        except _Refusal as e:
+            e.tenant = tenant_name
+            raise
+        except ValueError as e:  # e.g. the model has no chat template
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e),
+                           tenant=tenant_name) from e
+        except Exception as e:  # noqa: BLE001 - a bug here must still end in one outcome
+            raise _Refusal(grpc.StatusCode.INTERNAL, "internal", repr(e),
+                           tenant=tenant_name) from e
 
     def _authenticate(self, context):
         api_key = dict(context.invocation_metadata()).get(API_KEY)
@@ -121,7 +129,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             prompt = convert.prompt_token_ids(request, self.engine.tokenizer, self.vocab_size)
             a = self.limits.admission
             # NOTE: unset max_tokens is the default, shrunk to what the context leaves.
-            default = max(1, min(a.default_max_tokens, a.max_tokens, a.max_model_len - len(prompt)))
+            default = max(1, min(a.default_max_tokens, a.max_tokens,
+                                 a.max_model_len - len(prompt)))
             sp = convert.sampling_params(request, default)
             check_limits(a, len(prompt), sp)
         except InvalidRequestError as e:
