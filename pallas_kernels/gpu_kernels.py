@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import layout
 from pallas_kernels.layout import block_table, num_query_blocks, pad_page_table, pow2
 from pallas_kernels.reference import token_to_seq
 
@@ -155,6 +156,11 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, query_s
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_pages.shape
     _check_gpu_shapes(page_size, head_dim)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                k_scales=k_scales, v_scales=v_scales, interpret=interpret)
+    if max_query_len == 1:  # decode-only step: the split-K decode kernel parallelises better
+        return _ragged_as_decode(q, k_pages, v_pages, kv_lens, page_table, query_start,
+                                 num_seqs, layer, **opts)
     group = num_heads // num_kv_heads
     group_pad = pow2(group)
     block_q = max(max(1, 16 // group_pad), min(max(1, Q_TILE_ROWS // group_pad),
@@ -181,6 +187,18 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, query_s
     out = out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
     _, _, valid = token_to_seq(query_start, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def _ragged_as_decode(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer,
+                      **opts):
+    """A ragged batch whose sequences have 0 or 1 query each, through the decode kernel."""
+    q_lens = layout.query_lens(query_start, num_seqs)  # [S]
+    rows = jnp.clip(query_start[:-1], 0, q.shape[0] - 1)
+    out = decode_paged_attention_gpu(q[rows], k_pages, v_pages,
+                                     jnp.where(q_lens > 0, kv_lens, 0), page_table, layer,
+                                     **opts)  # [S, H, hd]
+    seq, _, valid = token_to_seq(query_start, num_seqs, q.shape[0])
+    return jnp.where(valid[:, None, None], out[seq], 0).astype(q.dtype)
 
 
 def _decode_kernel(kv_lens_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,

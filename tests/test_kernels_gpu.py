@@ -118,3 +118,14 @@ def test_kernels_lower_for_cuda(int8):
     lowered = jax.jit(step).trace(*case.attention_args()[:-1], case.k_scales,
                                   case.v_scales).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("triton") >= 2
+
+
+def test_decode_only_ragged_batch_uses_decode_path():
+    """max_query_len=1 (what the engine passes for decode-only steps) with empty and padded
+    sequences and padding rows."""
+    rng = np.random.default_rng(9)
+    case = make_case(rng, kv_lens=[17, 0, 32, 5], q_lens=[1, 0, 1, 1], page_size=16,
+                     num_kv_heads=2, group=3, head_dim=64, pad_seqs=2, pad_tokens=3)
+    out = pk.ragged_paged_attention(*case.attention_args(), sm_scale=0.2, max_query_len=1,
+                                    impl=IMPL, interpret=True)
+    _check(out, naive_attention(case, sm_scale=0.2), jnp.float32)
