@@ -1,6 +1,8 @@
 """The request contract end to end: a real gRPC server on localhost with the MockEngine."""
 
 import json
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -211,3 +213,13 @@ def test_identity_is_configurable():
     engine = MockEngine(identity=MockIdentity(revision="r2"))
     with running_server(engine) as (_, client):
         assert client.generate("a", max_tokens=1, revision="r2").versions["revision"] == "r2"
+
+
+def test_client_cli_prints_tokens_and_summary(served):
+    server, _ = served
+    out = subprocess.run(
+        [sys.executable, "-m", "serving.client", f"--target=127.0.0.1:{server.port}",
+         "--prompt=abc", "--max_tokens=5", "--stream"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith("defgh\n")
+    assert "[length] prompt=3 cached=0 completion=5" in out and "mock@mock-rev-1" in out
