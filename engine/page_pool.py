@@ -81,7 +81,8 @@ class PagePoolStats:
     hit_tokens: int = 0  # of those, served from the cache (= prefill tokens saved)
     evictions: int = 0  # cached pages whose key was dropped to reuse the page
     expirations: int = 0  # cached pages dropped by the TTL
-    allocation_failures: int = 0  # allocate() calls answered "no room"
+    # allocate() calls answered "no room", plus steps whose next admission did not fit
+    allocation_failures: int = 0
 
     @property
     def hit_rate(self) -> float:
