@@ -141,3 +141,11 @@ def test_operating_point_needs_every_lower_rate_to_pass():
              {"rate": 4.0, "gates": {"a": True}}]
     assert sweep.operating_point(steps) == 1.0
     assert sweep.geometric_rates(0.5, 2.0, 4) == [0.5, 1.0, 2.0, 4.0]
+
+
+def test_gates_pass_undefined_tpot_but_not_missing_ttft():
+    step = sweep.step_summary(1.0, fake_step_report(1.0, 0.3, 1.0))
+    step["tpot_s"] = {"p50": None, "p95": None, "p99": None}
+    assert all(sweep.check_gates(step, sweep.Gates()).values())
+    step["ttft_s"] = {"p50": None, "p95": None, "p99": None}
+    assert not sweep.check_gates(step, sweep.Gates())["ttft_s_p95"]
