@@ -1,4 +1,4 @@
-"""Capacity planner: memory feasibility (KV that fits) and replicas for a demand.
+r"""Capacity planner: memory feasibility (KV that fits) and replicas for a demand.
 
     python -m benchmarks.planner plan --model=llama-3.1-8b --kv_dtype=bfloat16 \
         --device_memory_gib=80 --weights_gib=16.1 --workspace_gib=6 --page_size=16 \

@@ -1,4 +1,4 @@
-"""Load generator and capacity report for the pagedjax gRPC server.
+r"""Load generator and capacity report for the pagedjax gRPC server.
 
 Capacity is not tokens per second: it is the highest arrival rate at which latency, quality
 and error gates all pass on representative mixed traffic (bursts, long prompts, long answers,

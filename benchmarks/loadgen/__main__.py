@@ -1,4 +1,4 @@
-"""python -m benchmarks.loadgen: one load run, or a rate sweep, against a local server.
+r"""python -m benchmarks.loadgen: one load run, or a rate sweep, against a local server.
 
     python -m benchmarks.loadgen --target=127.0.0.1:50051 --metrics_url=http://127.0.0.1:9090/metrics \
         --workload=short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1,multi_tenant:0.1 \
