@@ -73,6 +73,7 @@ def test_cli_run_bursty_mixed_with_cancellations(mock_server, tmp_path):
     report = check_report(out)
     assert report["conditions"]["model"] == "mock"
     assert report["conditions"]["revision"]
+    assert report["conditions"]["prompt_tokens_per_word"] > 4  # the mock tokenizes bytes
     assert report["outcomes"]["success"] > 0
     assert report["outcomes"]["cancelled"] > 0
     assert report["ttft_s"]["count"] == report["outcomes"]["success"]

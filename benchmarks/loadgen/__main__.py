@@ -61,6 +61,8 @@ flags.DEFINE_float("min_good_fraction", 0.9, "sweep gate: good / non-cancelled s
 flags.DEFINE_float("max_error_rate", 0.01, "sweep gate: (rejected+timed_out+failed) / sent")
 flags.DEFINE_string("gate_percentile", "p95", "sweep gate percentile for TTFT/TPOT/E2E")
 flags.DEFINE_list("api_keys", [], "tenant:key,... sent as x-api-key (server tenants config)")
+flags.DEFINE_bool("calibrate_prompts", True, "size prompts with the server's tokenizer "
+                  "(Tokenize RPC) instead of 1.3 tokens per word")
 flags.DEFINE_bool("progress", True, "show a progress bar")
 flags.DEFINE_string("out", "/tmp/loadgen", "output directory")
 
@@ -80,7 +82,7 @@ def config_from_flags(rate: float | None = None) -> RunConfig:
         cost=report.CostConfig(F.price_per_device_hour, F.num_devices, F.power_w,
                                F.price_per_kwh),
         warm_window_s=F.warm_window_s, scrape_interval_s=F.scrape_interval_s,
-        save_trace=F.save_trace, progress=F.progress,
+        save_trace=F.save_trace, progress=F.progress, calibrate_prompts=F.calibrate_prompts,
         api_keys=dict(kv.split(":", 1) for kv in F.api_keys))
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from benchmarks.loadgen import arrivals, driver, report, trace
 from benchmarks.loadgen.metrics import SloPolicy
 from benchmarks.loadgen.scrape import Scraper, summarize_scrape
-from benchmarks.loadgen.workloads import WorkloadGenerator, mix_to_dict, parse_mix
+from benchmarks.loadgen.workloads import Corpus, WorkloadGenerator, mix_to_dict, parse_mix
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
@@ -52,6 +52,7 @@ class RunConfig:
     api_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # tenant -> x-api-key
     progress: bool = True
     plots: bool = True
+    calibrate_prompts: bool = True  # measure tokens/word with the server's Tokenize first
 
 
 def check_loopback(target: str) -> None:
@@ -81,14 +82,26 @@ def server_conditions(target: str) -> dict:
             "engine_config": d.get("engine_config", {}), "stats_at_start": d.get("stats", {})}
 
 
-def make_specs(cfg: RunConfig):
+def measure_tokens_per_word(target: str, corpus: Corpus, num_words: int = 2000) -> float | None:
+    """The server tokenizer's tokens per corpus word (None if Tokenize is unavailable)."""
+    text = " ".join(corpus.words[:num_words])
+    with grpc.insecure_channel(target) as channel:
+        try:
+            resp = pb_grpc.PagedJaxStub(channel).Tokenize(pb.TokenizeRequest(text=text),
+                                                          timeout=30)
+        except grpc.RpcError:
+            return None
+    return len(resp.token_ids) / len(text.split()) if resp.token_ids else None
+
+
+def make_specs(cfg: RunConfig, corpus: Corpus):
     """(open-loop specs or None, generator for closed loop, workload description)."""
     if cfg.trace_path:
         entries = trace.load_trace(cfg.trace_path)[: cfg.max_requests]
-        specs = trace.specs_from_trace(entries, cfg.trace_speedup, cfg.seed)
+        specs = trace.specs_from_trace(entries, cfg.trace_speedup, cfg.seed, corpus)
         return specs, None, {"trace": cfg.trace_path, "speedup": cfg.trace_speedup,
                              "entries": len(entries)}
-    gen = WorkloadGenerator(parse_mix(cfg.workload), length_scale=cfg.length_scale,
+    gen = WorkloadGenerator(parse_mix(cfg.workload), corpus, length_scale=cfg.length_scale,
                             cancel_fraction=cfg.cancel_fraction, seed=cfg.seed)
     mix = mix_to_dict(gen.mix, cfg.length_scale)
     times = arrivals.schedule(cfg.arrival, cfg.duration_s, cfg.max_requests)
@@ -122,7 +135,11 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
     """Runs the load, writes the report into `out_dir`, returns the report dict."""
     check_loopback(cfg.target)
     conditions = server_conditions(cfg.target)
-    specs, gen, workload = make_specs(cfg)
+    corpus = Corpus()
+    if cfg.calibrate_prompts:
+        measured = measure_tokens_per_word(cfg.target, corpus)
+        corpus.tokens_per_word = measured or corpus.tokens_per_word
+    specs, gen, workload = make_specs(cfg, corpus)
     scraper = Scraper(cfg.metrics_url, cfg.scrape_interval_s).start() if cfg.metrics_url else None
     total = len(specs) if specs is not None else cfg.max_requests
     with tqdm(total=total, desc="requests", unit="req", disable=not cfg.progress) as bar:
@@ -135,6 +152,7 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
         "arrival": arrivals.to_dict(cfg.arrival) if not cfg.trace_path else {"kind": "trace"},
         "duration_s": cfg.duration_s, "max_requests": cfg.max_requests,
         "cancel_fraction": cfg.cancel_fraction, "request_timeout_s": cfg.request_timeout_s,
+        "prompt_tokens_per_word": corpus.tokens_per_word,
         "sampling": {"temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
                      "seed": cfg.seed, "max_tokens": "sampled output length per request"},
         "concurrency": (cfg.arrival.concurrency if cfg.arrival.kind == "closed"

@@ -100,18 +100,25 @@ class RequestSpec:
 
 
 class Corpus:
-    """Words of the corpus files, cycled to build prompts of a target token count."""
+    """Words of the corpus files, cycled to build prompts of a target token count.
 
-    def __init__(self, text: str | None = None):
+    `tokens_per_word` converts the target to words; the load generator measures it with the
+    server's own tokenizer (Tokenize RPC) before a run, so targets hold for any model.
+    """
+
+    def __init__(self, text: str | None = None, tokens_per_word: float = TOKENS_PER_WORD):
         if text is None:
             text = "\n".join(p.read_text() for p in sorted(CORPUS_DIR.glob("*.txt")))
         self.words = text.split()
         if not self.words:
             raise ValueError("corpus is empty")
+        if tokens_per_word <= 0:
+            raise ValueError(f"tokens_per_word={tokens_per_word}: must be > 0")
+        self.tokens_per_word = tokens_per_word
 
     def text(self, num_tokens: int, rng: random.Random) -> str:
         """About `num_tokens` tokens of consecutive corpus words from a random start."""
-        n_words = max(1, round(num_tokens / TOKENS_PER_WORD))
+        n_words = max(1, round(num_tokens / self.tokens_per_word))
         start = rng.randrange(len(self.words))
         return " ".join(self.words[(start + i) % len(self.words)] for i in range(n_words))
 
