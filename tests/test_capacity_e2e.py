@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from benchmarks.loadgen import arrivals
+from benchmarks.loadgen import arrivals, trace
 from benchmarks.loadgen.metrics import OUTCOMES, parse_slo_policy
 from benchmarks.loadgen.run import RunConfig, check_loopback, run_load
 
@@ -89,9 +89,12 @@ def test_closed_loop_counts_add_up(mock_server, tmp_path):
     cfg = RunConfig(target=f"127.0.0.1:{port}", workload="long_generation",
                     length_scale=0.1, duration_s=30.0, max_requests=12,
                     arrival=arrivals.ArrivalConfig("closed", concurrency=4),
-                    slo=parse_slo_policy("ttft_s=5,tpot_s=1"), progress=False, plots=False)
+                    slo=parse_slo_policy("ttft_s=5,tpot_s=1"), progress=False, plots=False,
+                    save_trace=str(tmp_path / "closed.jsonl"))
     report = run_load(cfg, tmp_path)
     check_report(tmp_path, plots=False)
+    replay = trace.load_trace(tmp_path / "closed.jsonl")  # a closed loop run as a trace
+    assert len(replay) == 12 and all(e.workload == "long_generation" for e in replay)
     assert report["requests_sent"] == 12
     assert report["outcomes"]["success"] == 12
     assert report["conditions"]["concurrency"] == 4

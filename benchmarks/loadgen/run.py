@@ -110,7 +110,7 @@ def make_specs(cfg: RunConfig, corpus: Corpus):
     return [gen.next(t) for t in times], None, mix
 
 
-async def _drive(cfg: RunConfig, specs, gen, bar) -> list:
+async def _drive(cfg: RunConfig, specs, gen, bar, sent: list) -> list:
     async with grpc.aio.insecure_channel(cfg.target) as channel:
         stub = pb_grpc.PagedJaxStub(channel)
 
@@ -120,13 +120,17 @@ async def _drive(cfg: RunConfig, specs, gen, bar) -> list:
                                         seed=cfg.seed, timeout_s=cfg.request_timeout_s,
                                         api_keys=cfg.api_keys)
 
+        def next_spec():
+            sent.append(gen.next())
+            return sent[-1]
+
         on_done = lambda rec: bar.update(1)
         if specs is not None:
             return await driver.dispatch_open_loop(
                 specs, send, start_s=time.perf_counter(), duration_s=cfg.duration_s,
                 drain_timeout_s=cfg.drain_timeout_s, on_done=on_done)
         return await driver.dispatch_closed_loop(
-            gen.next, send, concurrency=cfg.arrival.concurrency, duration_s=cfg.duration_s,
+            next_spec, send, concurrency=cfg.arrival.concurrency, duration_s=cfg.duration_s,
             max_requests=cfg.max_requests, drain_timeout_s=cfg.drain_timeout_s,
             on_done=on_done)
 
@@ -144,7 +148,8 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
     total = len(specs) if specs is not None else cfg.max_requests
     with tqdm(total=total, desc="requests", unit="req", disable=not cfg.progress) as bar:
         t_start = time.perf_counter()
-        records = asyncio.run(_drive(cfg, specs, gen, bar))
+        sent = list(specs or [])  # closed loop: filled as requests are drawn
+        records = asyncio.run(_drive(cfg, specs, gen, bar, sent))
     if scraper:
         scraper.stop()
     conditions.update({
@@ -166,7 +171,7 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
                               scrape=scrape, warm_window_s=cfg.warm_window_s)
     report.write_report(out_dir, rep, records, plots=cfg.plots)
     if cfg.save_trace:
-        by_id = {s.request_id: s for s in specs or []}
+        by_id = {s.request_id: s for s in sent}
         entries = [trace.entry_from_spec(by_id[r.request_id], r.send_s - t_start)
                    for r in records if r.request_id in by_id]
         trace.save_trace(cfg.save_trace, sorted(entries, key=lambda e: e.arrival_s))
