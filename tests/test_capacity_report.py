@@ -62,6 +62,13 @@ def test_report_has_required_keys_and_consistent_counts():
     assert r["ttft_s"]["count"] == 4  # latency over successful requests only
 
 
+def test_observed_concurrency():
+    recs = [RequestRecord("a", send_s=0.0, end_s=2.0), RequestRecord("b", send_s=1.0, end_s=3.0),
+            RequestRecord("c", send_s=5.0, end_s=6.0)]
+    # In flight: 1 on [0,1), 2 on [1,2), 1 on [2,3), 0 on [3,5), 1 on [5,6): area 5 over 6 s.
+    assert report.observed_concurrency(recs) == {"mean": pytest.approx(5 / 6), "max": 2}
+
+
 def test_report_groups_and_warm_vs_cold():
     r = build()
     assert set(r["by_class"]) == {"short_qa", "long_context"}

@@ -62,6 +62,8 @@ def markdown(r: dict) -> str:
               f"(server-reported per request; scraped counters: "
               f"{_f(r['server_metrics'].get('prefix_cache_hit_rate'))}); preemptions during "
               f"the run: {_f(r['server_metrics'].get('preemptions'))}"),
+             (f"- requests in flight at the client: mean "
+              f"{_f(r['observed_concurrency']['mean'])}, max {r['observed_concurrency']['max']}"),
              f"- load generator dispatch lag p99: {_ms(r['dispatch_lag_s']['p99'])} ms", "",
              "## Latency (successful requests)", ""]
     lines += latency_table({"all": r, **{f"class {k}": v for k, v in r["by_class"].items()},

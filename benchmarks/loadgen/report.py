@@ -78,6 +78,22 @@ def grouped(records: Sequence[RequestRecord], key: Callable[[RequestRecord], obj
     return {k: group_block(v, policy, wall_s) for k, v in sorted(groups.items())}
 
 
+def observed_concurrency(records: Sequence[RequestRecord]) -> dict:
+    """Requests in flight at the client (send -> end): time-weighted mean and maximum."""
+    events = sorted([(r.send_s, 1) for r in records if r.end_s is not None]
+                    + [(r.end_s, -1) for r in records if r.end_s is not None])
+    if not events:
+        return {"mean": None, "max": 0}
+    level = peak = 0
+    area, last = 0.0, events[0][0]
+    for t, step in events:
+        area += level * (t - last)
+        level, last = level + step, t
+        peak = max(peak, level)
+    span = events[-1][0] - events[0][0]
+    return {"mean": area / span if span > 0 else float(peak), "max": peak}
+
+
 def cost_block(cost: CostConfig, wall_s: float, n_success: int, n_good: int,
                output_tokens: int) -> dict:
     device_hours = cost.num_devices * wall_s / 3600.0
@@ -133,6 +149,7 @@ def build_report(records: Sequence[RequestRecord], *, conditions: dict, policy: 
                                        good["good_requests"], out_tokens)["cost_per_success"],
         "cost": cost_block(cost, wall_s, outcomes["success"], good["good_requests"], out_tokens),
         "dispatch_lag_s": m.summarize(lags),
+        "observed_concurrency": observed_concurrency(records),
         "by_class": grouped(records, lambda r: r.workload, policy, wall_s),
         "by_priority": grouped(records, lambda r: r.priority, policy, wall_s),
         "by_tenant": grouped(records, lambda r: r.tenant, policy, wall_s),
