@@ -250,9 +250,18 @@ def ban_stop_ids_before_min_tokens(logits: Array, tensors: SamplingTensors) -> A
 
 # ---------------------------------------------------------------- filters and sampling
 
-def _filter_threshold(cand: Array, temperature: Array, lse_scaled: Array,
-                      tensors: SamplingTensors) -> Array:
-    """[S] lowest logit kept by top-k then top-p (-inf for rows using neither).
+def _gumbels(tensors: SamplingTensors, sizes: tuple[int, ...]) -> list[Array]:
+    """Per row, one [S, n] Gumbel draw per size; keys from (seed, output position) only."""
+    keys = jax.random.wrap_key_data(tensors.key_data, impl="threefry2x32")  # [S]
+    keys = jax.vmap(jax.random.fold_in)(keys, tensors.step)  # [S]
+    split = jax.vmap(lambda k: jax.random.split(k, len(sizes)))(keys)  # [S, len(sizes)]
+    return [jax.vmap(lambda k, n=n: jax.random.gumbel(k, (n,)))(split[:, i])
+            for i, n in enumerate(sizes)]
+
+
+def _top_k_top_p_threshold(cand: Array, temperature: Array, lse_scaled: Array,
+                           tensors: SamplingTensors) -> Array:
+    """[S] lowest processed logit kept by top-k then top-p (-inf for rows using neither).
     cand [S, C]: the row's top processed logits, descending; lse_scaled [S]: logsumexp of
     logits / temperature over the whole row."""
     C = cand.shape[1]
@@ -271,48 +280,42 @@ def _filter_threshold(cand: Array, temperature: Array, lse_scaled: Array,
     return jnp.where(k_on | p_on, thr, _NEG_INF)
 
 
-def _row_keys(tensors: SamplingTensors) -> tuple[Array, Array]:
-    """Two typed keys per row, from (seed, output position) only."""
-    keys = jax.random.wrap_key_data(tensors.key_data, impl="threefry2x32")  # [S]
-    keys = jax.vmap(jax.random.fold_in)(keys, tensors.step)  # [S]
-    pair = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [S, 2]
-    return pair[:, 0], pair[:, 1]
-
-
-def _draw(scaled: Array, keep: Array, tensors: SamplingTensors) -> Array:
-    """[S] i32 token drawn from softmax(scaled) restricted to `keep` (both [S, V]): a block
-    of BLOCK tokens by Gumbel-max over block masses, then a token by Gumbel-max inside it."""
-    S, V = scaled.shape
-    nb = -(-V // BLOCK)
-    pad = ((0, 0), (0, nb * BLOCK - V))
-    masked = jnp.where(keep, scaled, _NEG_INF)  # [S, V]
-    blocks = jnp.pad(masked, pad, constant_values=_NEG_INF).reshape(S, nb, BLOCK)
-    row_max = jnp.max(masked, axis=-1)  # [S]
-    mass = jnp.sum(jnp.exp(blocks - row_max[:, None, None]), axis=-1)  # [S, NB]
-    key_block, key_token = _row_keys(tensors)
-    g_block = jax.vmap(lambda k: jax.random.gumbel(k, (nb,)))(key_block)  # [S, NB]
-    block = jnp.argmax(jnp.log(mass) + g_block, axis=-1)  # [S]
-    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, BLOCK]
-    g_token = jax.vmap(lambda k: jax.random.gumbel(k, (BLOCK,)))(key_token)  # [S, BLOCK]
-    offset = jnp.argmax(inside + g_token, axis=-1)  # [S]
-    return (block * BLOCK + offset).astype(jnp.int32)
-
-
-def _sample_random(logits: Array, row_max: Array, cand: Array | None,
+def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: Array | None,
                    tensors: SamplingTensors) -> Array:
     """[S] tokens for sampling rows: temperature -> top-k -> top-p -> min-p -> draw.
-    Thresholds are compared in processed-logit units (dividing by T > 0 keeps the order)."""
+
+    Rows without top-k/top-p draw from the whole vocabulary, hierarchically: a block of
+    BLOCK tokens by Gumbel-max over block masses, then a token by Gumbel-max inside it (exact,
+    and V / BLOCK + BLOCK random numbers instead of V). Rows with top-k/top-p keep a subset of
+    the candidates, so they draw by Gumbel-max over the candidates. Thresholds are compared in
+    processed-logit units (dividing by T > 0 keeps the order)."""
+    S, V = logits.shape
+    nb = -(-V // BLOCK)
     temperature = jnp.where(tensors.temperature > 0, tensors.temperature, 1.0)  # [S]
-    scaled = logits / temperature[:, None]  # [S, V]
-    thr = jnp.full(row_max.shape, _NEG_INF)  # [S]
-    if cand is not None:
-        lse_scaled = jax.nn.logsumexp(scaled, axis=-1)  # [S]
-        thr = _filter_threshold(cand, temperature, lse_scaled, tensors)
     # min-p: p >= min_p * p_max  <=>  logit >= max + T * log(min_p); renormalizing keeps it.
     min_p_thr = jnp.where(tensors.min_p > 0, row_max + temperature * jnp.log(tensors.min_p),
-                          _NEG_INF)
-    thr = jnp.maximum(thr, min_p_thr)  # [S]
-    return _draw(scaled, logits >= thr[:, None], tensors)
+                          _NEG_INF)  # [S]
+    pad = ((0, 0), (0, nb * BLOCK - V))
+    blocks = jnp.pad(logits, pad, constant_values=_NEG_INF).reshape(S, nb, BLOCK)
+    scaled = blocks / temperature[:, None, None]  # [S, NB, BLOCK]
+    e = jnp.exp(scaled - (row_max / temperature)[:, None, None])  # [S, NB, BLOCK]
+    kept = blocks >= min_p_thr[:, None, None]  # [S, NB, BLOCK]
+    mass = jnp.sum(jnp.where(kept, e, 0.0), axis=-1)  # [S, NB]
+    g_block, g_token, g_cand = _gumbels(tensors, (nb, BLOCK, cand.shape[1] if cand is not None
+                                                  else 1))
+    block = jnp.argmax(jnp.log(mass) + g_block, axis=-1)  # [S]
+    pick = lambda x: jnp.take_along_axis(x, block[:, None, None], axis=1)[:, 0]
+    inside = jnp.where(pick(kept), pick(scaled), _NEG_INF)  # [S, BLOCK]
+    drawn = block * BLOCK + jnp.argmax(inside + g_token, axis=-1)  # [S]
+    if cand is None:
+        return drawn.astype(jnp.int32)
+    lse_scaled = row_max / temperature + jnp.log(jnp.sum(e, axis=(1, 2)))  # [S]
+    thr = jnp.maximum(_top_k_top_p_threshold(cand, temperature, lse_scaled, tensors), min_p_thr)
+    scores = jnp.where(cand >= thr[:, None], cand / temperature[:, None], _NEG_INF)  # [S, C]
+    from_cand = jnp.take_along_axis(cand_ids, jnp.argmax(scores + g_cand, axis=-1)[:, None],
+                                    axis=-1)[:, 0]  # [S]
+    filtered = (tensors.top_k > 0) | (tensors.top_p < 1.0)  # [S]
+    return jnp.where(filtered, from_cand, drawn).astype(jnp.int32)
 
 
 def sample(logits: Array, tensors: SamplingTensors, counts: Array | None = None,
@@ -338,14 +341,13 @@ def sample(logits: Array, tensors: SamplingTensors, counts: Array | None = None,
         # one slice; slicing the result again (cand[:, 0]) can otherwise fold into the sort
         # and leave a full sort of V (about 1 s here). The barrier keeps the pattern intact.
         cand, cand_ids = jax.lax.optimization_barrier((cand, cand_ids))
-        greedy = cand_ids[:, 0]
-        row_max = cand[:, 0]
+        greedy, row_max = cand_ids[:, 0], cand[:, 0]
     else:
-        greedy = jnp.argmax(logits, axis=-1)
-        row_max = jnp.max(logits, axis=-1)
+        greedy, row_max = jnp.argmax(logits, axis=-1), jnp.max(logits, axis=-1)
     tokens = greedy.astype(jnp.int32)  # [S]
     if not flags.all_greedy:
-        drawn = _sample_random(logits, row_max, cand if filters else None, tensors)
+        drawn = _sample_random(logits, row_max, cand if filters else None,
+                               cand_ids if filters else None, tensors)
         tokens = jnp.where(tensors.temperature > 0, drawn, tokens)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [S]
     if flags.top_logprobs:

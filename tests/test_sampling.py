@@ -93,7 +93,7 @@ def test_temperature_sampling_matches_softmax_chi_square():
     for temperature in (1.0, 0.5, 2.0):
         probs = np.exp(logits / temperature) / np.exp(logits / temperature).sum()
         params_fn = functools.partial(seeded, temperature=temperature)
-        toks = draw_many(logits, params_fn,                         8 * S)
+        toks = draw_many(logits, params_fn, 8 * S)
         assert chi_square(toks, probs) < 27.9, temperature
 
 
@@ -280,3 +280,13 @@ def test_host_helpers():
                                         top_logprobs=False)
     assert uses_penalties([None, SamplingParams(presence_penalty=0.1)])
     assert not uses_penalties([None, SamplingParams()])
+
+
+def test_nucleus_wider_than_the_candidate_cap_is_truncated_to_the_cap():
+    logits = rng.standard_normal(V).astype(np.float32) * 0.1  # flat: the 0.99 nucleus > 256
+    top = set(np.argsort(-logits, kind="stable")[:256])
+    capped = draw_many(logits, functools.partial(seeded, top_p=0.99), 2 * S)
+    assert set(np.unique(capped)) <= top
+    exact = draw_many(logits, functools.partial(seeded, top_p=0.99), 2 * S,
+                      SamplingFlags(max_candidates=V))
+    assert not set(np.unique(exact)) <= top
