@@ -5,26 +5,27 @@ Data flow inside the engine's jitted step (S = batch slots, V = vocab):
 
     logits [S, V] f32
       -> apply_penalties(counts, prompt_mask)       (only if `counts` is passed: static)
-      -> ban stop/EOS ids while step < min_tokens
-      = processed logits l                           -> logprobs, top-20, greedy argmax
-      -> l / temperature -> top-k -> top-p -> min-p  (a threshold per row, one mask over V)
-      -> sample: hierarchical Gumbel-max with the row's own key fold_in(seed_key, step)
+      -> ban EOS/stop ids while step < min_tokens
+      = processed logits l              -> logsumexp, top_k(C) = greedy pick, top-20 logprobs
+      -> l / temperature -> top-k -> top-p -> min-p -> draw with the row's own key
     SampleResult(tokens, logprobs, top_ids, top_logprobs) -> pack() -> ONE [S, 42] array to host
 
 Design notes:
-- Reproducibility: a row's random numbers depend only on (its seed, its output position), never
-  on its slot or its batch companions. Requests without a seed get one drawn on the host when
-  they arrive (`resolve_seed`), so the device has one code path.
-- Randomness is the expensive part on CPU (threefry: ~100 ms for 64 x 49152 numbers), so
-  sampling is hierarchical: pick a block of BLOCK tokens by Gumbel-max over block masses, then
-  a token inside it by Gumbel-max over its logits. Exact (P(block) * P(token | block)), and
-  only V / BLOCK + BLOCK random numbers per row.
+- Reproducibility: a row's random numbers depend only on (its seed, its output position):
+  key = fold_in(key(seed), step), never its slot, its batch companions or the static flags.
+  Requests without a seed get one drawn on the host when they arrive (`resolve_seed`), so
+  the device has one code path.
+- Randomness is the expensive part on CPU (threefry: ~100 ms for 64 x 49152 numbers), so rows
+  without top-k/top-p draw hierarchically: a block of BLOCK tokens by Gumbel-max over block
+  masses, then a token inside it by Gumbel-max over its logits. Exact (P(block) *
+  P(token | block)) with only V / BLOCK + BLOCK random numbers per row.
 - top-k / top-p avoid a full sort of V (about 1 s on this CPU for 64 x 49152): they work on the
-  row's top `max_candidates` (default 256, `jax.lax.top_k`). Exact for top_k <= 256 and for a
-  nucleus that fits in 256 tokens; a top_k above the cap acts as top_k = cap, and a nucleus
-  wider than the cap is truncated to the top cap tokens (never a token outside the true
-  nucleus). `SamplingFlags(max_candidates=V)` makes both exact at the cost of a full sort.
-  Tokens tied with the threshold value are all kept (as in vLLM).
+  row's top `max_candidates` C (default 256, one `jax.lax.top_k` that also gives the greedy
+  token and the top-20 logprobs) and such rows draw by Gumbel-max among the kept candidates.
+  Exact for top_k <= C and for a nucleus that fits in C tokens; a top_k in (C, V) acts as
+  top_k = C, and a nucleus wider than C is truncated to the top C tokens (never a token
+  outside the true nucleus). top_k = 0 or >= V is off. `SamplingFlags(max_candidates=V)`
+  makes both exact at the cost of a full sort. Ties at the cut are broken by token id.
 - Penalties need per-slot token counts. They stay on the device: `token_counts [S_max, V]
   int32` (output tokens) and `prompt_mask [S_max, V] bool`; `reset_slot_counts` fills a slot's
   rows when a request is inserted (prompt ids sent once), `update_counts` scatters each step's
@@ -259,14 +260,19 @@ def _gumbels(tensors: SamplingTensors, sizes: tuple[int, ...]) -> list[Array]:
             for i, n in enumerate(sizes)]
 
 
+def _top_k_on(tensors: SamplingTensors, vocab_size: int) -> Array:
+    """[S] bool: top-k restricts the row (0 and top_k >= V mean off)."""
+    return (tensors.top_k > 0) & (tensors.top_k < vocab_size)
+
+
 def _top_k_top_p_threshold(cand: Array, temperature: Array, lse_scaled: Array,
-                           tensors: SamplingTensors) -> Array:
+                           tensors: SamplingTensors, vocab_size: int) -> Array:
     """[S] lowest processed logit kept by top-k then top-p (-inf for rows using neither).
     cand [S, C]: the row's top processed logits, descending; lse_scaled [S]: logsumexp of
     logits / temperature over the whole row."""
     C = cand.shape[1]
     j = jnp.arange(C)[None, :]  # [1, C]
-    k_on = tensors.top_k > 0  # [S]
+    k_on = _top_k_on(tensors, vocab_size)  # [S]
     keep_k = ~k_on[:, None] | (j < tensors.top_k[:, None])  # [S, C]
     scaled = jnp.where(keep_k, cand / temperature[:, None], _NEG_INF)  # [S, C]
     # top-p renormalizes the top-k distribution: over the candidates when top-k is on.
@@ -310,11 +316,12 @@ def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: 
     if cand is None:
         return drawn.astype(jnp.int32)
     lse_scaled = row_max / temperature + jnp.log(jnp.sum(e, axis=(1, 2)))  # [S]
-    thr = jnp.maximum(_top_k_top_p_threshold(cand, temperature, lse_scaled, tensors), min_p_thr)
+    thr = _top_k_top_p_threshold(cand, temperature, lse_scaled, tensors, V)  # [S]
+    thr = jnp.maximum(thr, min_p_thr)
     scores = jnp.where(cand >= thr[:, None], cand / temperature[:, None], _NEG_INF)  # [S, C]
     from_cand = jnp.take_along_axis(cand_ids, jnp.argmax(scores + g_cand, axis=-1)[:, None],
                                     axis=-1)[:, 0]  # [S]
-    filtered = (tensors.top_k > 0) | (tensors.top_p < 1.0)  # [S]
+    filtered = _top_k_on(tensors, V) | (tensors.top_p < 1.0)  # [S]
     return jnp.where(filtered, from_cand, drawn).astype(jnp.int32)
 
 
