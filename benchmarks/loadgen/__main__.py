@@ -67,18 +67,21 @@ flags.DEFINE_bool("progress", True, "show a progress bar")
 flags.DEFINE_string("out", "/tmp/loadgen", "output directory")
 
 
-def config_from_flags(rate: float | None = None) -> RunConfig:
+def config_from_flags(rate: float | None = None, step: int = 0) -> RunConfig:
+    """`step` > 0 (sweep steps) shifts the seed: each step sends new prompts, so a later step
+    does not find the earlier steps' prompts in the server's prefix cache."""
     kind = "trace" if F.trace else F.arrival
+    seed = F.seed + 1000 * step
     arrival = arrivals.ArrivalConfig(kind, rate if rate is not None else F.rate, F.burstiness,
                                      F.on_s, F.off_s, F.period_s, F.amplitude, F.concurrency,
-                                     F.seed)
+                                     seed)
     return RunConfig(
         target=F.target, metrics_url=F.metrics_url, workload=F.workload,
         length_scale=F.length_scale, arrival=arrival, trace_path=F.trace,
         trace_speedup=F.trace_speedup, duration_s=F.duration_s, max_requests=F.max_requests,
         cancel_fraction=F.cancel_fraction, request_timeout_s=F.request_timeout_s,
         drain_timeout_s=F.drain_timeout_s, ignore_eos=F.ignore_eos,
-        temperature=F.temperature, seed=F.seed, slo=parse_slo_policy(F.slo, F.slo_class),
+        temperature=F.temperature, seed=seed, slo=parse_slo_policy(F.slo, F.slo_class),
         cost=report.CostConfig(F.price_per_device_hour, F.num_devices, F.power_w,
                                F.price_per_kwh),
         warm_window_s=F.warm_window_s, scrape_interval_s=F.scrape_interval_s,
@@ -100,8 +103,9 @@ def main(argv):
         print(f"report: {out / 'report.md'}")
         return
     gates = sweep.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
-    result = sweep.run_sweep(rates, lambda r, d: run_load(config_from_flags(r), d), out,
-                             gates, cancel_fraction=F.cancel_fraction)
+    result = sweep.run_sweep(
+        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates,
+        cancel_fraction=F.cancel_fraction)
     print(sweep.sweep_markdown(result))
     print(f"sweep: {out / 'sweep.md'}")
 
