@@ -18,6 +18,7 @@ import dataclasses
 import json
 import pathlib
 import random
+import uuid
 
 from benchmarks.loadgen.workloads import Corpus, RequestSpec
 
@@ -69,10 +70,11 @@ def specs_from_trace(entries: list[TraceEntry], speedup: float = 1.0, seed: int 
         raise ValueError(f"speedup={speedup}: must be > 0")
     corpus = corpus or Corpus()
     rng = random.Random(seed)
+    run_tag = uuid.uuid4().hex[:8]  # ids unique across runs; prompts stay seeded
     specs = []
     for i, e in enumerate(entries):
         prompt = e.prompt if e.prompt is not None else corpus.text(e.prompt_tokens, rng)
-        specs.append(RequestSpec(f"tr-{seed}-{i:06d}", e.workload, prompt, e.prompt_tokens,
+        specs.append(RequestSpec(f"tr-{run_tag}-{i:06d}", e.workload, prompt, e.prompt_tokens,
                                  e.output_tokens, e.tenant, e.priority, e.cancel_after_tokens,
                                  e.arrival_s / speedup))
     return specs

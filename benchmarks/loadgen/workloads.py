@@ -23,6 +23,7 @@ import dataclasses
 import math
 import pathlib
 import random
+import uuid
 
 CORPUS_DIR = pathlib.Path(__file__).parent / "corpus"
 TOKENS_PER_WORD = 1.3  # English prose under a GPT-2 style BPE, roughly
@@ -148,6 +149,8 @@ class WorkloadGenerator:
     length_scale: float = 1.0
     cancel_fraction: float = 0.0
     seed: int = 0
+    # Request ids must not collide with another run's on the same server; prompts stay seeded.
+    run_tag: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self):
         if not 0.0 <= self.cancel_fraction <= 1.0:
@@ -177,7 +180,7 @@ class WorkloadGenerator:
         if rng.random() < self.cancel_fraction:
             cancel = rng.randrange(n_out)  # a random point in the answer; 0 = before a token
         self.count += 1
-        return RequestSpec(f"lg-{self.seed}-{self.count:06d}", cls.name, prompt, n_in, n_out,
+        return RequestSpec(f"lg-{self.run_tag}-{self.count:06d}", cls.name, prompt, n_in, n_out,
                            tenant, priority, cancel, arrival_s)
 
 
