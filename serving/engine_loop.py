@@ -17,8 +17,9 @@ Threads and queues (JetStream orchestrator style):
       4. engine.step() -> per-step deltas, routed to each request's StreamBuffer
          (push never blocks; a full buffer cancels that request: slow consumer);
          a raised step fails only its requests and feeds the circuit breaker
-      5. publish engine stats to the Prometheus gauges (every stats_interval_s), and the
-         breaker state to the health service (NOT_SERVING while open)
+      5. every stats_interval_s: engine stats to the Prometheus gauges, the breaker state to
+         the health service (NOT_SERVING while open), and outcomes for calls gRPC dropped
+         before a handler thread ran them (serving/dispatch.py)
       |
       v
     StreamBuffer per request (bounded) -> its handler thread -> gRPC stream
@@ -59,7 +60,7 @@ class EngineLoop:
     def __init__(self, engine, waiting: WaitingQueue, ledger: RequestLedger,
                  breaker: CircuitBreaker, metrics, *, max_inflight: int,
                  stats_interval_s: float = 0.1, idle_wait_s: float = 0.05,
-                 on_breaker_change=None):
+                 on_breaker_change=None, on_tick=None):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
         self.stats_interval_s, self.idle_wait_s = stats_interval_s, idle_wait_s
@@ -72,6 +73,7 @@ class EngineLoop:
         self._last_stats_s = 0.0
         self.last_stats: dict = {}
         self._on_breaker_change = on_breaker_change  # called with the new state's name
+        self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
         self._breaker_state = "closed"
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
 
@@ -261,6 +263,8 @@ class EngineLoop:
         if state != self._breaker_state and self._on_breaker_change is not None:
             self._on_breaker_change(state)
         self._breaker_state = state
+        if self._on_tick is not None:
+            self._on_tick()
         try:
             self.last_stats = dict(self.engine.stats())
         except Exception:

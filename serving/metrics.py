@@ -60,6 +60,8 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("pagedjax_prefix_cache_hits_tokens",
                                    "Prompt tokens found in the prefix cache")
+        self.generate_calls = counter("pagedjax_generate_calls",
+                                      "Generate calls that reached the server")
         self.outcomes = prom.Counter("pagedjax_request_outcomes", "Requests by how they ended",
                                      names + ["outcome", "reason"], registry=r)
         self._last_stats: dict[str, float] = {}

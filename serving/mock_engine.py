@@ -20,8 +20,9 @@ Stop handling: a stop token id ends the request with "stop" (its id is in the ou
 text is not); a stop string ends it with "stop" and the text is cut before the string; text
 that could still become a stop string is held back. min_tokens defers both.
 
-Hooks for tests: `fail_next_steps(n)` makes the next n steps raise EngineStepError (with
-`.request_ids` of the running requests, which are dropped and their pages freed);
+Hooks for tests: `fail_next_steps(n)` makes the next n steps schedule and then raise
+EngineStepError (with `.request_ids` of the scheduled requests, which are dropped and their
+pages freed; pending aborts and deadlines wait for the next step, so no output is lost);
 `abort_log` records (request_id, step at abort_request, step at which pages were freed).
 """
 
@@ -140,17 +141,18 @@ class MockEngine:
         self.num_steps += 1
         if self.step_time_s:
             time.sleep(self.step_time_s)
-        now = time.monotonic()
-        outputs = self._apply_aborts(now) + self._expire(now)
-        self._schedule(now)
-        if self._fail_steps > 0:
+        if self._fail_steps > 0:  # aborts and deadlines wait, so no other output is lost
             self._fail_steps -= 1
+            self._schedule(time.monotonic())
             failed = [s.req.request_id for s in self.running]
             for s in list(self.running):
                 self._drop(s)
             err = EngineStepError(f"mock step {self.num_steps} failed (injected)")
             err.request_ids = failed
             raise err
+        now = time.monotonic()
+        outputs = self._apply_aborts(now) + self._expire(now)
+        self._schedule(now)
         for seq in list(self.running):
             out = self._decode_one(seq, now)
             if out is not None:

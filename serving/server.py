@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from serving import convert
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
+from serving.dispatch import DispatchLedger
 from serving.engine_loop import EngineLoop
 from serving.metrics import ServerMetrics, start_metrics_http
 from serving.proto import pagedjax_pb2 as pb
@@ -36,6 +37,7 @@ from serving.tenants import TenantLimiter, TenantRegistry
 
 log = logging.getLogger("pagedjax.serving")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,7 @@ class ServerConfig:
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     max_workers: int | None = None  # gRPC handler threads; None: queue + inflight + 32
+    dispatch_timeout_s: float = 5.0  # a call not picked up by then is recorded as dropped
     host: str = "[::]"
     port: int = 0  # 0: ephemeral (see PagedJaxServer.port)
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
@@ -70,17 +73,20 @@ class PagedJaxServer:
         self.waiting = WaitingQueue(admission)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
+        self.dispatch = DispatchLedger(self.ledger, GENERATE_METHOD, config.dispatch_timeout_s,
+                                       calls_counter=self.metrics.generate_calls)
         self.loop = EngineLoop(engine, self.waiting, self.ledger, self.breaker, self.metrics,
                                max_inflight=max_inflight,
-                               on_breaker_change=self._set_health)
+                               on_breaker_change=self._set_health, on_tick=self.dispatch.reap)
         self.loop.last_stats = stats
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         self.service = PagedJaxService(
             engine, self.limits, tenants or TenantRegistry(), self.limiter, self.waiting,
             self.breaker, self.loop, self.ledger, config.engine_config)
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(workers,
-                                                                  thread_name_prefix="grpc"))
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
+            interceptors=(self.dispatch,))
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)

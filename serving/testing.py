@@ -31,12 +31,13 @@ def running_server(engine=None, *, tenants: TenantRegistry | None = None,
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0,
-             what: str = "condition") -> None:
-    """Polls until predicate() holds; a generous timeout only guards against a hang."""
+             what: str | Callable[[], str] = "condition") -> None:
+    """Polls until predicate() holds; a generous timeout only guards against a hang.
+    `what` (or what() when callable, for state at failure time) names the condition."""
     end = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.005)
 
 
@@ -49,3 +50,8 @@ def outcome_counts(server: PagedJaxServer) -> dict[tuple[str, str], float]:
                 counts[(s.labels["outcome"], s.labels["reason"])] = s.value
     return counts
 
+
+
+def calls_seen(server: PagedJaxServer) -> float:
+    """Generate calls that reached the server (pagedjax_generate_calls_total)."""
+    return server.metrics.generate_calls._value.get()

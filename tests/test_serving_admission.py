@@ -1,6 +1,9 @@
 """Admission control, tenant budgets and the circuit breaker, with a fake clock and numbers
 checkable by hand."""
 
+from types import SimpleNamespace
+
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +19,7 @@ from serving.admission import (
     check_limits,
 )
 from serving.breaker import CircuitBreaker
+from serving.dispatch import DispatchLedger
 from serving.tenants import TenantLimiter, TenantPolicy, TenantRegistry, UnknownApiKey
 
 
@@ -272,3 +276,40 @@ def test_breaker_opens_probes_and_closes():
     assert b.allow() is None
     b.record_success()
     assert b.state == "closed" and b.allow() is None
+
+
+# ---- calls dropped before a handler ran -----------------------------------------------------
+class _Aborted(Exception):
+    pass
+
+
+class _FakeContext:
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_dispatch_ledger_gives_undispatched_calls_one_outcome():
+    clock = Clock(0.0)
+    recorded = []
+
+    class Ledger:
+        def reject(self, *args, **kwargs):
+            recorded.append((args, kwargs))
+
+    d = DispatchLedger(Ledger(), "/pagedjax.v1.PagedJax/Generate", timeout_s=5.0, clock=clock)
+    base = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(["tok"]))
+    details = SimpleNamespace(method="/pagedjax.v1.PagedJax/Generate", invocation_metadata=())
+    first = d.intercept_service(lambda _: base, details)
+    late = d.intercept_service(lambda _: base, details)
+    other = SimpleNamespace(method="/pagedjax.v1.PagedJax/Tokenize", invocation_metadata=())
+    assert d.intercept_service(lambda _: base, other) is base  # only Generate is noted
+    assert d.num_pending() == 2
+    assert list(first.unary_stream("req", _FakeContext())) == ["tok"]  # claimed in time
+    clock.t = 4.9
+    assert d.reap() == 0
+    clock.t = 5.0
+    assert d.reap() == 1 and d.num_pending() == 0
+    assert recorded[0][1]["outcome"] == "cancelled" and recorded[0][0][2] == "before_dispatch"
+    with pytest.raises(_Aborted):  # picked up after being recorded: no second outcome
+        list(late.unary_stream("req", _FakeContext()))
+    assert len(recorded) == 1

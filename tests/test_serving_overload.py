@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
 from serving.mock_engine import MockEngine
-from serving.testing import outcome_counts, running_server, wait_for
+from serving.testing import calls_seen, outcome_counts, running_server, wait_for
 
 
 def _total(server):
@@ -72,7 +72,7 @@ def test_burst_far_above_capacity_rejects_excess_with_retry_after(caplog):
         assert all(r.retry_after_ms is not None and r.retry_after_ms > 0 for r in rejected)
         assert all("queue" in r.details for r in rejected)
         counts = outcome_counts(server)
-        assert _total(server) == n
+        assert _total(server) == n == calls_seen(server)
         assert counts[("success", "")] == len(ok)
         assert counts.get(("rejected", "queue_full"), 0) == len(rejected)
         ends = [json.loads(r.getMessage()) for r in caplog.records
@@ -176,3 +176,58 @@ def test_priority_order_and_queue_timeout_through_the_server():
         wait_for(lambda: _total(server) == 2, what="both outcomes")
         assert outcome_counts(server) == {("rejected", "queue_timeout"): 1,
                                           ("cancelled", "client"): 1}
+
+
+def test_mixed_traffic_every_call_has_exactly_one_outcome(caplog):
+    """Normal, cancelled, deadline, invalid, wrong-revision, failing-step and burst calls at
+    once: the outcome counter and the request log each count every call exactly once."""
+    caplog.set_level(logging.INFO, logger="pagedjax.requests")
+    engine = MockEngine(max_num_seqs=3, step_time_s=0.002)
+    admission = AdmissionConfig(max_queue_requests=5, max_tokens=200)
+    kinds = ["ok", "cancel", "deadline", "invalid", "revision", "ok", "cancel", "ok"] * 5
+    with running_server(engine, admission=admission, max_inflight=3,
+                        dispatch_timeout_s=1.0) as (server, client):
+        def one(i, kind):
+            rid = f"m{i}"
+            if kind == "cancel":
+                call = client.stream(build_request("abc", max_tokens=150, request_id=rid))
+                try:
+                    next(call)
+                except grpc.RpcError:
+                    return  # rejected before any token: still one outcome
+                call.cancel()
+            elif kind == "deadline":
+                client.generate("abc", max_tokens=150, timeout_s=0.05, request_id=rid)
+            elif kind == "invalid":
+                client.generate("abc", max_tokens=201, request_id=rid)
+            elif kind == "revision":
+                client.generate("abc", max_tokens=5, revision="nope", request_id=rid)
+            else:
+                client.generate("abc", max_tokens=30, request_id=rid)
+
+        threads = [threading.Thread(target=one, args=(i, k)) for i, k in enumerate(kinds)]
+        for t in threads:
+            t.start()
+        engine.fail_next_steps(1)  # one failed step somewhere in the middle
+        for t in threads:
+            t.join(60)
+        # at rest, every call the server saw has exactly one outcome
+        wait_for(lambda: server.dispatch.num_pending() == 0 and not server.loop._active
+                 and _total(server) == calls_seen(server),
+                 what=lambda: f"all outcomes: {outcome_counts(server)}, seen "
+                              f"{calls_seen(server)}, pending {server.dispatch.num_pending()}, "
+                              f"active {list(server.loop._active)}")
+        # only a short-deadline call can die inside gRPC before the server sees it
+        assert 0 <= len(kinds) - calls_seen(server) <= kinds.count("deadline")
+        counts = outcome_counts(server)
+        assert counts[("rejected", "invalid_argument")] == 5
+        assert counts[("rejected", "model_mismatch")] == 5
+        ends = [json.loads(r.getMessage())["request_id"] for r in caplog.records
+                if r.name == "pagedjax.requests"]
+        assert len(ends) == calls_seen(server)
+        # a call dropped before a handler ran is logged under a placeholder id
+        unnamed = {f"m{i}" for i in range(len(kinds))} - set(ends)
+        assert all(kinds[int(rid[1:])] in ("deadline", "cancel") for rid in unnamed)
+        assert len(ends) - len(set(ends) & {f"m{i}" for i in range(len(kinds))}) == \
+            counts.get(("cancelled", "before_dispatch"), 0)
+        wait_for(lambda: server.loop.last_stats.get("kv_pages_used") == 0, what="pages freed")
