@@ -34,6 +34,11 @@ def pow2_bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return b if maximum is None else min(b, max(maximum, minimum))
 
 
+def query_len_bound(num_prefill_tokens: int, prefill_chunk_size: int) -> int:
+    """The static per-sequence query bound of a prefill group of this token bucket."""
+    return min(num_prefill_tokens, prefill_chunk_size) if num_prefill_tokens else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
     """The static shape of one step (part of the jit cache key)."""
@@ -90,13 +95,16 @@ def build_batch(scheduled, page_size: int, *, max_prefill_tokens: int, prefill_c
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
     n_prefill_tokens = sum(s.num_new_tokens for s in prefills)
     max_pages = max(-(-(s.start + s.num_new_tokens) // page_size) for s in scheduled)
-    longest_chunk = max((s.num_new_tokens for s in prefills), default=0)
     shape = BatchShape(
         num_decode=pow2_bucket(len(decodes)),
         num_prefill_tokens=pow2_bucket(n_prefill_tokens, 16, max_prefill_tokens),
         num_prefill_seqs=pow2_bucket(len(prefills)),
         pages_per_seq=pow2_bucket(max_pages, 4, max_pages_per_seq),
-        max_query_len=pow2_bucket(longest_chunk, 16, prefill_chunk_size) if prefills else 1)
+        max_query_len=0)
+    # NOTE: max_query_len is tied to the prefill token bucket (not to the longest chunk) so
+    # it adds no dimension to the set of compiled shapes.
+    shape = dataclasses.replace(shape, max_query_len=query_len_bound(
+        shape.num_prefill_tokens, prefill_chunk_size))
     Sd, Tp, Sp, P = (shape.num_decode, shape.num_prefill_tokens, shape.num_prefill_seqs,
                      shape.pages_per_seq)
     T, R = Sd + Tp, Sd + Sp

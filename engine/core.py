@@ -161,14 +161,20 @@ class EngineCore:
 
     # ---- device ---------------------------------------------------------------------------
     def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
-        use_penalties = uses_penalties(params_list)
         greedy = all(p.greedy and not p.logprobs for p in params_list)
-        flags = _GREEDY_FLAGS if greedy else _FULL_FLAGS
-        self.kv, counts, packed = engine_step(
+        before = engine_step._cache_size()
+        packed = self.run_step(batch, shape, _GREEDY_FLAGS if greedy else _FULL_FLAGS,
+                               uses_penalties(params_list))
+        if self.warmup_s is not None and engine_step._cache_size() > before:
+            log.warning("step compiled a shape after warm-up: %s", shape)
+        return np.asarray(jax.device_get(packed))
+
+    def run_step(self, batch, shape: BatchShape, flags: SamplingFlags, use_penalties: bool):
+        """One device step (also used by warm-up); returns the packed results on device."""
+        self.kv, self._counts, packed = engine_step(
             self.params, self.kv, self._counts, self._prompt_mask, batch, cfg=self.cfg,
             shape=shape, flags=flags, use_penalties=use_penalties, impl=self.impl)
-        self._counts = counts
-        return np.asarray(jax.device_get(packed))
+        return packed
 
     def _ensure_slot(self, req: Request) -> None:
         rid = req.request_id

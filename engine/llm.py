@@ -41,13 +41,16 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", *, mesh: str | None = None,
+    def __init__(self, model="smollm2-135m", *, mesh: str | None = None,
                  warmup: bool = False, impl: str = "auto", **engine_options):
         from models.registry import load_model
 
         t0 = time.perf_counter()
-        self.config = EngineConfig(model=model, **engine_options)
-        self.model = load_model(model)
+        # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
+        # that build several engines over one set of weights).
+        self.model = load_model(model) if isinstance(model, str) else model
+        name = model if isinstance(model, str) else self.model.identity.name
+        self.config = EngineConfig(model=name, **engine_options)
         self.engine = EngineCore(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()

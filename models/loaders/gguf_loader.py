@@ -103,12 +103,12 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype=jnp.float32, name: str | None = None
+def load_gguf(path: str, dtype=jnp.float32, name: str | None = None, reader=None
               ) -> tuple[ModelConfig, Params, object]:
-    """Returns (config, params, reader). The reader is kept for the tokenizer."""
+    """Returns (config, params, reader). Pass an open `reader` to avoid parsing twice."""
     import gguf.quants
 
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     cfg = config_from_gguf(reader, path, name)
     arch = field(reader, "general.architecture")
     by_hf_name = {}

@@ -1,0 +1,82 @@
+"""Warm-up: compile the step for every batch shape the scheduler can produce, before serving.
+
+The reachable shapes (engine/batch.py) are the product of
+    decode bucket Sd in {0, 1, 2, 4, ..., max_num_seqs}
+    prefill token bucket Tp in {0, 16, 32, ..., max_num_batched_tokens}
+    prefill sequence bucket Sp in {1, 2, 4, ...} with Sp <= Tp / 2 (a chunk has >= 2 tokens)
+    page-table bucket P in {4, 8, ..., max_pages_per_seq}
+(max_query_len is a function of Tp). A step over an all-padding batch of a shape compiles
+exactly the program a real batch of that shape uses, so after `warmup` no step compiles.
+`max_pages_per_seq` can be capped to warm only the contexts expected; a longer context then
+compiles its shape once, on first use (and the engine logs it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from engine.batch import BatchShape, StepBatch, pow2_bucket, query_len_bound
+from engine.sampling import SamplingTensors
+
+log = logging.getLogger(__name__)
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi] if hi >= lo else out
+
+
+def reachable_shapes(sched_config, max_pages_per_seq: int | None = None) -> list[BatchShape]:
+    sc = sched_config
+    seqs = [0] + _pow2_range(1, pow2_bucket(sc.max_num_seqs))
+    max_tp = pow2_bucket(sc.max_num_batched_tokens, 16, sc.max_num_batched_tokens)
+    tokens = [0] + _pow2_range(16, max_tp)
+    max_p = pow2_bucket(min(max_pages_per_seq or sc.max_pages_per_seq, sc.max_pages_per_seq),
+                        4, sc.max_pages_per_seq)
+    pages = _pow2_range(4, max_p)
+    shapes = []
+    for sd, tp, p in itertools.product(seqs, tokens, pages):
+        if sd == 0 and tp == 0:
+            continue
+        sps = [0] if tp == 0 else [s for s in seqs[1:] if s <= max(1, tp // 2)]
+        for sp in sps:
+            shapes.append(BatchShape(sd, tp, sp, p, query_len_bound(tp, sc.prefill_chunk_size)))
+    return shapes
+
+
+def dummy_batch(shape: BatchShape) -> StepBatch:
+    """An all-padding batch of `shape` (no sequence, every token writes the null page)."""
+    T, R = shape.num_decode + shape.num_prefill_tokens, shape.num_decode + shape.num_prefill_seqs
+    z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+    return StepBatch(z(T), z(T), z(T), z(shape.num_decode),
+                     z(shape.num_decode, shape.pages_per_seq), z(shape.num_prefill_seqs),
+                     z(shape.num_prefill_seqs, shape.pages_per_seq),
+                     z(shape.num_prefill_seqs + 1), z(1), z(R), np.zeros(R, bool), z(R),
+                     SamplingTensors.from_params([None] * R, [0] * R, None, R))
+
+
+def warmup(engine, shapes: list[BatchShape] | None = None, *, sampling=("greedy",),
+           max_pages_per_seq: int | None = None) -> float:
+    """Compiles the step for `shapes` (default: all reachable) and each sampler variant in
+    `sampling` ("greedy", "full"). Returns and logs the time taken."""
+    from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
+
+    shapes = shapes or reachable_shapes(engine.sched_config, max_pages_per_seq)
+    flags = [{"greedy": _GREEDY_FLAGS, "full": _FULL_FLAGS}[s] for s in sampling]
+    t0 = time.perf_counter()
+    for shape, f in itertools.product(shapes, flags):
+        batch = dummy_batch(shape)
+        packed = engine.run_step(batch, shape, f, use_penalties=False)
+        jax.block_until_ready(packed)
+    engine.warmup_s = time.perf_counter() - t0
+    log.warning("warm-up compiled %d step programs in %.1fs", len(shapes) * len(flags),
+                engine.warmup_s)
+    return engine.warmup_s

@@ -1,0 +1,189 @@
+"""The paged engine against the dense oracle loop (models.dense_generate), one prompt at a
+time: greedy outputs must be identical token for token, whatever the batching, the page
+pool size (preemptions), the prefill chunk, or cancellations of other requests."""
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.api_types import EngineRequest
+from engine.errors import InvalidRequestError
+from engine.step import engine_step
+from models.dense_generate import generate_dense
+
+TINY_OPTS = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32,
+                 max_model_len=256)
+
+
+def mixed_prompts(n, seed=0, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [[1] + rng.integers(3, vocab, int(rng.integers(1, 90))).tolist() for _ in range(n)]
+
+
+def dense(llm, ids, max_tokens):
+    return generate_dense(llm.model.params, llm.model.config, ids, max_tokens,
+                          eos_token_ids=llm.tokenizer.eos_token_ids)["token_ids"]
+
+
+def assert_pool_empty(llm):
+    pool = llm.engine.pool
+    pool.check_invariants()
+    assert pool.num_used_pages == 0
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM("tiny", num_pages=200, **TINY_OPTS)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llm):
+    prompts = mixed_prompts(32)
+    return prompts, [dense(tiny_llm, p, 12) for p in prompts]
+
+
+def check_against_dense(llm, prompts, expected, max_tokens=12):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    for p, o, want in zip(prompts, outs, expected):
+        assert o.token_ids == want
+        assert o.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_token_ids
+                                   else "length")
+    assert_pool_empty(llm)
+    return outs
+
+
+def test_32_mixed_prompts_match_dense_loop(tiny_llm, tiny_reference):
+    outs = check_against_dense(tiny_llm, *tiny_reference)
+    m = outs[0].metrics
+    assert m.ttft_s > 0 and m.e2e_s >= m.ttft_s and m.queue_s >= 0
+    assert len(m.itl_s) == len(outs[0].token_ids) - 1
+
+
+def test_tiny_pool_forces_preemption_and_still_matches(tiny_reference):
+    llm = LLM("tiny", num_pages=24, **TINY_OPTS)  # 23 pages of 8 tokens for 8 slots
+    check_against_dense(llm, *tiny_reference)
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_small_prefill_chunk_matches(tiny_reference):
+    llm = LLM("tiny", num_pages=200, **{**TINY_OPTS, "prefill_chunk_size": 5,
+                                       "max_num_batched_tokens": 16})
+    check_against_dense(llm, *tiny_reference)
+
+
+def test_prefix_cache_off_matches(tiny_reference):
+    llm = LLM("tiny", num_pages=200, prefix_caching=False, **TINY_OPTS)
+    check_against_dense(llm, *tiny_reference)
+    assert llm.stats()["prefix_cache_hit_tokens"] == 0
+
+
+def test_cancellation_mid_flight_leaves_others_unharmed(tiny_llm, tiny_reference):
+    prompts, expected = tiny_reference
+    core = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for i, p in enumerate(prompts[:12]):
+        core.add_request(EngineRequest(f"c{i}", p, params))
+    results = {f"c{i}": [] for i in range(12)}
+    reasons = {}
+    for step in range(200):
+        if step == 3:
+            for i in (1, 4, 7):
+                core.abort_request(f"c{i}")
+        for out in core.step():
+            results[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.request_id not in reasons, "two outcomes for one request"
+                reasons[out.request_id] = out.finish_reason
+        if not core.has_unfinished():
+            break
+    assert len(reasons) == 12
+    for i in range(12):
+        if i in (1, 4, 7):
+            assert reasons[f"c{i}"] == "cancelled"
+        else:
+            assert results[f"c{i}"] == expected[i]
+    assert_pool_empty(tiny_llm)
+
+
+def test_seeded_sampling_does_not_depend_on_batch(tiny_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234)
+    alone = tiny_llm.generate([[1, 5, 6, 7]], params)[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in range(5)]
+    batch = tiny_llm.generate([[1, 9, 9]] * 2 + [[1, 5, 6, 7]] + [[1, 3]] * 3,
+                              others[:2] + [params] + others[2:5])
+    assert batch[2].token_ids == alone
+
+
+def test_stop_conditions_and_logprobs(tiny_llm):
+    prompt = [1, 10, 11, 12]
+    free = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True))[0]
+    stop_id = free.token_ids[3]
+    k = free.token_ids.index(stop_id)  # first occurrence
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                     stop_token_ids=(stop_id,),
+                                                     logprobs=3))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:k + 1]
+    assert len(out.logprobs) == len(out.token_ids)
+    assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in out.logprobs)
+    assert out.logprobs[0].top[0][0] == out.token_ids[0]  # greedy picks the top token
+
+
+def test_penalties_change_greedy_output(tiny_llm):
+    prompt = [1, 10, 11, 12]
+    plain = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
+                                                       ignore_eos=True))[0].token_ids
+    pen = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
+                                                     ignore_eos=True,
+                                                     frequency_penalty=2.0))[0].token_ids
+    assert len(set(pen)) >= len(set(plain))
+    assert_pool_empty(tiny_llm)
+
+
+def test_bad_requests_name_the_field(tiny_llm):
+    core = tiny_llm.engine
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        core.add_request(EngineRequest("b1", [1, 999999], SamplingParams()))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        core.add_request(EngineRequest("b2", [1] * 250, SamplingParams(max_tokens=100)))
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        core.add_request(EngineRequest("b3", [], SamplingParams()))
+    assert not core.has_unfinished()
+
+
+def test_no_recompilation_after_warmup(tiny_reference):
+    from engine.warmup import warmup
+
+    llm = LLM("tiny", num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+              prefill_chunk_size=16, max_model_len=128)
+    warmup(llm.engine)
+    compiled = engine_step._cache_size()
+    prompts, _ = tiny_reference
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    assert llm.stats()["num_steps"] > 50
+    assert engine_step._cache_size() == compiled
+
+
+def test_stats_report_memory(tiny_llm):
+    s = tiny_llm.stats()
+    for key in ("weights_bytes", "kv_bytes_total", "kv_bytes_used", "kv_pages_used",
+                "kv_pages_free", "num_running", "num_waiting", "num_preemptions",
+                "allocation_failures", "tokens_processed"):
+        assert key in s
+    assert s["kv_bytes_total"] == 2 * 2 * 2 * 200 * 8 * 16 * 4  # K+V, L, K heads, pages...
+
+
+@pytest.mark.slow
+def test_smollm2_paged_matches_dense(smollm2):
+    llm = LLM(smollm2, num_pages=256, max_num_seqs=8, max_num_batched_tokens=128,
+              prefill_chunk_size=64, max_model_len=512)
+    questions = ["What is the capital of France?", "Name three colors.",
+                 "Write a haiku about the sea.", "What is 2 + 2?",
+                 "Who wrote Hamlet?", "Explain gravity in one sentence."]
+    prompts = [[{"role": "user", "content": q}] for q in questions]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == dense(llm, llm.encode_prompt(p), 24)[:len(o.token_ids)]
+    assert "Paris" in outs[0].text
+    assert_pool_empty(llm)
