@@ -60,6 +60,19 @@ def new_record(spec: RequestSpec, scheduled_s: float | None) -> RequestRecord:
                          cancel_after_tokens=spec.cancel_after_tokens)
 
 
+def _absorb_message(rec: RequestRecord, msg: pb.GenerateResponse, now: float) -> None:
+    """One streamed message: client arrival time per chunk, server stamp per token."""
+    n = len(msg.token_ids)
+    if n:
+        rec.first_token_s = rec.first_token_s or now
+        rec.chunk_times_s.append(now)
+        rec.chunk_tokens.append(n)
+        rec.token_times_s.extend(t * 1e-9 for t in msg.token_times_unix_ns)
+        rec.num_output_tokens += n
+    if msg.HasField("final"):
+        _absorb_final(rec, msg.final)
+
+
 def _absorb_final(rec: RequestRecord, final: pb.FinalInfo) -> None:
     rec.reason = final.finish_reason
     rec.outcome = "success" if final.finish_reason in SUCCESS_REASONS else "failed"
@@ -105,16 +118,7 @@ async def run_one(stub: pb_grpc.PagedJaxStub, spec: RequestSpec, *, scheduled_s:
         canceller = asyncio.get_running_loop().call_later(early_cancel_s, _early_cancel)
     try:
         async for msg in call:
-            now = time.perf_counter()
-            n = len(msg.token_ids)
-            if n:
-                rec.first_token_s = rec.first_token_s or now
-                rec.chunk_times_s.append(now)
-                rec.chunk_tokens.append(n)
-                rec.token_times_s.extend(t * 1e-9 for t in msg.token_times_unix_ns)
-                rec.num_output_tokens += n
-            if msg.HasField("final"):
-                _absorb_final(rec, msg.final)
+            _absorb_message(rec, msg, time.perf_counter())
             cancel_at = spec.cancel_after_tokens
             if cancel_at and rec.num_output_tokens >= cancel_at and not msg.HasField("final"):
                 cancelled_by_us = True
@@ -138,7 +142,9 @@ async def run_one(stub: pb_grpc.PagedJaxStub, spec: RequestSpec, *, scheduled_s:
     rec.end_s = time.perf_counter()
     if cancelled_by_us:
         rec.outcome, rec.reason = "cancelled", "client_cancel"
-    elif len(rec.token_times_s) != rec.num_output_tokens:
+    elif rec.outcome == "failed" and not rec.reason:
+        rec.reason = "stream ended without a final message"
+    if rec.outcome != "cancelled" and len(rec.token_times_s) != rec.num_output_tokens:
         rec.token_times_s = []  # partial stamps: fall back to chunk times
     return rec
 
