@@ -200,3 +200,23 @@ def test_build_request_maps_spec_fields():
     assert req.priority == pb.PRIORITY_HIGH
     spec.priority = -7  # clamped to LOW
     assert driver.build_request(spec, True, 0.0, None).priority == pb.PRIORITY_LOW
+
+
+def test_absorb_messages_keeps_token_stamps_apart_from_chunks():
+    from benchmarks.loadgen import metrics as m
+    from serving.proto import pagedjax_pb2 as pb
+
+    rec = RequestRecord("r", send_s=10.0)
+    ns = [5_000_000_000 + 20_000_000 * i for i in range(4)]  # server clock, 20 ms apart
+    driver._absorb_message(rec, pb.GenerateResponse(token_ids=[1, 2, 3],
+                                                    token_times_unix_ns=ns[:3]), 10.8)
+    final = pb.FinalInfo(finish_reason="length", usage=pb.Usage(prompt_tokens=7,
+                                                                completion_tokens=4),
+                         timings=pb.Timings(queue_s=0.05))
+    driver._absorb_message(rec, pb.GenerateResponse(token_ids=[4], token_times_unix_ns=ns[3:],
+                                                    final=final), 10.9)
+    assert rec.outcome == "success" and rec.num_output_tokens == 4 and rec.queue_s == 0.05
+    assert m.ttft(rec) == pytest.approx(0.8)
+    assert m.itl(rec) == pytest.approx([0.02] * 3)  # token level, from the server's stamps
+    assert m.chunk_itl(rec) == pytest.approx([0.1])  # what the client's stream showed
+    assert m.tpot(rec) == pytest.approx(0.02)
