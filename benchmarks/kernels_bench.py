@@ -56,8 +56,9 @@ class Inputs:
     flops: int
 
 
-def make_inputs(kind, batch, context, *, num_heads, num_kv_heads, head_dim, page_size, chunk,
-                dtype, seed=0) -> Inputs:
+def make_inputs(
+    kind, batch, context, *, num_heads, num_kv_heads, head_dim, page_size, chunk, dtype, seed=0
+) -> Inputs:
     """Every sequence holds `context` tokens; decode: one query each; mixed: sequence 0 is a
     prefill chunk of `chunk` queries ending at `context`, the others decode."""
     rng = np.random.default_rng(seed)
@@ -77,13 +78,20 @@ def make_inputs(kind, batch, context, *, num_heads, num_kv_heads, head_dim, page
     kv_bytes = 2 * batch * pages_per_seq * page_size * num_kv_heads * head_dim * itemsize
     attended = sum(context - ql + i + 1 for ql in q_lens for i in range(ql))
     return Inputs(
-        kind=kind, batch=batch, context=context, q=q, k_pages=k_pages, v_pages=v_pages,
+        kind=kind,
+        batch=batch,
+        context=context,
+        q=q,
+        k_pages=k_pages,
+        v_pages=v_pages,
         kv_lens=jnp.full((batch,), context, jnp.int32),
         page_table=jnp.asarray(page_table, jnp.int32),
         query_start=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-        num_seqs=jnp.array([batch], jnp.int32), max_query_len=max(q_lens),
+        num_seqs=jnp.array([batch], jnp.int32),
+        max_query_len=max(q_lens),
         bytes_moved=kv_bytes + 2 * q.size * itemsize,
-        flops=4 * attended * num_heads * head_dim)
+        flops=4 * attended * num_heads * head_dim,
+    )
 
 
 def time_median_s(fn, *args, iters: int, best: bool = False) -> float:
@@ -108,7 +116,7 @@ def measure_peaks(iters: int, small: bool = False) -> tuple[float, float]:
     n = 512 if small else n
     a = jnp.ones((n, n), mm_dtype)
     matmul = jax.jit(lambda u, v: u @ v)
-    flops = 2 * n ** 3 / time_median_s(matmul, a, a, iters=max(iters, 5), best=True)
+    flops = 2 * n**3 / time_median_s(matmul, a, a, iters=max(iters, 5), best=True)
     return bw, flops
 
 
@@ -121,16 +129,30 @@ def shipped_decode(inputs: Inputs, sm_scale: float):
     q = inputs.q * sm_scale  # the shipped kernels have no scale argument
     if backend == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
         ppcb = math.gcd(pages, 8)
-        fn = jax.jit(lambda: paged_attention(q, k_pages, v_pages, inputs.kv_lens,
-                                             inputs.page_table, pages_per_compute_block=ppcb))
+        fn = jax.jit(
+            lambda: paged_attention(
+                q, k_pages, v_pages, inputs.kv_lens, inputs.page_table, pages_per_compute_block=ppcb
+            )
+        )
         return fn
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
     k_splits = math.gcd(pages, 16)
     ppcb = math.gcd(pages // k_splits, 8)
-    return jax.jit(lambda: paged_attention(
-        q, k_pages, v_pages, inputs.page_table, inputs.kv_lens, k_splits=k_splits,
-        pages_per_compute_block=ppcb, interpret=backend == "cpu"))
+    return jax.jit(
+        lambda: paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            inputs.page_table,
+            inputs.kv_lens,
+            k_splits=k_splits,
+            pages_per_compute_block=ppcb,
+            interpret=backend == "cpu",
+        )
+    )
 
 
 def implementations(inputs: Inputs, sm_scale: float, interpret: bool):
@@ -140,11 +162,24 @@ def implementations(inputs: Inputs, sm_scale: float, interpret: bool):
 
     def ours(impl, interp=False):
         if inputs.kind == "decode":
-            return jax.jit(lambda: pk.decode_paged_attention(
-                inputs.q, *args, 0, sm_scale=sm_scale, impl=impl, interpret=interp))
-        return jax.jit(lambda: pk.ragged_paged_attention(
-            inputs.q, *args, inputs.query_start, inputs.num_seqs, 0, sm_scale=sm_scale,
-            max_query_len=inputs.max_query_len, impl=impl, interpret=interp))
+            return jax.jit(
+                lambda: pk.decode_paged_attention(
+                    inputs.q, *args, 0, sm_scale=sm_scale, impl=impl, interpret=interp
+                )
+            )
+        return jax.jit(
+            lambda: pk.ragged_paged_attention(
+                inputs.q,
+                *args,
+                inputs.query_start,
+                inputs.num_seqs,
+                0,
+                sm_scale=sm_scale,
+                max_query_len=inputs.max_query_len,
+                impl=impl,
+                interpret=interp,
+            )
+        )
 
     fns = {"ours": ours("auto")}
     if not on_cpu and inputs.bytes_moved <= MAX_REFERENCE_BYTES:
@@ -159,44 +194,75 @@ def implementations(inputs: Inputs, sm_scale: float, interpret: bool):
 def run(sizes: str, dtype, iters: int, interpret: bool, kinds=("decode", "mixed")):
     batches, contexts, num_heads, num_kv_heads, head_dim, page_size, chunk = SIZES[sizes]
     peak_bw, peak_flops = measure_peaks(iters, small=sizes == "smoke")
-    print(f"device={jax.devices()[0].device_kind} backend={jax.default_backend()} "
-          f"peak copy {peak_bw / 1e9:.1f} GB/s, peak matmul {peak_flops / 1e12:.2f} TFLOP/s")
-    print(f"{'kind':6} {'batch':>5} {'ctx':>6} {'impl':20} {'ms':>9} {'GB/s':>8} {'%bw':>5} "
-          f"{'TFLOP/s':>8} {'%mm':>5} {'vs ours':>8}")
+    print(
+        f"device={jax.devices()[0].device_kind} backend={jax.default_backend()} "
+        f"peak copy {peak_bw / 1e9:.1f} GB/s, peak matmul {peak_flops / 1e12:.2f} TFLOP/s"
+    )
+    print(
+        f"{'kind':6} {'batch':>5} {'ctx':>6} {'impl':20} {'ms':>9} {'GB/s':>8} {'%bw':>5} "
+        f"{'TFLOP/s':>8} {'%mm':>5} {'vs ours':>8}"
+    )
     rows = []
     for kind in kinds:
         for batch in batches:
             for context in contexts:
-                inputs = make_inputs(kind, batch, context, num_heads=num_heads,
-                                     num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                     page_size=page_size, chunk=chunk, dtype=dtype)
+                inputs = make_inputs(
+                    kind,
+                    batch,
+                    context,
+                    num_heads=num_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    page_size=page_size,
+                    chunk=chunk,
+                    dtype=dtype,
+                )
                 times = {}
-                for name, fn in implementations(inputs, head_dim ** -0.5, interpret).items():
+                for name, fn in implementations(inputs, head_dim**-0.5, interpret).items():
                     times[name] = time_median_s(fn, iters=iters)
                 for name, t in times.items():
-                    row = dict(kind=kind, batch=batch, context=context, impl=name, time_s=t,
-                               gb_s=inputs.bytes_moved / t / 1e9,
-                               tflop_s=inputs.flops / t / 1e12,
-                               frac_bw=inputs.bytes_moved / t / peak_bw,
-                               frac_flops=inputs.flops / t / peak_flops,
-                               ratio_vs_ours=t / times["ours"])
+                    row = {
+                        "kind": kind,
+                        "batch": batch,
+                        "context": context,
+                        "impl": name,
+                        "time_s": t,
+                        "gb_s": inputs.bytes_moved / t / 1e9,
+                        "tflop_s": inputs.flops / t / 1e12,
+                        "frac_bw": inputs.bytes_moved / t / peak_bw,
+                        "frac_flops": inputs.flops / t / peak_flops,
+                        "ratio_vs_ours": t / times["ours"],
+                    }
                     rows.append(row)
-                    print(f"{kind:6} {batch:5d} {context:6d} {name:20} {t * 1e3:9.3f} "
-                          f"{row['gb_s']:8.1f} {100 * row['frac_bw']:5.1f} "
-                          f"{row['tflop_s']:8.3f} {100 * row['frac_flops']:5.1f} "
-                          f"{row['ratio_vs_ours']:8.2f}")
+                    print(
+                        f"{kind:6} {batch:5d} {context:6d} {name:20} {t * 1e3:9.3f} "
+                        f"{row['gb_s']:8.1f} {100 * row['frac_bw']:5.1f} "
+                        f"{row['tflop_s']:8.3f} {100 * row['frac_flops']:5.1f} "
+                        f"{row['ratio_vs_ours']:8.2f}"
+                    )
     return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", choices=sorted(SIZES), default=None,
-                        help="default: tiny on CPU, full on accelerators")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="default: float32 on CPU, bfloat16 on accelerators")
+    parser.add_argument(
+        "--sizes",
+        choices=sorted(SIZES),
+        default=None,
+        help="default: tiny on CPU, full on accelerators",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: float32 on CPU, bfloat16 on accelerators",
+    )
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--interpret", action="store_true",
-                        help="on CPU, also time the Pallas GPU kernels in interpret mode")
+    parser.add_argument(
+        "--interpret",
+        action="store_true",
+        help="on CPU, also time the Pallas GPU kernels in interpret mode",
+    )
     args = parser.parse_args(argv)
     on_cpu = jax.default_backend() == "cpu"
     sizes = args.sizes or ("tiny" if on_cpu else "full")

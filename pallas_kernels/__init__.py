@@ -37,7 +37,7 @@ import numpy as np
 
 from pallas_kernels import reference, validation
 
-__all__ = ["write_kv", "ragged_paged_attention", "decode_paged_attention", "quantize_int8"]
+__all__ = ["decode_paged_attention", "quantize_int8", "ragged_paged_attention", "write_kv"]
 
 quantize_int8 = reference.quantize_int8
 
@@ -55,20 +55,30 @@ def _resolve_impl(impl: str) -> str:
 
 @jax.jit
 def _write_kv_jit(k_pages, v_pages, k, v, slot_mapping, layer, k_scales, v_scales):
-    return reference.write_kv_reference(k_pages, v_pages, k, v, slot_mapping, layer,
-                                        k_scales=k_scales, v_scales=v_scales)
+    return reference.write_kv_reference(
+        k_pages, v_pages, k, v, slot_mapping, layer, k_scales=k_scales, v_scales=v_scales
+    )
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, layer, *, k_scales: jax.Array | None = None,
-             v_scales: jax.Array | None = None):
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    layer,
+    *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+):
     """Scatter k, v [T, K, hd] to flat slots slot_mapping [T] of layer `layer`.
 
     Returns (k_pages, v_pages, k_scales, v_scales) (scales None unless int8). XLA does the
     scatter in place when the cache is donated or lives in a loop carry. int8 caches get
     each token/head quantized with its absmax/127 scale."""
     num_layers, num_kv_heads, _, _, head_dim = validation.check_cache(
-        k_pages, v_pages, k_scales, v_scales)
+        k_pages, v_pages, k_scales, v_scales
+    )
     validation.check_layer(layer, num_layers)
     for name, x in (("k", k), ("v", v)):
         if np.ndim(x) != 3 or tuple(x.shape[1:]) != (num_kv_heads, head_dim):
@@ -83,40 +93,98 @@ _STATIC = ("sm_scale", "max_query_len", "sliding_window", "soft_cap", "impl", "i
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _ragged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer,
-                k_scales, v_scales, *, sm_scale, max_query_len, sliding_window, soft_cap, impl,
-                interpret):
+def _ragged_jit(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    query_start,
+    num_seqs,
+    layer,
+    k_scales,
+    v_scales,
+    *,
+    sm_scale,
+    max_query_len,
+    sliding_window,
+    soft_cap,
+    impl,
+    interpret,
+):
     args = (q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer)
-    opts = dict(sm_scale=sm_scale, max_query_len=max_query_len, sliding_window=sliding_window,
-                soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales)
+    opts = {
+        "sm_scale": sm_scale,
+        "max_query_len": max_query_len,
+        "sliding_window": sliding_window,
+        "soft_cap": soft_cap,
+        "k_scales": k_scales,
+        "v_scales": v_scales,
+    }
     if impl == "reference":
         return reference.ragged_paged_attention_reference(*args, **opts)
     if impl == "gpu":
         from pallas_kernels import gpu_kernels
+
         return gpu_kernels.ragged_paged_attention_gpu(*args, **opts, interpret=interpret)
     from pallas_kernels import tpu_kernels
+
     return tpu_kernels.ragged_paged_attention_tpu(*args, **opts, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "max_query_len"))
-def _decode_jit(q, k_pages, v_pages, kv_lens, page_table, layer, k_scales, v_scales, *,
-                sm_scale, sliding_window, soft_cap, impl, interpret):
+def _decode_jit(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    layer,
+    k_scales,
+    v_scales,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    impl,
+    interpret,
+):
     args = (q, k_pages, v_pages, kv_lens, page_table, layer)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                k_scales=k_scales, v_scales=v_scales)
+    opts = {
+        "sm_scale": sm_scale,
+        "sliding_window": sliding_window,
+        "soft_cap": soft_cap,
+        "k_scales": k_scales,
+        "v_scales": v_scales,
+    }
     if impl == "reference":
         return reference.decode_paged_attention_reference(*args, **opts)
     if impl == "gpu":
         from pallas_kernels import gpu_kernels
+
         return gpu_kernels.decode_paged_attention_gpu(*args, **opts, interpret=interpret)
     from pallas_kernels import tpu_kernels
+
     return tpu_kernels.decode_paged_attention_tpu(*args, **opts, interpret=interpret)
 
 
-def _check_attention_inputs(q, k_pages, v_pages, kv_lens, page_table, layer, k_scales,
-                            v_scales, sm_scale, sliding_window, soft_cap, impl):
+def _check_attention_inputs(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    layer,
+    k_scales,
+    v_scales,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    impl,
+):
     num_layers, num_kv_heads, _, _, head_dim = validation.check_cache(
-        k_pages, v_pages, k_scales, v_scales)
+        k_pages, v_pages, k_scales, v_scales
+    )
     validation.check_layer(layer, num_layers)
     validation.check_query("q", q, num_kv_heads, head_dim)
     validation.check_int32("kv_lens", kv_lens, (None,))
@@ -124,41 +192,113 @@ def _check_attention_inputs(q, k_pages, v_pages, kv_lens, page_table, layer, k_s
     validation.check_options(sm_scale, sliding_window, soft_cap, impl)
 
 
-def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           kv_lens: jax.Array, page_table: jax.Array, query_start: jax.Array,
-                           num_seqs: jax.Array, layer, *, sm_scale: float, max_query_len: int,
-                           sliding_window: int | None = None, soft_cap: float | None = None,
-                           k_scales: jax.Array | None = None,
-                           v_scales: jax.Array | None = None, impl: str = "auto",
-                           interpret: bool = False) -> jax.Array:
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    query_start: jax.Array,
+    num_seqs: jax.Array,
+    layer,
+    *,
+    sm_scale: float,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
     """Attention of a flat ragged token batch q [T, H, hd] over the paged cache of `layer`.
 
     Returns [T, H, hd] in q's dtype; rows beyond query_start[num_seqs] are zeros.
     max_query_len (static) must bound every sequence's query_len."""
-    _check_attention_inputs(q, k_pages, v_pages, kv_lens, page_table, layer, k_scales,
-                            v_scales, sm_scale, sliding_window, soft_cap, impl)
+    _check_attention_inputs(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_table,
+        layer,
+        k_scales,
+        v_scales,
+        sm_scale,
+        sliding_window,
+        soft_cap,
+        impl,
+    )
     validation.check_int32("query_start", query_start, (kv_lens.shape[0] + 1,))
     validation.check_int32("num_seqs", num_seqs, (1,))
     if not isinstance(max_query_len, (int, np.integer)) or max_query_len < 1:
         raise ValueError(f"max_query_len={max_query_len!r} must be a static int >= 1")
-    return _ragged_jit(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer,
-                       k_scales, v_scales, sm_scale=float(sm_scale),
-                       max_query_len=int(max_query_len), sliding_window=sliding_window,
-                       soft_cap=soft_cap, impl=_resolve_impl(impl), interpret=interpret)
+    return _ragged_jit(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_table,
+        query_start,
+        num_seqs,
+        layer,
+        k_scales,
+        v_scales,
+        sm_scale=float(sm_scale),
+        max_query_len=int(max_query_len),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        impl=_resolve_impl(impl),
+        interpret=interpret,
+    )
 
 
-def decode_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           kv_lens: jax.Array, page_table: jax.Array, layer, *,
-                           sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, k_scales: jax.Array | None = None,
-                           v_scales: jax.Array | None = None, impl: str = "auto",
-                           interpret: bool = False) -> jax.Array:
+def decode_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    layer,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
     """One query per sequence, q [S, H, hd], at position kv_lens[s] - 1. Returns [S, H, hd];
     sequences with kv_lens == 0 (empty slots) give zeros."""
-    _check_attention_inputs(q, k_pages, v_pages, kv_lens, page_table, layer, k_scales,
-                            v_scales, sm_scale, sliding_window, soft_cap, impl)
+    _check_attention_inputs(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_table,
+        layer,
+        k_scales,
+        v_scales,
+        sm_scale,
+        sliding_window,
+        soft_cap,
+        impl,
+    )
     if q.shape[0] != kv_lens.shape[0]:
         validation._fail("q", q, f"one row per sequence: [{kv_lens.shape[0]}, H, hd]")
-    return _decode_jit(q, k_pages, v_pages, kv_lens, page_table, layer, k_scales, v_scales,
-                       sm_scale=float(sm_scale), sliding_window=sliding_window,
-                       soft_cap=soft_cap, impl=_resolve_impl(impl), interpret=interpret)
+    return _decode_jit(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_table,
+        layer,
+        k_scales,
+        v_scales,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        impl=_resolve_impl(impl),
+        interpret=interpret,
+    )

@@ -57,9 +57,27 @@ def _check_gpu_shapes(page_size, head_dim):
             raise ValueError(f"{name}={n}: the Pallas GPU kernels need a power of two >= 8")
 
 
-def _attend_blocks(q, q_pos, row_valid, kv_len, seq, j_start, j_end, layer, head,
-                   page_table_ref, k_ref, v_ref, ks_ref, vs_ref, *, pages_per_block, sm_scale,
-                   sliding_window, soft_cap):
+def _attend_blocks(
+    q,
+    q_pos,
+    row_valid,
+    kv_len,
+    seq,
+    j_start,
+    j_end,
+    layer,
+    head,
+    page_table_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    *,
+    pages_per_block,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+):
     """Online softmax of q [M, hd] over KV blocks j_start..j_end-1 of sequence `seq`.
     Returns o [M, hd] (unnormalised), m [M], l [M], all float32."""
     m_rows, head_dim = q.shape
@@ -75,8 +93,13 @@ def _attend_blocks(q, q_pos, row_valid, kv_len, seq, j_start, j_end, layer, head
         v = v_ref[layer, head, page_ids].reshape(block, head_dim)
         kv_pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)  # [BK]
         in_cache = kv_pos < kv_len
-        logits = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
-                                 precision=precision, preferred_element_type=jnp.float32)
+        logits = lax.dot_general(
+            q,
+            k.astype(compute_dtype),
+            (((1,), (1,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
         if ks_ref is not None:
             k_scale = ks_ref[layer, head, page_ids].reshape(block)  # [BK]
             logits = logits * k_scale[None, :]
@@ -95,12 +118,20 @@ def _attend_blocks(q, q_pos, row_valid, kv_len, seq, j_start, j_end, layer, head
             v_scale = vs_ref[layer, head, page_ids].reshape(block)
             p = p * jnp.where(in_cache, v_scale, 0.0)[None, :]
         v = jnp.where(in_cache[:, None], v.astype(compute_dtype), 0.0).astype(compute_dtype)
-        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)
+        pv = lax.dot_general(
+            p.astype(compute_dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
         return alpha[:, None] * o + pv, m_new, l_new
 
-    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
-            jnp.full((m_rows,), MASK_VALUE, jnp.float32), jnp.zeros((m_rows,), jnp.float32))
+    init = (
+        jnp.zeros((m_rows, head_dim), jnp.float32),
+        jnp.full((m_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
     return lax.fori_loop(j_start, j_end, body, init)
 
 
@@ -110,9 +141,28 @@ def _kv_block_range(first_pos, last_pos, block, sliding_window):
     return lo // block, last_pos // block + 1
 
 
-def _ragged_kernel(block_seq_ref, block_idx_ref, query_start_ref, kv_lens_ref, layer_ref,
-                   page_table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, _o_init_ref, o_ref, *,
-                   block_q, group, pages_per_block, sm_scale, sliding_window, soft_cap):
+def _ragged_kernel(
+    block_seq_ref,
+    block_idx_ref,
+    query_start_ref,
+    kv_lens_ref,
+    layer_ref,
+    page_table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    _o_init_ref,
+    o_ref,
+    *,
+    block_q,
+    group,
+    pages_per_block,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+):
     # q_ref/o_ref [T+BQ, K, Gp, hd]; k_ref/v_ref [L, K, num_pages, ps, hd]; page_table [S, Pp]
     g, head = pl.program_id(0), pl.program_id(1)
     group_pad, head_dim = q_ref.shape[2], q_ref.shape[3]
@@ -131,40 +181,82 @@ def _ragged_kernel(block_seq_ref, block_idx_ref, query_start_ref, kv_lens_ref, l
     q_pos = kv_len - q_len + i
     q = q_ref[pl.ds(row0, block_q), head, :, :].reshape(rows, head_dim)
     last_pos = kv_len - q_len + jnp.minimum((b + 1) * block_q, q_len) - 1
-    j_start, j_end = _kv_block_range(kv_len - q_len + b * block_q, last_pos,
-                                     pages_per_block * k_ref.shape[3], sliding_window)
+    j_start, j_end = _kv_block_range(
+        kv_len - q_len + b * block_q, last_pos, pages_per_block * k_ref.shape[3], sliding_window
+    )
     j_end = jnp.where(seq >= 0, j_end, j_start)
-    o, _, l = _attend_blocks(q, q_pos, row_valid, kv_len, seq_c, j_start, j_end, layer, head,
-                             page_table_ref, k_ref, v_ref, ks_ref, vs_ref,
-                             pages_per_block=pages_per_block, sm_scale=sm_scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+    o, _, l = _attend_blocks(
+        q,
+        q_pos,
+        row_valid,
+        kv_len,
+        seq_c,
+        j_start,
+        j_end,
+        layer,
+        head,
+        page_table_ref,
+        k_ref,
+        v_ref,
+        ks_ref,
+        vs_ref,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     o = o / jnp.where(l > 0, l, 1.0)[:, None]
     tok = b * block_q + lax.broadcasted_iota(jnp.int32, (block_q, group_pad, head_dim), 0)
     store_mask = (tok < q_len) & (seq >= 0)
-    plgpu.store(o_ref.at[pl.ds(row0, block_q), head, :, :],
-                o.reshape(block_q, group_pad, head_dim).astype(o_ref.dtype), mask=store_mask)
+    plgpu.store(
+        o_ref.at[pl.ds(row0, block_q), head, :, :],
+        o.reshape(block_q, group_pad, head_dim).astype(o_ref.dtype),
+        mask=store_mask,
+    )
 
 
 def _layer_array(layer):
     return jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, query_start,
-                               num_seqs, layer, *, sm_scale, max_query_len,
-                               sliding_window=None, soft_cap=None, k_scales=None,
-                               v_scales=None, interpret=False):
+def ragged_paged_attention_gpu(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    query_start,
+    num_seqs,
+    layer,
+    *,
+    sm_scale,
+    max_query_len,
+    sliding_window=None,
+    soft_cap=None,
+    k_scales=None,
+    v_scales=None,
+    interpret=False,
+):
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_pages.shape
     _check_gpu_shapes(page_size, head_dim)
-    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                k_scales=k_scales, v_scales=v_scales, interpret=interpret)
+    opts = {
+        "sm_scale": sm_scale,
+        "sliding_window": sliding_window,
+        "soft_cap": soft_cap,
+        "k_scales": k_scales,
+        "v_scales": v_scales,
+        "interpret": interpret,
+    }
     if max_query_len == 1:  # decode-only step: the split-K decode kernel parallelises better
-        return _ragged_as_decode(q, k_pages, v_pages, kv_lens, page_table, query_start,
-                                 num_seqs, layer, **opts)
+        return _ragged_as_decode(
+            q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer, **opts
+        )
     group = num_heads // num_kv_heads
     group_pad = pow2(group)
-    block_q = max(max(1, 16 // group_pad), min(max(1, Q_TILE_ROWS // group_pad),
-                                               pow2(max_query_len)))
+    block_q = max(
+        max(1, 16 // group_pad), min(max(1, Q_TILE_ROWS // group_pad), pow2(max_query_len))
+    )
     pages_per_block = max(1, KV_BLOCK_TOKENS["ragged"] // page_size)
     num_s = kv_lens.shape[0]
     num_blocks = num_query_blocks(num_tokens, num_s, max_query_len, block_q)
@@ -174,36 +266,74 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, query_s
     out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
     o_init_index = 9 if k_scales is None else 11  # None scales are no kernel inputs
     kernel = functools.partial(
-        _ragged_kernel, block_q=block_q, group=group, pages_per_block=pages_per_block,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        _ragged_kernel,
+        block_q=block_q,
+        group=group,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     out = pl.pallas_call(
-        kernel, grid=(num_blocks, num_kv_heads), out_shape=out_shape,
-        input_output_aliases={o_init_index: 0}, interpret=interpret,
+        kernel,
+        grid=(num_blocks, num_kv_heads),
+        out_shape=out_shape,
+        input_output_aliases={o_init_index: 0},
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="ragged_paged_attention",
-    )(block_seq, block_idx, query_start, kv_lens, _layer_array(layer),
-      pad_page_table(page_table, pages_per_block), qg, k_pages, v_pages, k_scales, v_scales,
-      jnp.zeros(qg.shape, q.dtype))
+    )(
+        block_seq,
+        block_idx,
+        query_start,
+        kv_lens,
+        _layer_array(layer),
+        pad_page_table(page_table, pages_per_block),
+        qg,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        jnp.zeros(qg.shape, q.dtype),
+    )
     out = out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
     _, _, valid = token_to_seq(query_start, num_seqs, num_tokens)
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 
-def _ragged_as_decode(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer,
-                      **opts):
+def _ragged_as_decode(
+    q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, layer, **opts
+):
     """A ragged batch whose sequences have 0 or 1 query each, through the decode kernel."""
     q_lens = layout.query_lens(query_start, num_seqs)  # [S]
     rows = jnp.clip(query_start[:-1], 0, q.shape[0] - 1)
-    out = decode_paged_attention_gpu(q[rows], k_pages, v_pages,
-                                     jnp.where(q_lens > 0, kv_lens, 0), page_table, layer,
-                                     **opts)  # [S, H, hd]
+    out = decode_paged_attention_gpu(
+        q[rows], k_pages, v_pages, jnp.where(q_lens > 0, kv_lens, 0), page_table, layer, **opts
+    )  # [S, H, hd]
     seq, _, valid = token_to_seq(query_start, num_seqs, q.shape[0])
     return jnp.where(valid[:, None, None], out[seq], 0).astype(q.dtype)
 
 
-def _decode_kernel(kv_lens_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
-                   o_ref, m_ref, l_ref, *, group, pages_per_block, blocks_per_split, sm_scale,
-                   sliding_window, soft_cap):
+def _decode_kernel(
+    kv_lens_ref,
+    layer_ref,
+    page_table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    *,
+    group,
+    pages_per_block,
+    blocks_per_split,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+):
     # q_ref [Gp, hd] (one sequence, one KV head); o_ref [Gp, hd]; m_ref, l_ref [Gp]
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group_pad = q_ref.shape[0]
@@ -215,26 +345,53 @@ def _decode_kernel(kv_lens_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, 
     lo, hi = _kv_block_range(kv_len - 1, kv_len - 1, block, sliding_window)
     j_start = jnp.maximum(lo, split * blocks_per_split)
     j_end = jnp.minimum(jnp.where(kv_len > 0, hi, 0), (split + 1) * blocks_per_split)
-    o, m, l = _attend_blocks(q_ref[...], q_pos, row_valid, kv_len, seq, j_start,
-                             jnp.maximum(j_end, j_start), layer_ref[0], head, page_table_ref,
-                             k_ref, v_ref, ks_ref, vs_ref, pages_per_block=pages_per_block,
-                             sm_scale=sm_scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap)
+    o, m, l = _attend_blocks(
+        q_ref[...],
+        q_pos,
+        row_valid,
+        kv_len,
+        seq,
+        j_start,
+        jnp.maximum(j_end, j_start),
+        layer_ref[0],
+        head,
+        page_table_ref,
+        k_ref,
+        v_ref,
+        ks_ref,
+        vs_ref,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
 
 
-def decode_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, layer, *, sm_scale,
-                               sliding_window=None, soft_cap=None, k_scales=None,
-                               v_scales=None, interpret=False, num_splits=None):
+def decode_paged_attention_gpu(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    layer,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scales=None,
+    v_scales=None,
+    interpret=False,
+    num_splits=None,
+):
     num_s, num_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_pages.shape
     _check_gpu_shapes(page_size, head_dim)
     group = num_heads // num_kv_heads
     group_pad = max(16, pow2(group))
-    pages_per_block = max(1, min(KV_BLOCK_TOKENS["decode"] // page_size,
-                                 pow2(page_table.shape[1])))
+    pages_per_block = max(1, min(KV_BLOCK_TOKENS["decode"] // page_size, pow2(page_table.shape[1])))
     page_table = pad_page_table(page_table, pages_per_block)
     num_kv_blocks = page_table.shape[1] // pages_per_block
     splits = min(num_splits or DECODE_SPLITS, num_kv_blocks)
@@ -242,25 +399,34 @@ def decode_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_table, layer, 
     qg = q.reshape(num_s, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     kernel = functools.partial(
-        _decode_kernel, group=group, pages_per_block=pages_per_block,
-        blocks_per_split=blocks_per_split, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        _decode_kernel,
+        group=group,
+        pages_per_block=pages_per_block,
+        blocks_per_split=blocks_per_split,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     part = (splits, num_s, num_kv_heads, group_pad)
     o, m, l = pl.pallas_call(
-        kernel, grid=(num_s, num_kv_heads, splits),
+        kernel,
+        grid=(num_s, num_kv_heads, splits),
         in_specs=[pl.no_block_spec] * 3
         + [pl.BlockSpec((None, None, group_pad, head_dim), lambda s, h, i: (s, h, 0, 0))]
-        + [pl.no_block_spec] * 2 + [None if k_scales is None else pl.no_block_spec] * 2,
+        + [pl.no_block_spec] * 2
+        + [None if k_scales is None else pl.no_block_spec] * 2,
         out_specs=[
-            pl.BlockSpec((None, None, None, group_pad, head_dim),
-                         lambda s, h, i: (i, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, group_pad, head_dim), lambda s, h, i: (i, s, h, 0, 0)),
             pl.BlockSpec((None, None, None, group_pad), lambda s, h, i: (i, s, h, 0)),
             pl.BlockSpec((None, None, None, group_pad), lambda s, h, i: (i, s, h, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct(part, jnp.float32),
-                   jax.ShapeDtypeStruct(part, jnp.float32)],
-        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        out_shape=[
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="decode_paged_attention",
     )(kv_lens, _layer_array(layer), page_table, qg, k_pages, v_pages, k_scales, v_scales)
     out = combine_splits(o, m, l)  # [S, K, Gp, hd]

@@ -22,11 +22,13 @@ def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def num_query_blocks(num_tokens: int, num_seqs_padded: int, max_query_len: int,
-                     block_q: int) -> int:
+def num_query_blocks(
+    num_tokens: int, num_seqs_padded: int, max_query_len: int, block_q: int
+) -> int:
     """Static upper bound on the number of query blocks of a batch."""
-    return min(-(-num_tokens // block_q) + num_seqs_padded,
-               num_seqs_padded * -(-max_query_len // block_q))
+    return min(
+        -(-num_tokens // block_q) + num_seqs_padded, num_seqs_padded * -(-max_query_len // block_q)
+    )
 
 
 def query_lens(query_start, num_seqs):
@@ -46,8 +48,17 @@ def block_table(query_start, num_seqs, block_q: int, num_blocks: int):
     return jnp.where(g < ends[-1], seq, -1), idx, (ends - n_blocks).astype(jnp.int32)
 
 
-def kv_block_bounds(block_seq, block_idx, query_start, kv_lens, num_seqs, *, block_q: int,
-                    kv_block: int, sliding_window: int | None):
+def kv_block_bounds(
+    block_seq,
+    block_idx,
+    query_start,
+    kv_lens,
+    num_seqs,
+    *,
+    block_q: int,
+    kv_block: int,
+    sliding_window: int | None,
+):
     """First and one-past-last KV block (of kv_block tokens) each query block must read:
     from the window start of its first query to its last query's position."""
     seq = jnp.maximum(block_seq, 0)
@@ -59,8 +70,7 @@ def kv_block_bounds(block_seq, block_idx, query_start, kv_lens, num_seqs, *, blo
     start = lo // kv_block
     end = jnp.maximum(jnp.floor_divide(last_pos, kv_block) + 1, start)
     valid = block_seq >= 0
-    return jnp.where(valid, start, 0).astype(jnp.int32), jnp.where(valid, end, 0).astype(
-        jnp.int32)
+    return jnp.where(valid, start, 0).astype(jnp.int32), jnp.where(valid, end, 0).astype(jnp.int32)
 
 
 def pad_page_table(page_table, multiple: int):
@@ -80,8 +90,9 @@ def gather_query_tiles(q, query_start, block_seq, block_idx, num_kv_heads: int, 
     return tiles.transpose(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, block_q * group, head_dim)
 
 
-def scatter_query_tiles(tiles, query_start, num_seqs, first_block, num_tokens: int,
-                        block_q: int, dtype):
+def scatter_query_tiles(
+    tiles, query_start, num_seqs, first_block, num_tokens: int, block_q: int, dtype
+):
     """Inverse of gather_query_tiles: tiles [NB, K, BQ*G, hd] -> [T, H, hd], zeros for rows
     past query_start[num_seqs]."""
     num_blocks, num_kv_heads, rows, head_dim = tiles.shape
@@ -89,8 +100,9 @@ def scatter_query_tiles(tiles, query_start, num_seqs, first_block, num_tokens: i
     per_token = tiles.reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
     per_token = per_token.transpose(0, 2, 1, 3, 4)  # [NB, BQ, K, G, hd]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(query_start[1:], t, side="right"),
-                      query_start.shape[0] - 2).astype(jnp.int32)
+    seq = jnp.minimum(
+        jnp.searchsorted(query_start[1:], t, side="right"), query_start.shape[0] - 2
+    ).astype(jnp.int32)
     i = t - query_start[seq]
     valid = (t < query_start[num_seqs[0]]) & (i >= 0)
     g = jnp.clip(first_block[seq] + i // block_q, 0, num_blocks - 1)

@@ -31,8 +31,9 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def write_kv_reference(k_pages, v_pages, k, v, slot_mapping, layer, *, k_scales=None,
-                       v_scales=None):
+def write_kv_reference(
+    k_pages, v_pages, k, v, slot_mapping, layer, *, k_scales=None, v_scales=None
+):
     """Scatter k, v [T, K, hd] into the slots of layer `layer` (in place when donated)."""
     page_size = k_pages.shape[3]
     page = slot_mapping // page_size  # [T]
@@ -62,8 +63,22 @@ def _gather_pages(pages, scales, page_table, layer):
     return x.transpose(0, 2, 1, 3, 4).reshape(s, k, p * ps, hd)
 
 
-def attend_padded(qs, q_pos, q_valid, k_pages, v_pages, kv_lens, page_table, layer, *,
-                  sm_scale, sliding_window=None, soft_cap=None, k_scales=None, v_scales=None):
+def attend_padded(
+    qs,
+    q_pos,
+    q_valid,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    layer,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scales=None,
+    v_scales=None,
+):
     """Attention of per-sequence padded queries qs [S, Qm, H, hd] at positions q_pos [S, Qm]
     (rows with q_valid False give zeros) over each sequence's pages. Returns [S, Qm, H, hd]
     float32."""
@@ -129,23 +144,71 @@ def unpad_outputs(out, query_start, num_seqs, num_tokens, dtype):
     return jnp.where(valid[:, None, None], flat, 0.0).astype(dtype)
 
 
-def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start,
-                                     num_seqs, layer, *, sm_scale, max_query_len,
-                                     sliding_window=None, soft_cap=None, k_scales=None,
-                                     v_scales=None):
+def ragged_paged_attention_reference(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    query_start,
+    num_seqs,
+    layer,
+    *,
+    sm_scale,
+    max_query_len,
+    sliding_window=None,
+    soft_cap=None,
+    k_scales=None,
+    v_scales=None,
+):
     qs, q_pos, q_valid = pad_queries(q, query_start, kv_lens, num_seqs, max_query_len)
-    out = attend_padded(qs, q_pos, q_valid, k_pages, v_pages, kv_lens, page_table, layer,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                        k_scales=k_scales, v_scales=v_scales)  # [S, Qm, H, hd]
+    out = attend_padded(
+        qs,
+        q_pos,
+        q_valid,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_table,
+        layer,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )  # [S, Qm, H, hd]
     return unpad_outputs(out, query_start, num_seqs, q.shape[0], q.dtype)
 
 
-def decode_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, layer, *,
-                                     sm_scale, sliding_window=None, soft_cap=None,
-                                     k_scales=None, v_scales=None):
+def decode_paged_attention_reference(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_table,
+    layer,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scales=None,
+    v_scales=None,
+):
     q_pos = (kv_lens - 1)[:, None]  # [S, 1]
     q_valid = (kv_lens > 0)[:, None]  # [S, 1]
-    out = attend_padded(q[:, None], q_pos, q_valid, k_pages, v_pages, kv_lens, page_table,
-                        layer, sm_scale=sm_scale, sliding_window=sliding_window,
-                        soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales)
+    out = attend_padded(
+        q[:, None],
+        q_pos,
+        q_valid,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_table,
+        layer,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
     return out[:, 0].astype(q.dtype)

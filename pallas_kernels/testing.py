@@ -31,8 +31,16 @@ class PagedCase:
     q_lens: list
 
     def attention_args(self):
-        return (self.q, self.k_pages, self.v_pages, self.kv_lens, self.page_table,
-                self.query_start, self.num_seqs, self.layer)
+        return (
+            self.q,
+            self.k_pages,
+            self.v_pages,
+            self.kv_lens,
+            self.page_table,
+            self.query_start,
+            self.num_seqs,
+            self.layer,
+        )
 
 
 def _quantize_np(x):
@@ -42,10 +50,28 @@ def _quantize_np(x):
     return q, scale.astype(np.float32)
 
 
-def make_case(rng: np.random.Generator, *, kv_lens, q_lens, page_size, num_kv_heads, group,
-              head_dim, dtype=jnp.float32, int8=False, num_layers=1, layer=0, pad_seqs=0,
-              pad_tokens=0, extra_pages=2, shuffle=True, nan_fill=True, num_pages=None,
-              pages_per_seq=None, num_tokens=None) -> PagedCase:
+def make_case(
+    rng: np.random.Generator,
+    *,
+    kv_lens,
+    q_lens,
+    page_size,
+    num_kv_heads,
+    group,
+    head_dim,
+    dtype=jnp.float32,
+    int8=False,
+    num_layers=1,
+    layer=0,
+    pad_seqs=0,
+    pad_tokens=0,
+    extra_pages=2,
+    shuffle=True,
+    nan_fill=True,
+    num_pages=None,
+    pages_per_seq=None,
+    num_tokens=None,
+) -> PagedCase:
     """A ragged batch: sequence s has kv_lens[s] tokens cached (its last q_lens[s] are the
     queries). pad_seqs empty sequences and pad_tokens q rows are appended as padding.
     num_pages / pages_per_seq / num_tokens fix the array sizes (so cases of different
@@ -70,9 +96,9 @@ def make_case(rng: np.random.Generator, *, kv_lens, q_lens, page_size, num_kv_he
         vc = rng.standard_normal((n, num_kv_heads, head_dim)).astype(np.float32)
         kc = np.asarray(jnp.asarray(kc, dtype).astype(jnp.float32))  # round like the cache
         vc = np.asarray(jnp.asarray(vc, dtype).astype(jnp.float32))
-        pages = ids[cursor:cursor + pages_needed[s]]
+        pages = ids[cursor : cursor + pages_needed[s]]
         cursor += pages_needed[s]
-        page_table[s, :len(pages)] = pages
+        page_table[s, : len(pages)] = pages
         pos = np.arange(n)
         k_pages[layer, :, pages[pos // page_size], pos % page_size] = kc
         v_pages[layer, :, pages[pos // page_size], pos % page_size] = vc
@@ -87,10 +113,14 @@ def make_case(rng: np.random.Generator, *, kv_lens, q_lens, page_size, num_kv_he
             pos = np.arange(n)
             unused[layer, :, page_table[s, pos // page_size], pos % page_size] = False
             pg, off = page_table[s, pos // page_size], pos % page_size
-            keys[s] = (k_pages[layer, :, pg, off].astype(np.float64)
-                       * k_scales[layer, :, pg, off][..., None])
-            values[s] = (v_pages[layer, :, pg, off].astype(np.float64)
-                         * v_scales[layer, :, pg, off][..., None])
+            keys[s] = (
+                k_pages[layer, :, pg, off].astype(np.float64)
+                * k_scales[layer, :, pg, off][..., None]
+            )
+            values[s] = (
+                v_pages[layer, :, pg, off].astype(np.float64)
+                * v_scales[layer, :, pg, off][..., None]
+            )
         k_scales[unused] = fill
         v_scales[unused] = fill
     num_heads = num_kv_heads * group
@@ -114,7 +144,9 @@ def make_case(rng: np.random.Generator, *, kv_lens, q_lens, page_size, num_kv_he
         num_seqs=jnp.asarray([num_real], jnp.int32),
         layer=layer,
         max_query_len=max([1, *q_lens]),
-        keys=keys, values=values, q_lens=list(q_lens),
+        keys=keys,
+        values=values,
+        q_lens=list(q_lens),
     )
 
 
@@ -131,8 +163,8 @@ def naive_attention(case: PagedCase, *, sm_scale, sliding_window=None, soft_cap=
             pos = kv_len - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             for h in range(q.shape[1]):
-                kh = case.keys[s][lo:pos + 1, h // group]  # [n, hd]
-                vh = case.values[s][lo:pos + 1, h // group]
+                kh = case.keys[s][lo : pos + 1, h // group]  # [n, hd]
+                vh = case.values[s][lo : pos + 1, h // group]
                 logits = kh @ q[start + i, h] * sm_scale
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
@@ -142,14 +174,16 @@ def naive_attention(case: PagedCase, *, sm_scale, sliding_window=None, soft_cap=
     return out
 
 
-def make_decode_case(rng: np.random.Generator, kv_lens, *, sm_scale, sliding_window=None,
-                     soft_cap=None, **kw):
+def make_decode_case(
+    rng: np.random.Generator, kv_lens, *, sm_scale, sliding_window=None, soft_cap=None, **kw
+):
     """Decode inputs: (case, q [S, H, hd], expected [S, H, hd]). Empty slots (kv_len 0) get
     NaN queries and expect zeros."""
     case = make_case(rng, kv_lens=kv_lens, q_lens=[1 if n else 0 for n in kv_lens], **kw)
-    expected = naive_attention(case, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap)
+    expected = naive_attention(
+        case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
     live = (np.asarray(kv_lens) > 0)[:, None, None]
-    rows = np.minimum(np.asarray(case.query_start[:len(kv_lens)]), case.q.shape[0] - 1)
+    rows = np.minimum(np.asarray(case.query_start[: len(kv_lens)]), case.q.shape[0] - 1)
     q = np.where(live, np.asarray(case.q.astype(jnp.float32))[rows], np.nan)
     return case, jnp.asarray(q, case.q.dtype), np.where(live, expected[rows], 0.0)

@@ -13,8 +13,7 @@ IMPLS = ("auto", "reference", "gpu", "tpu")
 
 def _fail(name, x, expected):
     raise ValueError(
-        f"{name} has shape {tuple(np.shape(x))} and dtype {jnp.result_type(x)}; "
-        f"expected {expected}"
+        f"{name} has shape {tuple(np.shape(x))} and dtype {jnp.result_type(x)}; expected {expected}"
     )
 
 
@@ -30,8 +29,9 @@ def check_int32(name, x, shape):
 def check_layer(layer, num_layers):
     if isinstance(layer, (int, np.integer)):
         if not 0 <= int(layer) < num_layers:
-            raise ValueError(f"layer={int(layer)} is out of range: the cache has {num_layers} "
-                             "layers")
+            raise ValueError(
+                f"layer={int(layer)} is out of range: the cache has {num_layers} layers"
+            )
         return
     if np.shape(layer) != () or jnp.result_type(layer) != jnp.int32:
         _fail("layer", layer, "a Python int or an int32 scalar")
@@ -42,8 +42,9 @@ def check_cache(k_pages, v_pages, k_scales, v_scales):
     if np.ndim(k_pages) != 5:
         _fail("k_pages", k_pages, "[L, K, num_pages, page_size, hd]")
     if np.shape(v_pages) != np.shape(k_pages) or v_pages.dtype != k_pages.dtype:
-        _fail("v_pages", v_pages, f"k_pages' shape {tuple(k_pages.shape)} and dtype "
-              f"{k_pages.dtype}")
+        _fail(
+            "v_pages", v_pages, f"k_pages' shape {tuple(k_pages.shape)} and dtype {k_pages.dtype}"
+        )
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales must be given together (int8 KV) or not at all")
     dims = tuple(k_pages.shape)
@@ -70,9 +71,9 @@ def check_query(name, q, num_kv_heads, head_dim):
 
 def check_options(sm_scale, sliding_window, soft_cap, impl):
     if not isinstance(sm_scale, (int, float)):
-        raise ValueError(f"sm_scale={sm_scale!r} must be a Python float")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or
-                                       sliding_window < 1):
+        # NOTE: ValueError, not TypeError: the contract is one exception type for bad input.
+        raise ValueError(f"sm_scale={sm_scale!r} must be a Python float")  # noqa: TRY004
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1")
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
         raise ValueError(f"soft_cap={soft_cap!r} must be None or a float > 0")
