@@ -53,6 +53,7 @@ _FINISH = {
     "timed_out": ("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED),
     "cancelled": ("cancelled", "engine", grpc.StatusCode.CANCELLED),
     "failed": ("failed", "engine_step", grpc.StatusCode.INTERNAL),
+    "rejected": ("rejected", "engine", grpc.StatusCode.RESOURCE_EXHAUSTED),
 }
 
 
