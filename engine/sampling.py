@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import random
 from collections.abc import Sequence
 
@@ -252,12 +253,14 @@ def ban_stop_ids_before_min_tokens(logits: Array, tensors: SamplingTensors) -> A
 # ---------------------------------------------------------------- filters and sampling
 
 def _gumbels(tensors: SamplingTensors, sizes: tuple[int, ...]) -> list[Array]:
-    """Per row, one [S, n] Gumbel draw per size; keys from (seed, output position) only."""
+    """Per row, one [S, n] Gumbel draw per size; keys from (seed, output position) only.
+    NOTE: one threefry draw sliced, not split keys: each threefry instance costs seconds of
+    XLA compile time on CPU."""
     keys = jax.random.wrap_key_data(tensors.key_data, impl="threefry2x32")  # [S]
     keys = jax.vmap(jax.random.fold_in)(keys, tensors.step)  # [S]
-    split = jax.vmap(lambda k: jax.random.split(k, len(sizes)))(keys)  # [S, len(sizes)]
-    return [jax.vmap(lambda k, n=n: jax.random.gumbel(k, (n,)))(split[:, i])
-            for i, n in enumerate(sizes)]
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (sum(sizes),)))(keys)  # [S, sum(sizes)]
+    offsets = np.cumsum((0, *sizes))
+    return [g[:, a:b] for a, b in itertools.pairwise(offsets)]
 
 
 def _top_k_on(tensors: SamplingTensors, vocab_size: int) -> Array:
@@ -287,7 +290,7 @@ def _top_k_top_p_threshold(cand: Array, temperature: Array, lse_scaled: Array,
 
 
 def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: Array | None,
-                   tensors: SamplingTensors) -> Array:
+                   tensors: SamplingTensors, num_candidates: int) -> Array:
     """[S] tokens for sampling rows: temperature -> top-k -> top-p -> min-p -> draw.
 
     Rows without top-k/top-p draw from the whole vocabulary, hierarchically: a block of
@@ -307,8 +310,8 @@ def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: 
     e = jnp.exp(scaled - (row_max / temperature)[:, None, None])  # [S, NB, BLOCK]
     kept = blocks >= min_p_thr[:, None, None]  # [S, NB, BLOCK]
     mass = jnp.sum(jnp.where(kept, e, 0.0), axis=-1)  # [S, NB]
-    g_block, g_token, g_cand = _gumbels(tensors, (nb, BLOCK, cand.shape[1] if cand is not None
-                                                  else 1))
+    # The layout of the draws never depends on the flags (a row's token must not either).
+    g_block, g_token, g_cand = _gumbels(tensors, (nb, BLOCK, num_candidates))
     block = jnp.argmax(jnp.log(mass) + g_block, axis=-1)  # [S]
     pick = lambda x: jnp.take_along_axis(x, block[:, None, None], axis=1)[:, 0]
     inside = jnp.where(pick(kept), pick(scaled), _NEG_INF)  # [S, BLOCK]
@@ -340,9 +343,10 @@ def sample(logits: Array, tensors: SamplingTensors, counts: Array | None = None,
     lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
     # One top_k serves the greedy pick, the top-K logprobs and the top-k/top-p candidates.
     filters = flags.filters and not flags.all_greedy
+    num_candidates = min(max(flags.max_candidates, K), V)
     cand = cand_ids = None
     if filters or flags.top_logprobs:
-        C = min(max(flags.max_candidates, K), V) if filters else K
+        C = num_candidates if filters else K
         cand, cand_ids = jax.lax.top_k(logits, C)  # [S, C] descending, ties: lowest id first
         # NOTE: XLA:CPU runs top_k fast only when the sort it decomposes into feeds exactly
         # one slice; slicing the result again (cand[:, 0]) can otherwise fold into the sort
@@ -354,7 +358,7 @@ def sample(logits: Array, tensors: SamplingTensors, counts: Array | None = None,
     tokens = greedy.astype(jnp.int32)  # [S]
     if not flags.all_greedy:
         drawn = _sample_random(logits, row_max, cand if filters else None,
-                               cand_ids if filters else None, tensors)
+                               cand_ids if filters else None, tensors, num_candidates)
         tokens = jnp.where(tensors.temperature > 0, drawn, tokens)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [S]
     if flags.top_logprobs:
