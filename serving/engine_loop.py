@@ -136,6 +136,9 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self.waiting.remove(request_id) is not None:
+                r = self._lookup(request_id)
+                if r is not None:  # its outcome was recorded by whoever aborted it
+                    r.stream.close(Terminal(grpc.StatusCode.CANCELLED, "cancelled while queued"))
                 self.unregister(request_id)
             elif request_id in self._in_engine:
                 self.engine.abort_request(request_id)

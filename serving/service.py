@@ -34,7 +34,7 @@ from serving.tenants import TenantLimiter, TenantRegistry, UnknownApiKey
 RETRY_AFTER_KEY = "retry-after-ms"
 API_KEY = "x-api-key"
 MAX_REQUEST_ID_CHARS = 256
-_POLL_S = 0.1  # how often a waiting handler checks that its client is still there
+_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
 class _Refusal(Exception):
