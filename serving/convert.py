@@ -17,11 +17,11 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
                     "presence_penalty", "frequency_penalty", "seed", "logprobs")
 
 # Token times cross the wire as unix nanoseconds; the engine stamps time.monotonic().
-_UNIX_MINUS_MONOTONIC_S = time.time() - time.monotonic()
+_UNIX_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
 
 
 def unix_ns(monotonic_s: float) -> int:
-    return int((monotonic_s + _UNIX_MINUS_MONOTONIC_S) * 1e9)
+    return _UNIX_MINUS_MONOTONIC_NS + round(monotonic_s * 1e9)
 
 
 def chat_messages(chat: pb.ChatMessages) -> list[dict]:

@@ -223,3 +223,18 @@ def test_client_cli_prints_tokens_and_summary(served):
         capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.startswith("defgh\n")
     assert "[length] prompt=3 cached=0 completion=5" in out and "mock@mock-rev-1" in out
+
+
+def test_delta_message_merges_outputs_with_logprobs():
+    from engine.api_types import RequestOutput, TokenLogprob
+    from serving import convert
+
+    outs = [RequestOutput("r", [5], "a", [1.0], logprobs=[TokenLogprob(5, -0.5, [(5, -0.5),
+                                                                                 (6, -1.5)])]),
+            RequestOutput("r", [7, 8], "bc", [2.0, 2.5], logprobs=None)]
+    msg = convert.delta_message("r", outs)
+    assert list(msg.token_ids) == [5, 7, 8] and msg.text == "abc"
+    assert len(msg.token_times_unix_ns) == 3
+    assert msg.token_times_unix_ns[2] - msg.token_times_unix_ns[0] == 1_500_000_000
+    assert msg.logprobs[0].token_id == 5 and msg.logprobs[0].logprob == -0.5
+    assert [(t.token_id, t.logprob) for t in msg.logprobs[0].top] == [(5, -0.5), (6, -1.5)]
