@@ -1,5 +1,8 @@
 """Pallas GPU kernels (Triton lowering) for ragged and decode paged attention.
 
+Files: gpu_kernels.py (this: the ragged kernel, and the public entry points), gpu_decode.py
+(the split-K decode kernel), gpu_common.py (the online-softmax loop both share).
+
 NOTE: why the Triton lowering and not Mosaic GPU. In JAX 0.10.2 both exist; the Triton
 lowering (`jax.experimental.pallas.triton`) takes plain `jnp` bodies with gathers through a
 vector of page ids (`k_ref[layer, head, page_ids]`), runs under `interpret=True` on CPU (so
@@ -30,8 +33,6 @@ Masking: logits outside the causal/window/length mask become -1e30 and their pro
 never reaches the output; fully masked rows divide by 1 and give zeros.
 """
 
-from __future__ import annotations
-
 import functools
 
 import jax
@@ -41,104 +42,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import layout
+from pallas_kernels.gpu_common import (
+    KV_BLOCK_TOKENS,
+    Q_TILE_ROWS,
+    attend_blocks,
+    check_gpu_shapes,
+    kv_block_range,
+    layer_array,
+)
+from pallas_kernels.gpu_decode import decode_paged_attention_gpu
 from pallas_kernels.layout import block_table, num_query_blocks, pad_page_table, pow2
 from pallas_kernels.reference import token_to_seq
 
-MASK_VALUE = -1e30
-# Tuning table (H200 guesses until measured): tokens per KV block, query-tile rows.
-KV_BLOCK_TOKENS = {"ragged": 64, "decode": 128}
-Q_TILE_ROWS = 64
-DECODE_SPLITS = 8
-
-
-def _check_gpu_shapes(page_size, head_dim):
-    for name, n in (("page_size", page_size), ("head_dim", head_dim)):
-        if n != pow2(n) or n < 8:
-            raise ValueError(f"{name}={n}: the Pallas GPU kernels need a power of two >= 8")
-
-
-def _attend_blocks(
-    q,
-    q_pos,
-    row_valid,
-    kv_len,
-    seq,
-    j_start,
-    j_end,
-    layer,
-    head,
-    page_table_ref,
-    k_ref,
-    v_ref,
-    ks_ref,
-    vs_ref,
-    *,
-    pages_per_block,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-):
-    """Online softmax of q [M, hd] over KV blocks j_start..j_end-1 of sequence `seq`.
-    Returns o [M, hd] (unnormalised), m [M], l [M], all float32."""
-    m_rows, head_dim = q.shape
-    page_size = k_ref.shape[3]
-    block = pages_per_block * page_size
-    compute_dtype = q.dtype
-    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-
-    def body(j, carry):
-        o, m, l = carry
-        page_ids = page_table_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]  # [PPB]
-        k = k_ref[layer, head, page_ids].reshape(block, head_dim)  # [BK, hd]
-        v = v_ref[layer, head, page_ids].reshape(block, head_dim)
-        kv_pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)  # [BK]
-        in_cache = kv_pos < kv_len
-        logits = lax.dot_general(
-            q,
-            k.astype(compute_dtype),
-            (((1,), (1,)), ((), ())),
-            precision=precision,
-            preferred_element_type=jnp.float32,
-        )
-        if ks_ref is not None:
-            k_scale = ks_ref[layer, head, page_ids].reshape(block)  # [BK]
-            logits = logits * k_scale[None, :]
-        logits = logits * sm_scale  # [M, BK]
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        mask = row_valid[:, None] & in_cache[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        if sliding_window is not None:
-            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-        logits = jnp.where(mask, logits, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(logits - m_new[:, None]), 0.0)  # [M, BK]
-        l_new = alpha * l + jnp.sum(p, axis=1)
-        if vs_ref is not None:
-            v_scale = vs_ref[layer, head, page_ids].reshape(block)
-            p = p * jnp.where(in_cache, v_scale, 0.0)[None, :]
-        v = jnp.where(in_cache[:, None], v.astype(compute_dtype), 0.0).astype(compute_dtype)
-        pv = lax.dot_general(
-            p.astype(compute_dtype),
-            v,
-            (((1,), (0,)), ((), ())),
-            precision=precision,
-            preferred_element_type=jnp.float32,
-        )
-        return alpha[:, None] * o + pv, m_new, l_new
-
-    init = (
-        jnp.zeros((m_rows, head_dim), jnp.float32),
-        jnp.full((m_rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((m_rows,), jnp.float32),
-    )
-    return lax.fori_loop(j_start, j_end, body, init)
-
-
-def _kv_block_range(first_pos, last_pos, block, sliding_window):
-    """KV blocks covering positions max(0, first_pos - window + 1) .. last_pos."""
-    lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    return lo // block, last_pos // block + 1
+__all__ = ["decode_paged_attention_gpu", "ragged_paged_attention_gpu"]
 
 
 def _ragged_kernel(
@@ -181,11 +97,11 @@ def _ragged_kernel(
     q_pos = kv_len - q_len + i
     q = q_ref[pl.ds(row0, block_q), head, :, :].reshape(rows, head_dim)
     last_pos = kv_len - q_len + jnp.minimum((b + 1) * block_q, q_len) - 1
-    j_start, j_end = _kv_block_range(
+    j_start, j_end = kv_block_range(
         kv_len - q_len + b * block_q, last_pos, pages_per_block * k_ref.shape[3], sliding_window
     )
     j_end = jnp.where(seq >= 0, j_end, j_start)
-    o, _, l = _attend_blocks(
+    o, _, l = attend_blocks(
         q,
         q_pos,
         row_valid,
@@ -215,10 +131,6 @@ def _ragged_kernel(
     )
 
 
-def _layer_array(layer):
-    return jnp.asarray(layer, jnp.int32).reshape(1)
-
-
 def ragged_paged_attention_gpu(
     q,
     k_pages,
@@ -239,7 +151,7 @@ def ragged_paged_attention_gpu(
 ):
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_pages.shape
-    _check_gpu_shapes(page_size, head_dim)
+    check_gpu_shapes(page_size, head_dim)
     opts = {
         "sm_scale": sm_scale,
         "sliding_window": sliding_window,
@@ -287,7 +199,7 @@ def ragged_paged_attention_gpu(
         block_idx,
         query_start,
         kv_lens,
-        _layer_array(layer),
+        layer_array(layer),
         pad_page_table(page_table, pages_per_block),
         qg,
         k_pages,
@@ -312,131 +224,3 @@ def _ragged_as_decode(
     )  # [S, H, hd]
     seq, _, valid = token_to_seq(query_start, num_seqs, q.shape[0])
     return jnp.where(valid[:, None, None], out[seq], 0).astype(q.dtype)
-
-
-def _decode_kernel(
-    kv_lens_ref,
-    layer_ref,
-    page_table_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    ks_ref,
-    vs_ref,
-    o_ref,
-    m_ref,
-    l_ref,
-    *,
-    group,
-    pages_per_block,
-    blocks_per_split,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-):
-    # q_ref [Gp, hd] (one sequence, one KV head); o_ref [Gp, hd]; m_ref, l_ref [Gp]
-    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    group_pad = q_ref.shape[0]
-    kv_len = kv_lens_ref[seq]
-    block = pages_per_block * k_ref.shape[3]
-    r = lax.broadcasted_iota(jnp.int32, (group_pad,), 0)
-    row_valid = (r < group) & (kv_len > 0)
-    q_pos = jnp.zeros((group_pad,), jnp.int32) + (kv_len - 1)
-    lo, hi = _kv_block_range(kv_len - 1, kv_len - 1, block, sliding_window)
-    j_start = jnp.maximum(lo, split * blocks_per_split)
-    j_end = jnp.minimum(jnp.where(kv_len > 0, hi, 0), (split + 1) * blocks_per_split)
-    o, m, l = _attend_blocks(
-        q_ref[...],
-        q_pos,
-        row_valid,
-        kv_len,
-        seq,
-        j_start,
-        jnp.maximum(j_end, j_start),
-        layer_ref[0],
-        head,
-        page_table_ref,
-        k_ref,
-        v_ref,
-        ks_ref,
-        vs_ref,
-        pages_per_block=pages_per_block,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
-
-
-def decode_paged_attention_gpu(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    page_table,
-    layer,
-    *,
-    sm_scale,
-    sliding_window=None,
-    soft_cap=None,
-    k_scales=None,
-    v_scales=None,
-    interpret=False,
-    num_splits=None,
-):
-    num_s, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, page_size, _ = k_pages.shape
-    _check_gpu_shapes(page_size, head_dim)
-    group = num_heads // num_kv_heads
-    group_pad = max(16, pow2(group))
-    pages_per_block = max(1, min(KV_BLOCK_TOKENS["decode"] // page_size, pow2(page_table.shape[1])))
-    page_table = pad_page_table(page_table, pages_per_block)
-    num_kv_blocks = page_table.shape[1] // pages_per_block
-    splits = min(num_splits or DECODE_SPLITS, num_kv_blocks)
-    blocks_per_split = pl.cdiv(num_kv_blocks, splits)
-    qg = q.reshape(num_s, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
-    kernel = functools.partial(
-        _decode_kernel,
-        group=group,
-        pages_per_block=pages_per_block,
-        blocks_per_split=blocks_per_split,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    part = (splits, num_s, num_kv_heads, group_pad)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(num_s, num_kv_heads, splits),
-        in_specs=[pl.no_block_spec] * 3
-        + [pl.BlockSpec((None, None, group_pad, head_dim), lambda s, h, i: (s, h, 0, 0))]
-        + [pl.no_block_spec] * 2
-        + [None if k_scales is None else pl.no_block_spec] * 2,
-        out_specs=[
-            pl.BlockSpec((None, None, None, group_pad, head_dim), lambda s, h, i: (i, s, h, 0, 0)),
-            pl.BlockSpec((None, None, None, group_pad), lambda s, h, i: (i, s, h, 0)),
-            pl.BlockSpec((None, None, None, group_pad), lambda s, h, i: (i, s, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-        ],
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        name="decode_paged_attention",
-    )(kv_lens, _layer_array(layer), page_table, qg, k_pages, v_pages, k_scales, v_scales)
-    out = combine_splits(o, m, l)  # [S, K, Gp, hd]
-    return out[:, :, :group].reshape(num_s, num_heads, head_dim).astype(q.dtype)
-
-
-def combine_splits(o, m, l):
-    """Merge flash-decoding partials o [N, ..., hd], m, l [N, ...] over the split axis."""
-    m_max = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_max[None])  # [N, ...]
-    l_tot = jnp.sum(w * l, axis=0)
-    o_tot = jnp.sum(w[..., None] * o, axis=0)
-    return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]

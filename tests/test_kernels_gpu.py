@@ -246,3 +246,25 @@ def test_decode_only_ragged_batch_uses_decode_path():
         *case.attention_args(), sm_scale=0.2, max_query_len=1, impl=IMPL, interpret=True
     )
     _check(out, naive_attention(case, sm_scale=0.2), jnp.float32)
+
+
+def test_decode_many_splits_including_empty_ones(monkeypatch):
+    """16-token KV blocks over 40-token contexts: 3 splits; the short sequences' later splits
+    are empty and must not disturb the combine."""
+    from pallas_kernels import gpu_common, gpu_decode
+
+    monkeypatch.setitem(gpu_common.KV_BLOCK_TOKENS, "decode", 16)
+    case, q, expected = make_decode_case(
+        np.random.default_rng(6),
+        [40, 3, 0, 17],
+        sm_scale=0.2,
+        page_size=8,
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+    )
+    fn = jax.jit(
+        lambda *a: gpu_decode.decode_paged_attention_gpu(*a, 0, sm_scale=0.2, interpret=True)
+    )
+    out = fn(q, case.k_pages, case.v_pages, case.kv_lens, case.page_table)
+    _check(out, expected, jnp.float32)
