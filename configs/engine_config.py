@@ -81,9 +81,14 @@ class EngineConfig:
     priority_aging_per_s: float = 0.1
     prefix_caching: bool = True
     prefix_cache_ttl_s: float | None = 600.0
+    # Which tenants share prefix-cache pages (EngineCore derives each request's salt from it).
+    cache_sharing: CacheSharingPolicy = dataclasses.field(
+        default_factory=lambda: CacheSharingPolicy())
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
+        _check("cache_sharing", self.cache_sharing,
+               isinstance(self.cache_sharing, CacheSharingPolicy), "a CacheSharingPolicy")
         _check("num_pages", self.num_pages, self.num_pages is None or self.num_pages >= 2,
                "None (use kv_cache_bytes) or >= 2")
         _check("kv_cache_bytes", self.kv_cache_bytes, self.kv_cache_bytes > 0, "> 0")

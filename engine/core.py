@@ -107,7 +107,8 @@ class EngineCore:
         if er.request_id in self._states:
             raise InvalidRequestError("request_id", er.request_id, "already running")
         now = time.monotonic()
-        salt = cache_salt if cache_salt is not None else cache_salt_for(er.tenant)
+        salt = (cache_salt if cache_salt is not None
+                else cache_salt_for(er.tenant, self.config.cache_sharing))
         req = Request.from_engine_request(er, now_s=now, cache_salt=salt)
         self.scheduler.add_request(req)
         detok = self.tokenizer.new_detokenizer(er.prompt_token_ids)
@@ -117,6 +118,25 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
+
+    def reload_model(self, model) -> None:
+        """Swap in other weights of the same architecture (a new revision), between steps.
+        The prefix cache is cleared and re-keyed by the new identity, so nothing computed
+        with the old weights is ever hit; requests in flight keep the K/V they already
+        computed, and nothing they compute is cached."""
+        if model.config != self.model.config:
+            raise ValueError(f"reload_model: config {model.config.name!r} differs from the "
+                             f"running {self.model.config.name!r} (same architecture only)")
+        if self.mesh is not None:
+            raise NotImplementedError("reload_model with a mesh (params need resharding)")
+        self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
+        self.params = model.params
+        self.pool.clear_cache((self.identity.revision, self.identity.tokenizer_hash,
+                               self.identity.chat_template_hash))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (pages in use stay in use)."""
+        self.pool.clear_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -273,6 +293,9 @@ class EngineCore:
             "prefix_cache_hit_rate": pool.stats.hit_rate,
             "prefix_cache_evictions": pool.stats.evictions,
             "prefix_cache_expirations": pool.stats.expirations,
+            "prefix_cache_prefill_tokens_saved": pool.stats.hit_tokens,
+            "prefix_cache_cached_pages": pool.num_cached_pages,
+            "prefix_cache_enabled": pool.enable_prefix_caching,
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,

@@ -95,9 +95,10 @@ class LLM:
         return [results[rid] for rid in ids]
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        *, priority: int = 0) -> Iterator[RequestOutput]:
+                        *, priority: int = 0, tenant: str = "default"
+                        ) -> Iterator[RequestOutput]:
         """Yields this request's deltas as they come (other requests keep running)."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), priority, "default")
+        rid = self._add(prompt, sampling_params or SamplingParams(), priority, tenant)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.request_id == rid:
@@ -121,3 +122,8 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reload_model(self, model) -> None:
+        """New weights of the same architecture (a LoadedModel); clears the prefix cache."""
+        self.engine.reload_model(model)
+        self.model, self.tokenizer = model, model.tokenizer
