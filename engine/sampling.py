@@ -25,7 +25,7 @@ Design notes:
   Exact for top_k <= C and for a nucleus that fits in C tokens; a top_k in (C, V) acts as
   top_k = C, and a nucleus wider than C is truncated to the top C tokens (never a token
   outside the true nucleus). top_k = 0 or >= V is off. `SamplingFlags(max_candidates=V)`
-  makes both exact at the cost of a full sort. Ties at the cut are broken by token id.
+  makes both exact at the cost of a full sort. Candidates tied with the cut value are kept.
 - Penalties need per-slot token counts. They stay on the device: `token_counts [S_max, V]
   int32` (output tokens) and `prompt_mask [S_max, V] bool`; `reset_slot_counts` fills a slot's
   rows when a request is inserted (prompt ids sent once), `update_counts` scatters each step's
