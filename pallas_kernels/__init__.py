@@ -24,8 +24,9 @@ Triton lowering), tpu -> `tpu_kernels` (Pallas Mosaic TPU, scalar-prefetched pag
 cpu -> `reference`. impl="reference" | "gpu" | "tpu" forces one; interpret=True runs the
 chosen Pallas kernel in interpret mode (that is how the tests run kernels on CPU).
 
-Files: reference.py (jnp oracle + KV write), validation.py (ValueErrors), gpu_kernels.py,
-tpu_kernels.py, layout.py (query re-arrangement shared by the kernels).
+Files: reference.py (jnp oracle + KV write), validation.py (ValueErrors), layout.py (query
+blocks and tiles shared by the kernels), gpu_kernels.py / gpu_decode.py / gpu_common.py,
+tpu_kernels.py, testing.py (NaN-filled test cases and a naive dense attention).
 """
 
 from __future__ import annotations
