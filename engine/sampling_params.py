@@ -8,6 +8,8 @@ from engine.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+# EOS ids + stop_token_ids are banned on device before min_tokens in a fixed 16-entry list.
+MAX_STOP_TOKEN_IDS = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,9 @@ class SamplingParams:
              f"0 <= x <= max_tokens ({self.max_tokens})"),
             ("stop", len(self.stop), len(self.stop) <= MAX_STOP_STRINGS,
              f"at most {MAX_STOP_STRINGS} stop strings"),
+            ("stop_token_ids", len(self.stop_token_ids),
+             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
             ("logprobs", self.logprobs,
              self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"0 <= x <= {MAX_LOGPROBS}"),
