@@ -104,8 +104,7 @@ def main(argv):
         return
     gates = sweep.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
     result = sweep.run_sweep(
-        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates,
-        cancel_fraction=F.cancel_fraction)
+        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates)
     print(sweep.sweep_markdown(result))
     print(f"sweep: {out / 'sweep.md'}")
 
