@@ -149,8 +149,8 @@ def plan(cfg: ModelConfig, *, kv_dtype: str, device_memory_bytes: int, weights_b
         out["input_token_demand_tps"] = rate_rps * lengths["mean_prompt_tokens"]
     if rate_rps is not None and goodput_per_replica_rps:
         out["replicas"] = replicas_needed(rate_rps, goodput_per_replica_rps, reserve)
-        out["replica_formula"] = (f"ceil({rate_rps} / {goodput_per_replica_rps} x "
-                                  f"(1 + {reserve}))")
+        out["replica_formula"] = (f"ceil({rate_rps:g} / {goodput_per_replica_rps:.4g} x "
+                                  f"(1 + {reserve:g}))")
     return out
 
 

@@ -83,5 +83,5 @@ def test_render_plan_states_replicas_and_caution():
     text = planner.render_plan(out)
     assert "128 KiB of KV per token" in text
     assert "8192 tokens: 60" in text
-    assert "replicas: 6 = ceil(20.0 / 4.5 x (1 + 0.3))" in text
+    assert "replicas: 6 = ceil(20 / 4.5 x (1 + 0.3))" in text
     assert "max_tokens" in text
