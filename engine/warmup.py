@@ -6,9 +6,9 @@ The reachable shapes (engine/batch.py) are the product of
     prefill sequence bucket Sp in {1, 2, 4, ...} with Sp <= Tp / 2 (a chunk has >= 2 tokens)
     page-table bucket P in {4, 8, ..., max_pages_per_seq}
 (max_query_len is a function of Tp). A step over an all-padding batch of a shape compiles
-exactly the program a real batch of that shape uses, so after `warmup` no step compiles.
-`max_pages_per_seq` can be capped to warm only the contexts expected; a longer context then
-compiles its shape once, on first use (and the engine logs it).
+exactly the program a real batch of that shape uses, so after warming the reachable set no
+step compiles. Large configs warm a frequent subset (`startup_shapes`); a shape outside it
+compiles once, on first use, and the engine logs it.
 """
 
 from __future__ import annotations
@@ -52,6 +52,26 @@ def reachable_shapes(sched_config, max_pages_per_seq: int | None = None) -> list
     return shapes
 
 
+def startup_shapes(sched_config, max_shapes: int = 64, max_context_tokens: int = 2048
+                   ) -> list[BatchShape]:
+    """What to compile at start-up: every reachable shape when there are at most
+    `max_shapes`; otherwise the most frequent ones, in order: decode-only steps and steps with
+    one prefill sequence (with any decode bucket), for contexts up to `max_context_tokens`.
+
+    NOTE: on CPU the jnp reference needs the page-table width P in the shape (its gather cost
+    grows with P), so the full reachable set of a large config runs into the thousands; the
+    rest compile on first use, and the engine logs each such compile as a warning.
+    """
+    every = reachable_shapes(sched_config)
+    if len(every) <= max_shapes:
+        return every
+    max_pages = -(-max_context_tokens // sched_config.page_size)
+    frequent = [s for s in every if s.num_prefill_seqs <= 1 and s.pages_per_seq <= max_pages]
+    frequent.sort(key=lambda s: (s.num_prefill_tokens > 0, s.pages_per_seq, s.num_decode,
+                                 s.num_prefill_tokens))
+    return frequent[:max_shapes]
+
+
 def dummy_batch(shape: BatchShape) -> StepBatch:
     """An all-padding batch of `shape` (no sequence, every token writes the null page)."""
     T, R = shape.num_decode + shape.num_prefill_tokens, shape.num_decode + shape.num_prefill_seqs
@@ -63,13 +83,13 @@ def dummy_batch(shape: BatchShape) -> StepBatch:
                      SamplingTensors.from_params([None] * R, [0] * R, None, R))
 
 
-def warmup(engine, shapes: list[BatchShape] | None = None, *, sampling=("greedy",),
-           max_pages_per_seq: int | None = None) -> float:
-    """Compiles the step for `shapes` (default: all reachable) and each sampler variant in
+def warmup(engine, shapes: list[BatchShape] | None = None, *, sampling=("greedy", "full"),
+           max_shapes: int = 64) -> float:
+    """Compiles the step for `shapes` (default: `startup_shapes`) and each sampler variant in
     `sampling` ("greedy", "full"). Returns and logs the time taken."""
     from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
 
-    shapes = shapes or reachable_shapes(engine.sched_config, max_pages_per_seq)
+    shapes = shapes or startup_shapes(engine.sched_config, max_shapes)
     flags = [{"greedy": _GREEDY_FLAGS, "full": _FULL_FLAGS}[s] for s in sampling]
     t0 = time.perf_counter()
     for shape, f in itertools.product(shapes, flags):

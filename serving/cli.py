@@ -14,6 +14,7 @@ import sys
 import time
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, GGUF file or HF directory.")
@@ -72,6 +73,7 @@ def _generate_paged() -> str:
 
 
 def main(argv):
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint step
     if len(argv) != 2 or argv[1] != "generate":
         raise app.UsageError("usage: python -m serving.cli generate --model=... --prompt=...")
     text = _generate_dense() if FLAGS.engine == "dense" else _generate_paged()

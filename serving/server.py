@@ -143,8 +143,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
     flags.DEFINE_integer("prefill_chunk_size", 256, "prefill chunk")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
-    flags.DEFINE_string("mesh", None, "device mesh, e.g. 'tp=2' (None: one device)")
+    flags.DEFINE_string("mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)")
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
+    flags.DEFINE_integer("warmup_max_shapes", 64,
+                         "compile up to this many step shapes before serving (0: none)")
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "")
     flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
@@ -191,8 +193,13 @@ def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
     from engine.core import EngineCore
     from models.registry import load_model
     mesh = options.pop("mesh", None)
+    warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
-    return EngineCore(load_model(model), config, mesh=mesh)
+    core = EngineCore(load_model(model), config, mesh=mesh)
+    if warmup_max_shapes:
+        from engine.warmup import warmup
+        warmup(core, max_shapes=warmup_max_shapes)  # logs how long it took
+    return core
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -228,7 +235,8 @@ def main(argv) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _setup_request_log(FLAGS.request_log)
     options = engine_options_from_flags()
-    engine = build_engine(FLAGS.model, options, mock_step_time_s=FLAGS.mock_step_time_s,
+    engine = build_engine(FLAGS.model, {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+                          mock_step_time_s=FLAGS.mock_step_time_s,
                           max_model_len=FLAGS.max_model_len)
     server = PagedJaxServer(engine, config_from_flags(options),
                             TenantRegistry.from_file(FLAGS.tenants_config))
