@@ -1,0 +1,327 @@
+"""Tensor parallelism over a `jax.sharding` mesh: mesh from a string, one logical-axis rules
+table, param and KV-cache shardings, KV-head replication, and data-parallel replicas.
+
+    mesh = make_mesh("data:2,model:4")            # axes ("data", "model"), always both
+    cfg, params = shard_params(params, cfg, mesh)  # Megatron layout; may replicate KV heads
+    kv = PagedKVCache.zeros(cfg, ..., sharding=kv_sharding(mesh))
+
+Megatron-style over `model` (Shoeybi et al. 2019): Q/K/V column-parallel by heads, the
+output projection row-parallel (heads on its input axis), MLP gate/up column-parallel and
+down row-parallel, embedding and LM head by vocab, norms replicated. Inside the jitted step
+XLA inserts the collectives (one all-reduce after `wo` and one after `w_down` per layer, an
+all-gather of the logits before sampling); the attention kernels run per shard under
+`jax.shard_map` (`engine.step.paged_attention_fn`), each shard on its own KV heads.
+
+KV heads: the cache is sharded by KV head, so every shard needs whole KV heads for its own
+query heads. With model axis m and K KV heads:
+    m <= K: K % m == 0 required; each shard holds K/m KV heads (no extra memory).
+    m  > K: m % K == 0 required; each KV head is replicated r = m/K times (the weights wk/wv
+            and bk/bv are repeated along the head axis, and the engine's config says
+            num_kv_heads = m). KV memory over the whole mesh grows r-fold; per device it is
+            1 head instead of K/m (a multiplier of r on what perfect sharding would give).
+Query heads and the FFN must divide evenly: H % m == 0, F % m == 0. SmolLM2 (H=9, K=3,
+F=1536) therefore runs at model 1 or 3 only (2/4/8 do not divide 9 heads; 9 does not divide
+F). We chose this over padding query heads with zeros, which would waste 1/3 to 7/9 of the
+attention compute and complicate the GQA grouping; the error names the field, the value and
+the allowed degrees (`allowed_model_degrees(cfg)`).
+
+Data axis: `data:d` runs d independent engine replicas, replica g on mesh row g (its own
+params copy, KV cache, scheduler and page pool); `create_engine` returns a
+`DataParallelEngine` that routes each request to the least loaded replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs.model_config import ModelConfig
+from models.llama import LayerWeights, Params
+
+DATA, MODEL = "data", "model"
+_ALIASES = {"data": DATA, "dp": DATA, "model": MODEL, "tp": MODEL}
+
+# Logical axis -> mesh axis (None: replicated). The one place a layout decision lives.
+LOGICAL_RULES: dict[str, str | None] = {
+    "batch": DATA,
+    "layers": None,
+    "embed": None,  # hidden D
+    "vocab": MODEL,
+    "heads": MODEL,
+    "kv_heads": MODEL,
+    "head_dim": None,
+    "ffn": MODEL,
+    "pages": None,
+    "page_slot": None,
+}
+
+# Logical axes of every param (LayerWeights carry the leading `layers` axis).
+_LAYER_AXES = dict(
+    attn_norm=("layers", "embed"), wq=("layers", "embed", "heads", "head_dim"),
+    wk=("layers", "embed", "kv_heads", "head_dim"), wv=("layers", "embed", "kv_heads", "head_dim"),
+    bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
+    bv=("layers", "kv_heads", "head_dim"), wo=("layers", "heads", "head_dim", "embed"),
+    mlp_norm=("layers", "embed"), w_gate=("layers", "embed", "ffn"),
+    w_up=("layers", "embed", "ffn"), w_down=("layers", "ffn", "embed"))
+KV_CACHE_AXES = ("layers", "kv_heads", "pages", "page_slot", "head_dim")
+
+
+class ShardingConfigError(ValueError):
+    """A mesh that cannot shard this model; the message names field, value and limit."""
+
+
+# ---- mesh --------------------------------------------------------------------------------
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """"model:4" / "data:2,model:4" / "tp=2" -> {"data": d, "model": m} (missing axes = 1)."""
+    sizes = {DATA: 1, MODEL: 1}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = re.fullmatch(r"(\w+)\s*[:=]\s*(\d+)", part)
+        if not m or m.group(1) not in _ALIASES or int(m.group(2)) < 1:
+            raise ShardingConfigError(
+                f"mesh={spec!r}: bad entry {part!r}; expected 'data:N' and/or 'model:N' "
+                f"(N >= 1), e.g. 'data:2,model:4'")
+        sizes[_ALIASES[m.group(1)]] = int(m.group(2))
+    return sizes
+
+
+def make_mesh(spec: str | Mesh, devices=None) -> Mesh:
+    """A ("data", "model") mesh over the first data*model of `devices` (default: all)."""
+    if isinstance(spec, Mesh):
+        return spec
+    sizes = parse_mesh_spec(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    need = sizes[DATA] * sizes[MODEL]
+    if need > len(devices):
+        raise ShardingConfigError(f"mesh={spec!r} needs {need} devices; "
+                                  f"{len(devices)} available")
+    grid = np.array(devices[:need], dtype=object).reshape(sizes[DATA], sizes[MODEL])
+    return Mesh(grid, (DATA, MODEL))
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One (1, model) mesh per data row: the device group of each data-parallel replica."""
+    return [Mesh(mesh.devices[g:g + 1], (DATA, MODEL)) for g in range(mesh.shape[DATA])]
+
+
+def model_axis_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[MODEL]
+
+
+# ---- layout checks and KV replication ------------------------------------------------------
+def allowed_model_degrees(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    return [m for m in range(1, limit + 1) if _layout_error(cfg, m) is None]
+
+
+def _layout_error(cfg: ModelConfig, m: int) -> str | None:
+    H, K = cfg.num_heads, cfg.num_kv_heads
+    if H % m:
+        return f"num_heads={H} must be divisible by the model axis ({m})"
+    if m <= K and K % m:
+        return f"num_kv_heads={K} must be divisible by the model axis ({m}) when it is <= {K}"
+    if m > K and m % K:
+        return (f"the model axis ({m}) must be a multiple of num_kv_heads={K} when it is "
+                f"larger (KV heads are replicated {m}/{K} times)")
+    if cfg.ffn_size % m:
+        return f"ffn_size={cfg.ffn_size} must be divisible by the model axis ({m})"
+    return None
+
+
+def check_model_axis(cfg: ModelConfig, m: int) -> None:
+    err = _layout_error(cfg, m)
+    if err:
+        raise ShardingConfigError(f"model axis {m} cannot shard {cfg.name}: {err}; allowed "
+                                  f"model axis sizes: {allowed_model_degrees(cfg)}")
+
+
+def kv_replication(cfg: ModelConfig, m: int) -> int:
+    """How many copies of each KV head the mesh holds (the KV memory multiplier)."""
+    return max(1, m // cfg.num_kv_heads)
+
+
+def sharded_config(cfg: ModelConfig, m: int) -> ModelConfig:
+    """The config the engine runs: num_kv_heads raised to m when KV heads are replicated."""
+    check_model_axis(cfg, m)
+    r = kv_replication(cfg, m)
+    return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+
+
+def replicate_kv_heads(params: Params, r: int) -> Params:
+    """Repeats each KV head r times (head k -> k*r .. k*r+r-1), so query head h still reads a
+    copy of its original KV head h // (H/K): (h // (H/(K r))) // r == h // (H/K)."""
+    if r == 1:
+        return params
+    rep = lambda a, axis: None if a is None else jax.numpy.repeat(a, r, axis=axis)  # noqa: E731
+    w = params.layers
+    layers = dataclasses.replace(w, wk=rep(w.wk, 2), wv=rep(w.wv, 2), bk=rep(w.bk, 1),
+                                 bv=rep(w.bv, 1))
+    return dataclasses.replace(params, layers=layers)
+
+
+# ---- shardings ---------------------------------------------------------------------------
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Maps logical axes through LOGICAL_RULES; an axis whose dim the mesh axis does not
+    divide stays replicated (only vocab can: heads/ffn are checked up front)."""
+    out = []
+    for name, dim in zip(axes, shape):
+        mesh_axis = LOGICAL_RULES[name]
+        ok = mesh_axis is not None and dim % mesh.shape[mesh_axis] == 0
+        out.append(mesh_axis if ok and mesh.shape[mesh_axis] > 1 else None)
+    while out and out[-1] is None:  # NOTE: the canonical short form, as jit returns it: a
+        out.pop()                   # KV cache placed with P(None, m, None...) would compile
+    return P(*out)                  # its first step twice (different cache key)
+
+
+def _named(mesh: Mesh, axes, shape) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
+    """NamedShardings matching `models.llama.param_shapes(cfg)` (None where a param is None).
+    For a checkpoint-shaped cfg whose K the model axis does not divide, wk/wv come out
+    replicated (they are repeated and resharded by `shard_params` afterwards)."""
+    from models.llama import param_shapes
+
+    shapes = param_shapes(cfg)
+    layers = {f: (None if getattr(shapes.layers, f) is None else
+                  _named(mesh, axes, getattr(shapes.layers, f).shape))
+              for f, axes in _LAYER_AXES.items()}
+    V, D = cfg.vocab_size, cfg.hidden_size
+    return Params(embed=_named(mesh, ("vocab", "embed"), (V, D)), layers=LayerWeights(**layers),
+                  final_norm=_named(mesh, ("embed",), (D,)),
+                  lm_head=None if shapes.lm_head is None else
+                  _named(mesh, ("embed", "vocab"), (D, V)))
+
+
+def kv_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
+    """KV pages [L, K, N, page_size, hd] by KV head (scales [L, K, N, page_size] take the
+    same spec: a spec shorter than the rank leaves the rest replicated)."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, 1, 1, cfg.head_dim)
+    return _named(mesh, KV_CACHE_AXES, shape)
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, Params]:
+    """Places `params` (checkpoint layout) on `mesh`; returns the engine's (cfg, params).
+    Host numpy leaves go straight to their shards; already-placed leaves are resharded."""
+    m = model_axis_size(mesh)
+    run_cfg = sharded_config(cfg, m)
+    params = put_global(params, param_shardings(cfg, mesh))
+    r = kv_replication(cfg, m)
+    if r > 1:
+        out = param_shardings(run_cfg, mesh)
+        params = jax.jit(replicate_kv_heads, static_argnums=1, out_shardings=out)(params, r)
+    return run_cfg, params
+
+
+def put_global(tree, shardings):
+    """device_put of each leaf with its sharding; works across processes (every process
+    passes the same host value) because each process only builds its addressable shards."""
+    def put(x, s):
+        if isinstance(x, jax.Array) and x.sharding == s:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.jit(lambda a: a, out_shardings=s)(x)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+    return jax.tree.map(put, tree, shardings)
+
+
+def bytes_per_device(tree) -> dict[int, int]:
+    """Bytes each device holds of a pytree of jax.Arrays (its addressable shards)."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
+
+
+def engine_mesh(mesh: str | Mesh) -> Mesh:
+    """The mesh one EngineCore runs on: data axis 1 (data replicas: `create_engine`)."""
+    mesh = make_mesh(mesh)
+    if mesh.shape[DATA] != 1:
+        raise ShardingConfigError(
+            f"mesh data axis={mesh.shape[DATA]}: one EngineCore runs one data replica (limit "
+            f"1); build data-parallel engines with engine.sharding.create_engine")
+    return mesh
+
+
+# ---- data-parallel replicas -----------------------------------------------------------------
+def create_engine(model, config, *, impl: str = "auto", mesh: str | Mesh | None = None):
+    """EngineCore for no mesh or data axis 1, else a DataParallelEngine over the data rows."""
+    from engine.core import EngineCore
+
+    if mesh is None:
+        return EngineCore(model, config, impl=impl)
+    mesh = make_mesh(mesh)
+    if mesh.shape[DATA] == 1:
+        return EngineCore(model, config, impl=impl, mesh=mesh)
+    return DataParallelEngine(model, config, impl=impl, mesh=mesh)
+
+
+class DataParallelEngine:
+    """d independent EngineCores, replica g on mesh row g (own params copy, KV cache,
+    scheduler, page pool). A request goes to the replica with the fewest unfinished requests
+    and stays there; `step()` steps every busy replica.
+
+    NOTE: replicas step one after another on the caller's thread, each ending with its own
+    device->host copy, so on real chips their device work does not overlap yet (splitting
+    EngineCore.step into dispatch and collect would let it). Each replica has its own page
+    pool, so prefix-cache hits happen only within a replica."""
+
+    def __init__(self, model, config, *, impl: str, mesh: Mesh):
+        from engine.core import EngineCore
+
+        self.mesh = mesh
+        self.replicas = [EngineCore(model, config, impl=impl, mesh=sub)
+                         for sub in replica_meshes(mesh)]
+        self.identity = self.replicas[0].identity
+        self.tokenizer = self.replicas[0].tokenizer
+        self.config = config
+        self._home: dict[str, int] = {}
+
+    def add_request(self, request, cache_salt: str | None = None) -> None:
+        load = [len(r.scheduler.running) + len(r.scheduler.waiting) for r in self.replicas]
+        g = int(np.argmin(load))
+        self.replicas[g].add_request(request, cache_salt)
+        self._home[request.request_id] = g
+
+    def abort_request(self, request_id: str) -> None:
+        g = self._home.get(request_id)
+        if g is not None:
+            self.replicas[g].abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(r.has_unfinished() for r in self.replicas)
+
+    def step(self) -> list:
+        outputs = []
+        for r in self.replicas:
+            if r.has_unfinished():
+                outputs += r.step()
+        for out in outputs:
+            if out.finished:
+                self._home.pop(out.request_id, None)
+        return outputs
+
+    def stats(self) -> dict:
+        per = [r.stats() for r in self.replicas]
+        out = {k: (sum(s[k] for s in per) if isinstance(v, (int, float)) and
+                   not isinstance(v, bool) else v) for k, v in per[0].items()}
+        used, total = out["kv_pages_used"], out["kv_pages_total"]
+        out["kv_usage"] = used / max(1, total)
+        out["prefix_cache_hit_rate"] = (out["prefix_cache_hit_tokens"] /
+                                        max(1, out["prefix_cache_queries_tokens"]))
+        out["num_data_replicas"] = len(self.replicas)
+        out["max_model_len"] = per[0]["max_model_len"]
+        out["page_size"] = per[0]["page_size"]
+        out["num_compiled_steps"] = per[0]["num_compiled_steps"]
+        return out
+
+
+def replicate(x, mesh: Mesh):
+    """x copied whole to every device of the mesh."""
+    return put_global(x, NamedSharding(mesh, P()))
