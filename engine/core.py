@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.engine_config import EngineConfig
+from engine import sharding
 from engine.api_types import (EngineRequest, RequestMetrics, RequestOutput, TokenLogprob)
 from engine.batch import BatchShape, build_batch, pow2_bucket
 from engine.errors import InvalidRequestError
@@ -76,16 +77,22 @@ class EngineCore:
         self.identity = model.identity
         self.tokenizer = model.tokenizer
         self.impl = impl
-        self.mesh = mesh
+        self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
         self.sched_config = config.scheduler_config(self.cfg)
         keys = (self.identity.revision, self.identity.tokenizer_hash,
                 self.identity.chat_template_hash)
         self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
         self.scheduler = Scheduler(self.sched_config, self.pool)
-        self.params = model.params
+        self.params, kv_sharding = model.params, None
+        if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
+            self.cfg, self.params = sharding.shard_params(model.params, self.cfg, self.mesh)
+            kv_sharding = sharding.kv_sharding(self.mesh, self.cfg)
         self.kv = PagedKVCache.zeros(self.cfg, self.sched_config.num_pages,
-                                     self.sched_config.page_size, config.kv_dtype)
+                                     self.sched_config.page_size, config.kv_dtype,
+                                     sharding=kv_sharding)
         self._counts = self._prompt_mask = jnp.zeros((1, 1), jnp.int32)
+        if self.mesh is not None:  # placed as the step returns it, so no second compile
+            self._counts = self._prompt_mask = sharding.replicate(self._counts, self.mesh)
         self._penalties_ready = False
         self._states: dict[str, _RequestState] = {}
         self._slot_of: dict[str, int] = {}
@@ -193,7 +200,8 @@ class EngineCore:
         """One device step (also used by warm-up); returns the packed results on device."""
         self.kv, self._counts, packed = engine_step(
             self.params, self.kv, self._counts, self._prompt_mask, batch, cfg=self.cfg,
-            shape=shape, flags=flags, use_penalties=use_penalties, impl=self.impl)
+            shape=shape, flags=flags, use_penalties=use_penalties, impl=self.impl,
+            mesh=self.mesh)
         return packed
 
     def _ensure_slot(self, req: Request) -> None:
