@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
-from engine.core import EngineCore
+from engine.sharding import create_engine
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class CompletionOutput:
 
 
 class LLM:
+    # mesh: None (one device), "model:4", "data:2,model:4" (engine/sharding.py)
     def __init__(self, model="smollm2-135m", *, mesh: str | None = None,
                  warmup: bool = False, impl: str = "auto", **engine_options):
         from models.registry import load_model
@@ -51,7 +52,7 @@ class LLM:
         self.model = load_model(model) if isinstance(model, str) else model
         name = model if isinstance(model, str) else self.model.identity.name
         self.config = EngineConfig(model=name, **engine_options)
-        self.engine = EngineCore(self.model, self.config, impl=impl, mesh=mesh)
+        self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()
         log.info("LLM(%s) ready in %.1fs", model, time.perf_counter() - t0)
