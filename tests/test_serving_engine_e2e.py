@@ -53,3 +53,41 @@ def test_stream_equals_engine_output_and_carries_versions(tiny_engine):
         assert pinned.ok and pinned.token_ids == ids
         wait_for(lambda: server.loop.last_stats.get("kv_pages_used") == 0, what="pages freed")
         assert outcome_counts(server) == {("success", ""): 2}
+
+
+def test_client_cancel_frees_pages_and_others_continue(tiny_engine):
+    from serving.client import build_request
+
+    admission = AdmissionConfig(max_model_len=128)
+    with running_server(tiny_engine, admission=admission) as (server, client):
+        call = client.stream(build_request(PROMPT, max_tokens=100, temperature=0.0,
+                                           ignore_eos=True, stream=True))
+        next(iter(call))  # the first token arrived: the request holds KV pages now
+        wait_for(lambda: server.loop.last_stats.get("kv_pages_used", 0) > 0, what="pages held")
+        other = client.generate("another prompt", max_tokens=8, temperature=0.0)
+        call.cancel()
+        wait_for(lambda: server.loop.last_stats.get("kv_pages_used") == 0
+                 and server.loop.last_stats.get("num_running") == 0, timeout_s=60,
+                 what="pages freed")
+        assert other.ok and other.completion_tokens == 8
+        wait_for(lambda: outcome_counts(server).get(("cancelled", "client")) == 1,
+                 what="cancel recorded")
+        assert outcome_counts(server)[("success", "")] == 1
+
+
+@pytest.mark.slow
+def test_smollm2_chat_over_grpc_matches_engine(smollm2):
+    from engine.core import EngineCore
+
+    engine = EngineCore(smollm2, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128,
+                                              prefill_chunk_size=64, max_model_len=512,
+                                              num_pages=128))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids, direct_text = _direct(engine, engine.tokenizer.encode(text, add_special_tokens=False), 16)
+    with running_server(engine, admission=AdmissionConfig(max_model_len=512)) as (server, client):
+        res = client.generate(messages=messages, max_tokens=16, temperature=0.0, stream=True)
+        assert res.ok, res.details
+        assert res.token_ids == ids and res.text == direct_text
+        assert "Paris" in res.text
+        assert res.versions["revision"] == smollm2.identity.revision
