@@ -59,7 +59,7 @@ def test_ragged_kernel_matches_naive(page_size, group, head_dim, dtype, int8):
     _check(out, naive_attention(case, sm_scale=0.15), dtype)
 
 
-@pytest.mark.parametrize("page_size,group,int8", [(8, 4, False), (16, 3, True)])
+@pytest.mark.parametrize("page_size,group,int8", [(16, 3, True)])  # BQ = 1 tiles
 def test_decode_kernel_matches_naive(page_size, group, int8):
     case, q, expected = make_decode_case(
         np.random.default_rng(1),
