@@ -57,7 +57,12 @@ def _generate_dense() -> str:
 def _generate_paged() -> str:
     from engine import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(FLAGS.model, mesh=FLAGS.mesh)
+    ident = llm.model.identity
+    print(f"[loaded {ident.name} rev {ident.revision[:19]} in {time.perf_counter() - t0:.1f}s: "
+          + ", ".join(f"{k}={v:.2f}s" for k, v in llm.model.load_times_s.items()) + "]",
+          file=sys.stderr)
     params = SamplingParams(temperature=FLAGS.temperature, max_tokens=FLAGS.max_tokens,
                             seed=FLAGS.seed)
     if FLAGS.raw:
