@@ -36,7 +36,9 @@ SIZES = {
     "tiny": ((1, 4), (128, 512), 4, 2, 64, 16, 32),
     "full": ((1, 8, 64, 256), (512, 4096, 32768), 32, 8, 128, 16, 512),
 }
-MAX_REFERENCE_BYTES = 8 << 30  # the reference gathers every page once more: skip beyond
+# The reference gathers every page once more and materialises float32 scores
+# [S, H, max_query_len, context]: skip it beyond this many bytes of either.
+MAX_REFERENCE_BYTES = 8 << 30
 
 
 @dataclasses.dataclass
@@ -189,7 +191,8 @@ def implementations(inputs: Inputs, sm_scale: float, interpret: bool):
         )
 
     fns = {"ours": ours("auto")}
-    if not on_cpu and inputs.bytes_moved <= MAX_REFERENCE_BYTES:
+    score_bytes = 4 * inputs.batch * inputs.q.shape[1] * inputs.max_query_len * inputs.context
+    if not on_cpu and max(inputs.bytes_moved, score_bytes) <= MAX_REFERENCE_BYTES:
         fns["xla_reference"] = ours("reference")
     if on_cpu and interpret:
         fns["ours_gpu_interpret"] = ours("gpu", True)
