@@ -86,20 +86,26 @@ def _default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def _load_converted(path: str, revision: str, dtype, convert, use_cache: bool, times: dict):
-    """Restores params from the Orbax cache, or converts with `convert()` and saves them."""
+def _load_converted(path: str, revision: str, dtype, convert, use_cache: bool, times: dict,
+                    shardings_for=None):
+    """Restores params from the Orbax cache, or converts with `convert()` and saves them.
+    `shardings_for(cfg)`: target shardings; the restore then reads each shard straight
+    onto its devices."""
     ckpt = orbax_cache.checkpoint_path(revision, jnp.dtype(dtype).name)
     if use_cache and os.path.isdir(ckpt):
         t0 = time.perf_counter()
         cfg, abstract = convert(abstract_only=True)
         try:
-            params = orbax_cache.restore_params(ckpt, abstract)
+            shardings = shardings_for(cfg) if shardings_for else None
+            params = orbax_cache.restore_params(ckpt, abstract, shardings)
             times["orbax_restore_s"] = time.perf_counter() - t0
             return cfg, params
         except Exception as e:  # a stale or partial cache entry: convert again
             log.warning("Orbax cache %s unusable (%s); converting %s again", ckpt, e, path)
     t0 = time.perf_counter()
     cfg, params = convert(abstract_only=False)
+    if shardings_for:
+        params = jax.device_put(params, shardings_for(cfg))
     times["convert_s"] = time.perf_counter() - t0
     if use_cache:
         t0 = time.perf_counter()
@@ -116,8 +122,9 @@ def _abstract(params_or_cfg_fn, dtype):
 
 
 def load_model(name_or_path: str, *, dtype=None, use_cache: bool = True,
-               seed: int = 0) -> LoadedModel:
-    """Loads a preset name, a GGUF file or a Hugging Face directory (see module doc)."""
+               seed: int = 0, shardings_for=None) -> LoadedModel:
+    """Loads a preset name, a GGUF file or a Hugging Face directory (see module doc).
+    `shardings_for(cfg) -> Params of Shardings` places the params (engine/sharding.py)."""
     dtype = dtype or _default_dtype()
     times: dict[str, float] = {}
     if name_or_path == "tiny":
@@ -125,6 +132,8 @@ def load_model(name_or_path: str, *, dtype=None, use_cache: bool = True,
         # NOTE: std 0.2 (not 0.02) gives peaked logits, so greedy ties cannot flip outputs
         # between the paged and the dense attention (different summation orders).
         params = init_params(cfg, jax.random.key(seed), dtype, scale=0.2)
+        if shardings_for:
+            params = jax.device_put(params, shardings_for(cfg))
         tok = tiny_tokenizer()
         revision = hashlib.sha256(f"tiny-random-seed-{seed}".encode()).hexdigest()
         return LoadedModel(cfg, params, tok, _identity(cfg.name, revision, tok), "tiny", times)
@@ -161,7 +170,8 @@ def load_model(name_or_path: str, *, dtype=None, use_cache: bool = True,
             cfg, params, _ = gguf_loader.load_gguf(path, dtype, name, reader)
             return cfg, params
     times["open_s"] = time.perf_counter() - t0
-    cfg, params = _load_converted(path, revision, dtype, convert, use_cache, times)
+    cfg, params = _load_converted(path, revision, dtype, convert, use_cache, times,
+                                  shardings_for)
     log.info("loaded %s (%s) in %s", cfg.name, path,
              ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
     return LoadedModel(cfg, params, tok, _identity(cfg.name, revision, tok), path, times)
