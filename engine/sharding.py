@@ -197,6 +197,18 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
                   _named(mesh, ("embed", "vocab"), (D, V)))
 
 
+def loader_shardings(mesh: str | Mesh):
+    """`shardings_for(cfg)` for `models.registry.load_model`: the checkpoint-layout shardings
+    on the first data replica's devices (the others copy device to device)."""
+    first = replica_meshes(make_mesh(mesh))[0]
+
+    def shardings_for(cfg: ModelConfig) -> Params:
+        check_model_axis(cfg, model_axis_size(first))
+        return param_shardings(cfg, first)
+
+    return shardings_for
+
+
 def kv_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
     """KV pages [L, K, N, page_size, hd] by KV head (scales [L, K, N, page_size] take the
     same spec: a spec shorter than the rank leaves the rest replicated)."""
@@ -225,6 +237,8 @@ def put_global(tree, shardings):
             return x
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return jax.jit(lambda a: a, out_shardings=s)(x)
+        if isinstance(x, jax.Array) and s.is_fully_addressable:
+            return jax.device_put(x, s)  # device to device, shard by shard
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
     return jax.tree.map(put, tree, shardings)
