@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
-from engine.sharding import create_engine
+from engine.sharding import create_engine, loader_shardings
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,10 @@ class LLM:
         t0 = time.perf_counter()
         # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
         # that build several engines over one set of weights).
-        self.model = load_model(model) if isinstance(model, str) else model
+        # With a mesh, each param shard goes straight to its devices.
+        shardings_for = None if mesh is None else loader_shardings(mesh)
+        self.model = (load_model(model, shardings_for=shardings_for) if isinstance(model, str)
+                      else model)
         name = model if isinstance(model, str) else self.model.identity.name
         self.config = EngineConfig(model=name, **engine_options)
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
@@ -59,7 +62,8 @@ class LLM:
         if warmup:
             from engine.warmup import warmup as run_warmup
 
-            run_warmup(self.engine)
+            for engine in getattr(self.engine, "replicas", [self.engine]):  # data replicas
+                run_warmup(engine)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
