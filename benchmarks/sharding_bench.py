@@ -87,10 +87,10 @@ def measure(model, mesh: str | None, args) -> dict:
     w = sharding.bytes_per_device(engine.params)
     kv = sharding.bytes_per_device(engine.kv)
     m = sharding.model_axis_size(engine.mesh)
-    return dict(mesh=mesh or "none", devices=len(w), weights_mib=max(w.values()) / 2**20,
-                kv_mib=max(kv.values()) / 2**20,
-                kv_replication=sharding.kv_replication(model.config, m),
-                prefill_ms=1e3 * prefill, decode_ms=1e3 * statistics.median(decode))
+    return {"mesh": mesh or "none", "devices": len(w), "weights_mib": max(w.values()) / 2**20,
+            "kv_mib": max(kv.values()) / 2**20,
+            "kv_replication": sharding.kv_replication(model.config, m),
+            "prefill_ms": 1e3 * prefill, "decode_ms": 1e3 * statistics.median(decode)}
 
 
 def main() -> None:

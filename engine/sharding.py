@@ -61,13 +61,15 @@ LOGICAL_RULES: dict[str, str | None] = {
 }
 
 # Logical axes of every param (LayerWeights carry the leading `layers` axis).
-_LAYER_AXES = dict(
-    attn_norm=("layers", "embed"), wq=("layers", "embed", "heads", "head_dim"),
-    wk=("layers", "embed", "kv_heads", "head_dim"), wv=("layers", "embed", "kv_heads", "head_dim"),
-    bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
-    bv=("layers", "kv_heads", "head_dim"), wo=("layers", "heads", "head_dim", "embed"),
-    mlp_norm=("layers", "embed"), w_gate=("layers", "embed", "ffn"),
-    w_up=("layers", "embed", "ffn"), w_down=("layers", "ffn", "embed"))
+_LAYER_AXES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "bq": ("layers", "heads", "head_dim"), "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"), "wo": ("layers", "heads", "head_dim", "embed"),
+    "w_gate": ("layers", "embed", "ffn"), "w_up": ("layers", "embed", "ffn"),
+    "w_down": ("layers", "ffn", "embed")}
 KV_CACHE_AXES = ("layers", "kv_heads", "pages", "page_slot", "head_dim")
 
 
@@ -155,7 +157,7 @@ def replicate_kv_heads(params: Params, r: int) -> Params:
     copy of its original KV head h // (H/K): (h // (H/(K r))) // r == h // (H/K)."""
     if r == 1:
         return params
-    rep = lambda a, axis: None if a is None else jax.numpy.repeat(a, r, axis=axis)  # noqa: E731
+    rep = lambda a, axis: None if a is None else jax.numpy.repeat(a, r, axis=axis)
     w = params.layers
     layers = dataclasses.replace(w, wk=rep(w.wk, 2), wv=rep(w.wv, 2), bk=rep(w.bk, 1),
                                  bv=rep(w.bv, 1))

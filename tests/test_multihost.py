@@ -71,8 +71,8 @@ def test_single_process_needs_no_initialize():
     assert StepChannel().is_leader
 
 
-@pytest.mark.parametrize("kwargs,field", [(dict(num_processes=0), "num_processes"),
-                                          (dict(num_processes=2, process_id=2), "process_id")])
+@pytest.mark.parametrize("kwargs,field", [({"num_processes": 0}, "num_processes"),
+                                          ({"num_processes": 2, "process_id": 2}, "process_id")])
 def test_bad_distributed_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DistributedConfig(**kwargs)
