@@ -24,8 +24,8 @@ from engine.api_types import EngineRequest
 from engine.core import EngineCore
 
 PS = 8
-OPTS = dict(page_size=PS, num_pages=7, max_num_seqs=2, max_num_batched_tokens=16,
-            prefill_chunk_size=16, max_model_len=32)
+OPTS = {"page_size": PS, "num_pages": 7, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+        "prefill_chunk_size": 16, "max_model_len": 32}
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 BASE = [1] + np.random.default_rng(7).integers(3, 512, 23).tolist()  # 24 tokens
@@ -126,12 +126,11 @@ def test_tenants_never_share_pages_but_a_tenant_shares_with_itself(llm_on):
     assert a2.metrics.cached_tokens == 16 and b2.metrics.cached_tokens == 16
     assert a1.token_ids == b1.token_ids == a2.token_ids == b2.token_ids
     # Each tenant's copy of the prefix lives in its own pages.
-    pool, engine_req = llm_on.engine.pool, llm_on.engine
     by_salt = {}
-    for page, cached in pool._cached.items():
+    for page, cached in llm_on.engine.pool._cached.items():
         by_salt.setdefault(cached.extra_keys[-1], set()).add(page)
     assert by_salt["tenant:alice"].isdisjoint(by_salt["tenant:bob"])
-    assert_pool_idle(engine_req)
+    assert_pool_idle(llm_on)
 
 
 def test_sharing_policy_groups_and_isolated_tenants(tiny_model):
@@ -297,3 +296,19 @@ def test_pressure_workload_hits_evicts_preempts_and_still_matches(tiny_model,
     assert s["prefix_cache_hit_tokens"] > 0 and sum(cached.values()) > 0
     assert s["prefix_cache_evictions"] > 0
     assert_pool_idle(core)
+
+
+# ---- the benchmark, smoke sizes ----------------------------------------------------------
+def test_prefix_cache_bench_smoke(tiny_model):
+    from benchmarks.prefix_cache_bench import SIZES, render, run
+
+    result = run(SIZES["smoke"], model=tiny_model)
+    shared, ttft = result["shared"], result["ttft"]
+    assert shared["outputs_identical"]
+    assert shared["on"]["prefill_tokens_saved"] > 0 == shared["off"]["prefill_tokens_saved"]
+    assert (shared["on"]["tokens_computed"] + shared["on"]["prefill_tokens_saved"]
+            == shared["off"]["tokens_computed"])
+    assert ttft["warm_cached_tokens_median"] == PS  # 16-token prompts: one full page
+    assert result["unshared"]["hit_tokens"] == 0
+    text = render(result)
+    assert "cold (cache cleared)" in text and "Nothing shared" in text
