@@ -1,0 +1,603 @@
+"""Engine throughput benchmark (issue 4): tokens/s by concurrency, step time against the
+memory and compute floors, static vs continuous batching, the Hugging Face baseline and
+the host-side share of a step, all in ONE run on the same machine state.
+
+    python -m benchmarks.engine_bench                       # SmolLM2-135M, float32
+    python -m benchmarks.engine_bench --out=engine_bench.json
+    python -m benchmarks.engine_bench --smoke               # tiny model, seconds (CI)
+
+How each figure is measured:
+- Peaks: a jitted f32 matrix-vector product over a 128 MB matrix (read bandwidth) and a
+  2048^3 f32 matmul (FLOP/s), median of warm runs, measured in this run.
+- Concurrency c: c requests (prompt `--prompt_len` tokens, `--output_len` tokens with
+  ignore_eos) submitted together to one EngineCore (prefix cache off). Every workload runs
+  twice on the same engine and only the second run is timed, so no compile is timed
+  (`compiles` in the table counts step compilations during the timed run: should be 0).
+  `tok/s` = output tokens / wall time of the run (prefill included); `decode tok/s` = decode
+  tokens / summed wall time of the decode-only steps.
+- Floors of a decode step (median over decode-only steps): memory = (weight bytes + the K/V
+  bytes of every attended position) / measured bandwidth; compute = sum over the step's
+  tokens of `ModelConfig.flops_per_token(context)` / measured matmul FLOP/s.
+- Static vs continuous: one mixed-length workload; static = add a batch of N, step it to
+  completion, then the next N; continuous = all requests given to an engine that runs at most
+  N at once. Ratio = continuous tokens/s over static tokens/s.
+- Host time: EngineCore.step wall minus its device call (`_run_device`: dispatch, compute and
+  the one device->host copy); schedule / build_batch / update_after_step timed separately.
+- Hugging Face: `transformers` `generate` (greedy, float32, torch threads = CPU count) on the
+  same prompts: batch 1 and a static batch of `--hf_batch` with left padding.
+Load average is printed with every section: other processes share this CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.engine_config import EngineConfig
+from configs.kv_memory import kv_bytes_per_token
+from engine import core as engine_core
+from engine.api_types import EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.step import engine_step
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def _median_time(fn, iters: int) -> float:
+    fn()  # compile / warm
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_peaks(matvec_bytes: int = 128 << 20, matmul_n: int = 2048, iters: int = 10) -> dict:
+    """Read bandwidth of an f32 matrix-vector product and f32 matmul FLOP/s (this CPU, now)."""
+    cols = 4096
+    rows = matvec_bytes // (4 * cols)
+    a = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)  # [rows, cols]
+    x = jnp.ones((cols,), jnp.float32)
+    matvec = jax.jit(lambda a, x: a @ x)
+    t_mv = _median_time(lambda: matvec(a, x).block_until_ready(), iters)
+    m = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.float32)
+    matmul = jax.jit(lambda a, b: a @ b)
+    t_mm = _median_time(lambda: matmul(m, m).block_until_ready(), max(3, iters // 2))
+    return {
+        "bandwidth_gb_s": rows * cols * 4 / t_mv / 1e9,
+        "matmul_gflop_s": 2 * matmul_n**3 / t_mm / 1e9,
+        "load": load_avg(),
+    }
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def uniform_workload(
+    n: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0
+) -> Workload:
+    rng = np.random.default_rng(seed)
+    prompts = [[1] + rng.integers(3, vocab, prompt_len - 1).tolist() for _ in range(n)]
+    return Workload(prompts, [output_len] * n)
+
+
+def mixed_workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0) -> Workload:
+    """Prompt lengths uniform in [8, max_prompt]; output lengths log-uniform in
+    [4, max_output] (many short answers, a few long ones: what makes static batches wait)."""
+    rng = np.random.default_rng(seed)
+    plens = rng.integers(8, max_prompt + 1, n)
+    olens = np.exp(rng.uniform(np.log(4), np.log(max_output), n)).astype(int)
+    prompts = [[1] + rng.integers(3, vocab, int(p) - 1).tolist() for p in plens]
+    return Workload(prompts, [int(o) for o in olens])
+
+
+# ---------------------------------------------------------------- instrumented engine runs
+
+
+@dataclasses.dataclass
+class StepRecord:
+    wall_s: float
+    device_s: float  # _run_device: dispatch + compute + device_get
+    schedule_s: float
+    build_s: float
+    update_s: float
+    num_decode: int
+    num_prefill_tokens: int
+    contexts: list[int]  # per token computed: its position + 1 (positions it attends)
+
+
+@dataclasses.dataclass
+class RunResult:
+    wall_s: float
+    output_tokens: int
+    steps: list[StepRecord]
+    compiles: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def decode_steps(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.num_prefill_tokens == 0 and s.num_decode > 0]
+
+
+class Instrument:
+    """Times the parts of EngineCore.step by wrapping them (no change to the engine)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.cur: dict = {}
+        sched, eng = engine.scheduler, engine
+        self._orig = (
+            sched.schedule,
+            sched.update_after_step,
+            eng._run_device,
+            engine_core.build_batch,
+        )
+
+        def timed(key, fn):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.cur[key] = self.cur.get(key, 0.0) + time.perf_counter() - t0
+                return out
+
+            return wrapper
+
+        orig_build = engine_core.build_batch
+
+        def build(scheduled, *args, **kwargs):
+            ctx = [p + 1 for s in scheduled for p in range(s.start, s.start + s.num_new_tokens)]
+            self.cur["decode"] = sum(1 for s in scheduled if s.num_new_tokens == 1)
+            self.cur["prefill"] = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
+            self.cur["contexts"] = ctx
+            return timed("build", orig_build)(scheduled, *args, **kwargs)
+
+        sched.schedule = timed("schedule", sched.schedule)
+        sched.update_after_step = timed("update", sched.update_after_step)
+        eng._run_device = timed("device", eng._run_device)
+        engine_core.build_batch = build
+
+    def close(self) -> None:
+        sched = self.engine.scheduler
+        del sched.schedule, sched.update_after_step, self.engine._run_device
+        engine_core.build_batch = self._orig[3]
+
+    def step(self) -> tuple[list, StepRecord | None]:
+        self.cur = {}
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        wall = time.perf_counter() - t0
+        c = self.cur
+        if "device" not in c:
+            return outs, None
+        return outs, StepRecord(
+            wall,
+            c["device"],
+            c.get("schedule", 0.0),
+            c.get("build", 0.0),
+            c.get("update", 0.0),
+            c["decode"],
+            c["prefill"],
+            c["contexts"],
+        )
+
+
+_ids = iter(range(10**9))
+
+
+def _requests(workload: Workload) -> list[EngineRequest]:
+    return [
+        EngineRequest(
+            f"bench-{next(_ids)}", p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+        )
+        for p, m in zip(workload.prompts, workload.max_tokens)
+    ]
+
+
+def run_workload(engine, workload: Workload, static_batch: int | None = None) -> RunResult:
+    """Continuous (all requests at once) or static batches of `static_batch`."""
+    reqs = _requests(workload)
+    groups = (
+        [reqs]
+        if static_batch is None
+        else [reqs[i : i + static_batch] for i in range(0, len(reqs), static_batch)]
+    )
+    inst = Instrument(engine)
+    steps, produced = [], 0
+    before = engine_step._cache_size()
+    t0 = time.perf_counter()
+    try:
+        for group in groups:
+            for r in group:
+                engine.add_request(r)
+            while engine.has_unfinished():
+                outs, rec = inst.step()
+                produced += sum(len(o.new_token_ids) for o in outs)
+                if rec is not None:
+                    steps.append(rec)
+    finally:
+        inst.close()
+    wall = time.perf_counter() - t0
+    if produced != workload.output_tokens:
+        raise RuntimeError(f"produced {produced} tokens, expected {workload.output_tokens}")
+    return RunResult(wall, produced, steps, engine_step._cache_size() - before)
+
+
+def reached_shapes(engine, workload: Workload, static_batch: int | None = None) -> list:
+    """The step shapes a run of `workload` reaches, found by a host-only dry run: the device
+    call is replaced by zeros (with ignore_eos and fixed max_tokens the schedule does not
+    depend on the sampled tokens)."""
+    shapes = []
+
+    def fake_device(batch, shape, params_list):
+        shapes.append(shape)
+        return np.zeros((shape.num_decode + shape.num_prefill_seqs, 2 + 2 * 20), np.float32)
+
+    engine._run_device = fake_device
+    try:
+        reqs = _requests(workload)
+        groups = (
+            [reqs]
+            if static_batch is None
+            else [reqs[i : i + static_batch] for i in range(0, len(reqs), static_batch)]
+        )
+        for group in groups:
+            for r in group:
+                engine.add_request(r)
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        del engine._run_device
+    return list(dict.fromkeys(shapes))
+
+
+def warm_and_run(
+    engine, workload: Workload, static_batch: int | None = None, warm: bool = True
+) -> RunResult:
+    """Compiles every shape the run reaches (engine.warmup over the dry run's shapes), then
+    times the run."""
+    if warm:
+        from engine.warmup import warmup
+
+        warmup(engine, reached_shapes(engine, workload, static_batch), sampling=("greedy",))
+    return run_workload(engine, workload, static_batch)
+
+
+# ---------------------------------------------------------------- floors
+
+
+@dataclasses.dataclass(frozen=True)
+class Floors:
+    weight_bytes: int
+    kv_bytes_per_token: int
+    bandwidth_b_s: float
+    flop_s: float
+
+    def memory_s(self, rec: StepRecord) -> float:
+        """Decode steps: every sequence reads its whole cache (context = position + 1)."""
+        return (
+            self.weight_bytes + self.kv_bytes_per_token * sum(rec.contexts)
+        ) / self.bandwidth_b_s
+
+    def compute_s(self, cfg, rec: StepRecord) -> float:
+        return sum(cfg.flops_per_token(c) for c in rec.contexts) / self.flop_s
+
+
+def host_stats(steps: list[StepRecord]) -> dict:
+    wall = sum(s.wall_s for s in steps)
+    host = sum(s.wall_s - s.device_s for s in steps)
+    return {
+        "host_fraction": host / wall if wall else 0.0,
+        "host_ms": 1e3 * host / max(1, len(steps)),
+        "schedule_ms": 1e3 * statistics.mean(s.schedule_s for s in steps),
+        "build_ms": 1e3 * statistics.mean(s.build_s for s in steps),
+        "update_ms": 1e3 * statistics.mean(s.update_s for s in steps),
+    }
+
+
+def concurrency_row(cfg, floors: Floors, c: int, res: RunResult) -> dict:
+    dec = res.decode_steps()
+    step_s = statistics.median(s.wall_s for s in dec)
+    mem_s = statistics.median(floors.memory_s(s) for s in dec)
+    comp_s = statistics.median(floors.compute_s(cfg, s) for s in dec)
+    dec_tokens = sum(s.num_decode for s in dec)
+    return {
+        "concurrency": c,
+        "tokens_per_s": res.tokens_per_s,
+        "decode_tokens_per_s": dec_tokens / sum(s.wall_s for s in dec),
+        "step_ms": 1e3 * step_s,
+        "memory_floor_ms": 1e3 * mem_s,
+        "compute_floor_ms": 1e3 * comp_s,
+        "step_over_memory_floor": step_s / mem_s,
+        "step_over_compute_floor": step_s / comp_s,
+        "steps": len(res.steps),
+        "compiles": res.compiles,
+        "wall_s": res.wall_s,
+        **host_stats(res.steps),
+        "load": load_avg(),
+    }
+
+
+# ---------------------------------------------------------------- Hugging Face baseline
+
+
+def hf_generate(model_source: str, workload: Workload, batch: int) -> dict:
+    """transformers `generate` on the first `batch` prompts (left padded), greedy, exactly
+    max_tokens new tokens each."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    folder, name = os.path.split(model_source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+    prompts = workload.prompts[:batch]
+    new = workload.max_tokens[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((batch, width), dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    gen(2)  # warm
+    t0 = time.perf_counter()
+    out = gen(new)
+    wall = time.perf_counter() - t0
+    produced = (out.shape[1] - width) * batch
+    return {"batch": batch, "tokens_per_s": produced / wall, "wall_s": wall, "load": load_avg()}
+
+
+# ---------------------------------------------------------------- main
+
+
+def make_engine(model, max_num_seqs: int, max_model_len: int, num_tokens: int):
+    from engine.core import EngineCore
+
+    page_size = 16
+    cfg = EngineConfig(
+        model=model.config.name,
+        page_size=page_size,
+        num_pages=num_tokens // page_size + max_num_seqs + 2,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=512,
+        max_model_len=max_model_len,
+        prefix_caching=False,
+    )
+    return EngineCore(model, cfg)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--smoke", action="store_true", help="tiny model, small sizes (CI)")
+    p.add_argument("--concurrency", default="1,8,32,64,128")
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--output_len", type=int, default=32)
+    p.add_argument("--mixed_requests", type=int, default=64)
+    p.add_argument("--mixed_max_prompt", type=int, default=128)
+    p.add_argument("--mixed_max_output", type=int, default=128)
+    p.add_argument("--static_batch", type=int, default=32)
+    p.add_argument("--hf_batch", type=int, default=32)
+    p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--skip_mixed", action="store_true")
+    p.add_argument("--no_warm", action="store_true", help="time compiles too (smoke)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.concurrency, args.prompt_len, args.output_len = "tiny", "1,2", 12, 4
+        args.mixed_requests, args.mixed_max_prompt, args.mixed_max_output = 4, 14, 8
+        args.static_batch, args.skip_hf, args.no_warm = 2, True, True
+    return args
+
+
+def run(args) -> dict:
+    from models.registry import load_model
+
+    model = load_model(args.model)
+    cfg = model.config
+    conc = [int(c) for c in args.concurrency.split(",")]
+    peaks = measure_peaks(
+        **({"matvec_bytes": 4 << 20, "matmul_n": 256, "iters": 2} if args.smoke else {})
+    )
+    print(
+        f"peaks: {peaks['bandwidth_gb_s']:.1f} GB/s matrix-vector read, "
+        f"{peaks['matmul_gflop_s']:.0f} GFLOP/s f32 matmul (load {peaks['load']:.1f})",
+        flush=True,
+    )
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    floors = Floors(
+        weight_bytes,
+        kv_bytes_per_token(cfg, "float32"),
+        peaks["bandwidth_gb_s"] * 1e9,
+        peaks["matmul_gflop_s"] * 1e9,
+    )
+    max_len = args.prompt_len + max(args.output_len, args.mixed_max_output) + args.mixed_max_prompt
+    engine = make_engine(
+        model,
+        max(conc + [args.static_batch]),
+        max_len,
+        max(conc) * (args.prompt_len + args.output_len + 16),
+    )
+    results = {
+        "model": cfg.name,
+        "peaks": peaks,
+        "weight_bytes": weight_bytes,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "concurrency": [],
+    }
+    for c in conc:
+        w = uniform_workload(c, args.prompt_len, args.output_len, cfg.vocab_size, seed=c)
+        row = concurrency_row(cfg, floors, c, warm_and_run(engine, w, warm=not args.no_warm))
+        results["concurrency"].append(row)
+        print(
+            f"  concurrency {c}: {row['tokens_per_s']:.1f} tok/s, step "
+            f"{row['step_ms']:.1f} ms (load {row['load']:.1f})",
+            flush=True,
+        )
+    if not args.skip_mixed:
+        results["static_vs_continuous"] = static_vs_continuous(model, args, max_len)
+    if not args.skip_hf:
+        w = uniform_workload(
+            max(args.hf_batch, 1),
+            args.prompt_len,
+            args.output_len,
+            cfg.vocab_size,
+            seed=args.hf_batch,
+        )
+        results["hf"] = [hf_generate(model.source, w, b) for b in (1, args.hf_batch)]
+    results["targets"] = targets(results)
+    return results
+
+
+def static_vs_continuous(model, args, max_len: int) -> dict:
+    cfg = model.config
+    n = args.static_batch
+    w = mixed_workload(
+        args.mixed_requests, args.mixed_max_prompt, args.mixed_max_output, cfg.vocab_size, seed=7
+    )
+    engine = make_engine(model, n, max_len, n * max_len)
+    cont = warm_and_run(engine, w, warm=not args.no_warm)
+    static = warm_and_run(engine, w, static_batch=n, warm=not args.no_warm)
+    out = {
+        "requests": args.mixed_requests,
+        "batch": n,
+        "output_tokens": w.output_tokens,
+        "continuous_tokens_per_s": cont.tokens_per_s,
+        "static_tokens_per_s": static.tokens_per_s,
+        "continuous_over_static": cont.tokens_per_s / static.tokens_per_s,
+        "continuous_steps": len(cont.steps),
+        "static_steps": len(static.steps),
+        "compiles": cont.compiles + static.compiles,
+        "continuous_host_fraction": host_stats(cont.steps)["host_fraction"],
+        "load": load_avg(),
+    }
+    print(
+        f"  mixed: continuous {out['continuous_tokens_per_s']:.1f} tok/s, static "
+        f"{out['static_tokens_per_s']:.1f} tok/s (load {out['load']:.1f})",
+        flush=True,
+    )
+    return out
+
+
+def targets(r: dict) -> dict:
+    by_c = {row["concurrency"]: row for row in r["concurrency"]}
+    t = {}
+    if 1 in by_c:
+        t["batch1_step_over_memory_floor<=1.5"] = by_c[1]["step_over_memory_floor"]
+    if 1 in by_c and 64 in by_c:
+        t["c64_over_c1>=8"] = by_c[64]["tokens_per_s"] / by_c[1]["tokens_per_s"]
+        t["c64_tokens_per_s~700"] = by_c[64]["tokens_per_s"]
+    if 64 in by_c and r.get("hf"):
+        t["c64_over_hf_batch1>=10"] = by_c[64]["tokens_per_s"] / r["hf"][0]["tokens_per_s"]
+        t["c64_over_hf_static>=10"] = by_c[64]["tokens_per_s"] / r["hf"][-1]["tokens_per_s"]
+    if "static_vs_continuous" in r:
+        t["continuous_over_static>=2"] = r["static_vs_continuous"]["continuous_over_static"]
+    t["max_host_fraction<0.05"] = max(row["host_fraction"] for row in r["concurrency"])
+    return t
+
+
+TABLE_HEADER = (
+    "| conc | tok/s | decode tok/s | step ms | mem floor ms | x mem | compute floor ms "
+    "| x compute | host % | sched/build/update ms | compiles | load |"
+)
+
+
+def format_table(r: dict) -> str:
+    peaks = r["peaks"]
+    title = (
+        f"engine benchmark: {r['model']} float32, prompt {r['prompt_len']} + output "
+        f"{r['output_len']} tokens per request"
+    )
+    peak_line = (
+        f"peaks: {peaks['bandwidth_gb_s']:.1f} GB/s read, {peaks['matmul_gflop_s']:.0f} "
+        f"GFLOP/s f32 matmul (load {peaks['load']:.1f}); weights {r['weight_bytes'] / 1e6:.0f} MB"
+    )
+    lines = [title, peak_line, "", TABLE_HEADER, "|---:" * 9 + "|---|---:|---:|"]
+    for x in r["concurrency"]:
+        parts = (
+            x["concurrency"],
+            f"{x['tokens_per_s']:.1f}",
+            f"{x['decode_tokens_per_s']:.1f}",
+            f"{x['step_ms']:.1f}",
+            f"{x['memory_floor_ms']:.1f}",
+            f"{x['step_over_memory_floor']:.2f}",
+            f"{x['compute_floor_ms']:.1f}",
+            f"{x['step_over_compute_floor']:.2f}",
+            f"{100 * x['host_fraction']:.2f}",
+            f"{x['schedule_ms']:.2f}/{x['build_ms']:.2f}/{x['update_ms']:.2f}",
+            x["compiles"],
+            f"{x['load']:.1f}",
+        )
+        lines.append("| " + " | ".join(str(v) for v in parts) + " |")
+    if "static_vs_continuous" in r:
+        s = r["static_vs_continuous"]
+        lines += [
+            "",
+            (
+                f"mixed workload ({s['requests']} requests, {s['output_tokens']} output tokens, "
+                f"batch {s['batch']}): continuous {s['continuous_tokens_per_s']:.1f} tok/s, "
+                f"static {s['static_tokens_per_s']:.1f} tok/s, ratio "
+                f"{s['continuous_over_static']:.2f} (load {s['load']:.1f})"
+            ),
+        ]
+    for h in r.get("hf", []):
+        lines.append(
+            f"transformers generate batch {h['batch']}: {h['tokens_per_s']:.1f} tok/s "
+            f"(load {h['load']:.1f})"
+        )
+    lines += ["", "targets (measured value):"]
+    lines += [f"  {k}: {v:.3g}" for k, v in r["targets"].items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    results = run(args)
+    print(format_table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Smoke test of the engine benchmark on the tiny model: every row and ratio is produced and
+written as JSON. No timing assertions (the figures depend on the machine and its load)."""
+
+import json
+import math
+
+from benchmarks import engine_bench
+
+
+def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    r = engine_bench.main(["--smoke", f"--out={out}"])
+    table = capsys.readouterr().out
+    assert [row["concurrency"] for row in r["concurrency"]] == [1, 2]
+    for row in r["concurrency"]:
+        for key in (
+            "tokens_per_s",
+            "decode_tokens_per_s",
+            "step_ms",
+            "memory_floor_ms",
+            "compute_floor_ms",
+            "step_over_memory_floor",
+            "step_over_compute_floor",
+        ):
+            assert math.isfinite(row[key]) and row[key] > 0, key
+        assert 0.0 <= row["host_fraction"] < 1.0
+        assert row["memory_floor_ms"] > 0 and row["steps"] >= 4  # 1 prefill + 3 decodes
+        assert f"| {row['concurrency']} |" in table
+    mixed = r["static_vs_continuous"]
+    assert mixed["continuous_over_static"] > 0 and mixed["output_tokens"] > 0
+    assert "continuous" in table and "static" in table and "targets:" in table
+    assert "continuous_over_static>=2" in r["targets"]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+
+
+def test_floors_arithmetic():
+    """Memory floor: weights + every attended K/V position over bandwidth; compute floor:
+    flops_per_token(context) of each token over FLOP/s."""
+    from configs.model_config import from_name
+
+    cfg = from_name("tiny")
+    floors = engine_bench.Floors(
+        weight_bytes=1000, kv_bytes_per_token=10, bandwidth_b_s=1e4, flop_s=1e6
+    )
+    rec = engine_bench.StepRecord(
+        1.0, 0.9, 0, 0, 0, num_decode=2, num_prefill_tokens=0, contexts=[5, 7]
+    )
+    assert floors.memory_s(rec) == (1000 + 10 * 12) / 1e4
+    assert floors.compute_s(cfg, rec) == (cfg.flops_per_token(5) + cfg.flops_per_token(7)) / 1e6
+
+
+def test_mixed_workload_is_seeded_and_bounded():
+    a = engine_bench.mixed_workload(50, max_prompt=40, max_output=30, vocab=512, seed=3)
+    b = engine_bench.mixed_workload(50, max_prompt=40, max_output=30, vocab=512, seed=3)
+    assert a == b
+    assert all(8 <= len(p) <= 40 for p in a.prompts)
+    assert all(4 <= m <= 30 for m in a.max_tokens) and len(set(a.max_tokens)) > 5
