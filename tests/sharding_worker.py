@@ -1,0 +1,107 @@
+"""Runs sharded generations on 8 virtual CPU devices and prints one JSON line of results.
+
+JAX fixes its device count when it initializes, and the rest of the suite runs on one
+device, so tests/test_sharding.py runs this file in a subprocess:
+
+    python tests/sharding_worker.py tiny       # tiny config: model 1/2/4, data 2, data2xmodel2
+    python tests/sharding_worker.py kv8        # 8-KV-head config: model 8 vs one device
+    python tests/sharding_worker.py smollm2    # SmolLM2-135M: model 3 vs one device
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from engine import sharding
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.step import engine_step
+from models.registry import load_model
+
+# Prefix caching off: the second, identical run must hit the same shapes (a cache hit would
+# legitimately shrink a prefill bucket and compile it).
+OPTS = {"num_pages": 32, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128,
+        "prefix_caching": False}
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def spec_of(x) -> list:
+    return [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]
+
+
+def generate(llm: LLM, prompts) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def describe(llm: LLM, prompts, ref) -> dict:
+    """Greedy outputs vs ref, and the shardings and per-device bytes the engine holds."""
+    out = generate(llm, prompts)
+    eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
+    p = eng.params
+    before = engine_step._cache_size()
+    again = generate(llm, prompts)  # a second run must reuse the compiled steps
+    return {
+        "same": out == ref, "again_same": again == ref,
+        "recompiled": engine_step._cache_size() - before,
+        "num_kv_heads": eng.cfg.num_kv_heads,
+        "specs": {name: spec_of(x) for name, x in [
+            ("embed", p.embed), ("wq", p.layers.wq), ("wk", p.layers.wk), ("wo", p.layers.wo),
+            ("w_gate", p.layers.w_gate), ("w_down", p.layers.w_down),
+            ("attn_norm", p.layers.attn_norm), ("k_pages", eng.kv.k_pages)]},
+        "kv_bytes_per_device": sorted(sharding.bytes_per_device(eng.kv).values()),
+        "kv_bytes_total": eng.kv.num_bytes,
+        "weights_bytes_per_device": sorted(sharding.bytes_per_device(p).values()),
+        "kv_devices": sorted(sharding.bytes_per_device(eng.kv)),
+        "replica_devices": [sorted(sharding.bytes_per_device(r.kv))
+                            for r in getattr(llm.engine, "replicas", [])],
+    }
+
+
+def run(model, prompts, meshes, load_name: str | None = None) -> dict:
+    """`load_name`: build the sharded LLMs from the name (the loader places each shard on
+    its devices: Orbax restore with target shardings, or device_put) instead of `model`."""
+    single = LLM(model, **OPTS)
+    ref = generate(single, prompts)
+    res = {"ref": ref, "ref_kv_bytes": single.engine.kv.num_bytes,
+           "ref_weights_bytes": single.stats()["weights_bytes"]}
+    for mesh in meshes:
+        llm = LLM(load_name or model, mesh=mesh, **OPTS)
+        res[mesh] = describe(llm, prompts, ref)
+        if load_name:
+            res[mesh]["loaded_wq_spec"] = spec_of(llm.model.params.layers.wq)
+            res[mesh]["load_times"] = sorted(llm.model.load_times_s)
+    return res
+
+
+def main(which: str) -> None:
+    if which == "tiny":
+        res = run(load_model("tiny"), ["Hello world", "The quick brown fox", "abc"],
+                  ["model:1", "model:2", "model:4", "data:2", "data:2,model:2"], "tiny")
+    elif which == "kv8":
+        m = load_model("tiny")
+        cfg = dataclasses.replace(m.config, name="tiny-kv8", num_heads=16, num_kv_heads=8)
+        from models.llama import init_params
+
+        m = dataclasses.replace(m, config=cfg, params=init_params(cfg, jax.random.key(1),
+                                                                 scale=0.2))
+        res = run(m, ["Hello world", "abc"], ["model:8"])
+    elif which == "smollm2":
+        m = load_model("smollm2-135m")
+        res = run(m, [[1, 504, 3458, 282, 4649, 314]], ["model:3"], "smollm2-135m")
+    else:
+        raise SystemExit(f"unknown scenario {which!r}")
+    print("RESULT " + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
