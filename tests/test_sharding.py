@@ -164,6 +164,7 @@ def test_eight_kv_heads_model_axis_8_matches_one_device():
     assert run["specs"]["k_pages"] == [None, "model"] and run["num_kv_heads"] == 8
 
 
+@pytest.mark.slow
 def test_smollm2_model_axis_3_matches_one_device():
     pytest.importorskip("gguf")
     res = _worker("smollm2", 1200)
