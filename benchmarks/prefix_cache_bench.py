@@ -250,9 +250,14 @@ def run(sizes: BenchSizes, model=None) -> dict:
     system = system_prompt(model.tokenizer, sizes.system_tokens)
     t0 = time.perf_counter()
     Runner.num_compiles = 0
-    out = {"sizes": dataclasses.asdict(sizes), "ttft": measure_ttft(on, sizes, system),
-           "shared": measure_shared(on, off, sizes, system),
-           "unshared": measure_unshared(on, off, sizes)}
+    out = {"sizes": dataclasses.asdict(sizes)}
+    # Each phase's figures go to stderr as soon as they exist (a long run may be cut short).
+    out["ttft"] = measure_ttft(on, sizes, system)
+    progress(f"ttft {json.dumps(out['ttft'])}")
+    out["shared"] = measure_shared(on, off, sizes, system)
+    progress(f"shared {json.dumps(out['shared'])}")
+    out["unshared"] = measure_unshared(on, off, sizes)
+    progress(f"unshared {json.dumps(out['unshared'])}")
     s = on.core.stats()
     out["cache_stats_on"] = {k: v for k, v in s.items() if k.startswith("prefix_cache")}
     out["bench_s"] = time.perf_counter() - t0
@@ -308,12 +313,13 @@ def render(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and sizes (seconds)")
-    ap.add_argument("--system_tokens", type=int, default=None)
-    ap.add_argument("--burst_requests", type=int, default=None)
+    int_fields = [f.name for f in dataclasses.fields(BenchSizes) if f.type in (int, "int")]
+    for name in int_fields:
+        ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     sizes = SIZES["smoke" if args.smoke else "full"]
-    for field in ("system_tokens", "burst_requests"):
+    for field in int_fields:
         if getattr(args, field) is not None:
             sizes = dataclasses.replace(sizes, **{field: getattr(args, field)})
     result = run(sizes)
