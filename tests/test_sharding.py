@@ -87,7 +87,8 @@ def test_replicate_kv_heads_repeats_weights():
     assert wk2.shape[2] == 2 * wk.shape[2]
     for j in range(wk2.shape[2]):
         np.testing.assert_array_equal(wk2[:, :, j], wk[:, :, j // 2])
-    np.testing.assert_array_equal(np.asarray(out.layers.bv)[:, 3], np.asarray(params.layers.bv)[:, 1])
+    bv, bv2 = np.asarray(params.layers.bv), np.asarray(out.layers.bv)
+    np.testing.assert_array_equal(bv2[:, 3], bv[:, 1])
     assert out.layers.wq is params.layers.wq
 
 
@@ -105,9 +106,9 @@ def test_rules_table_specs():
 # ---- 8 virtual CPU devices, in a subprocess -------------------------------------------------
 def _worker(scenario: str, timeout_s: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_worker.py"),
-                           scenario], check=False, capture_output=True, text=True, timeout=timeout_s,
-                          cwd=ROOT, env=env)
+    script = os.path.join(ROOT, "tests", "sharding_worker.py")
+    proc = subprocess.run([sys.executable, script, scenario], check=False, capture_output=True,
+                          text=True, timeout=timeout_s, cwd=ROOT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
