@@ -87,12 +87,16 @@ class EngineCore:
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
             self.cfg, self.params = sharding.shard_params(model.params, self.cfg, self.mesh)
             kv_sharding = sharding.kv_sharding(self.mesh, self.cfg)
+        else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
+            # key, so the first warm-up shape would compile again on first use.
+            kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
         self.kv = PagedKVCache.zeros(self.cfg, self.sched_config.num_pages,
                                      self.sched_config.page_size, config.kv_dtype,
                                      sharding=kv_sharding)
-        self._counts = self._prompt_mask = jnp.zeros((1, 1), jnp.int32)
-        if self.mesh is not None:  # placed as the step returns it, so no second compile
-            self._counts = self._prompt_mask = sharding.replicate(self._counts, self.mesh)
+        zeros = jnp.zeros((1, 1), jnp.int32)
+        # With a mesh: replicated, as the step returns it (the KV spec would not fit (1, 1)).
+        self._counts = self._prompt_mask = (jax.device_put(zeros, kv_sharding) if self.mesh is None
+                                            else sharding.replicate(zeros, self.mesh))
         self._penalties_ready = False
         self._states: dict[str, _RequestState] = {}
         self._slot_of: dict[str, int] = {}

@@ -55,3 +55,34 @@ def test_mixed_workload_is_seeded_and_bounded():
     assert a == b
     assert all(8 <= len(p) <= 40 for p in a.prompts)
     assert all(4 <= m <= 30 for m in a.max_tokens) and len(set(a.max_tokens)) > 5
+
+
+def test_warm_shape_does_not_compile_again_with_committed_params():
+    """Loaded weights are committed arrays; the engine's KV cache and penalty state must be
+    too, or the first shape warm-up compiles gets compiled again on its first real step
+    (found by this benchmark on SmolLM2: committedness is part of the jit cache key)."""
+    import dataclasses
+
+    import jax
+
+    from configs.engine_config import EngineConfig
+    from engine.batch import BatchShape
+    from engine.core import _GREEDY_FLAGS, EngineCore
+    from engine.step import engine_step
+    from engine.warmup import dummy_batch
+    from models.registry import load_model
+
+    model = load_model("tiny")
+    model = dataclasses.replace(model, params=jax.device_put(model.params, jax.devices()[0]))
+    engine = EngineCore(
+        model,
+        EngineConfig(
+            model="tiny", num_pages=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64
+        ),
+    )
+    first, second = BatchShape(1, 0, 0, 4, 1), BatchShape(2, 0, 0, 4, 1)
+    sizes = []
+    for shape in (first, second, first):
+        jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, _GREEDY_FLAGS, False))
+        sizes.append(engine_step._cache_size())
+    assert sizes[2] == sizes[1]
