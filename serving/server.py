@@ -190,15 +190,18 @@ def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
     if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
     from configs.engine_config import EngineConfig
-    from engine.core import EngineCore
+    from engine.sharding import create_engine, loader_shardings
     from models.registry import load_model
     mesh = options.pop("mesh", None)
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
-    core = EngineCore(load_model(model), config, mesh=mesh)
+    # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
+    loaded = load_model(model, shardings_for=loader_shardings(mesh) if mesh else None)
+    core = create_engine(loaded, config, mesh=mesh)
     if warmup_max_shapes:
         from engine.warmup import warmup
-        warmup(core, max_shapes=warmup_max_shapes)  # logs how long it took
+        for replica in getattr(core, "replicas", [core]):
+            warmup(replica, max_shapes=warmup_max_shapes)  # logs how long it took
     return core
 
 
