@@ -28,7 +28,7 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
         assert f"| {row['concurrency']} |" in table
     mixed = r["static_vs_continuous"]
     assert mixed["continuous_over_static"] > 0 and mixed["output_tokens"] > 0
-    assert "continuous" in table and "static" in table and "targets:" in table
+    assert "continuous" in table and "static" in table and "targets (measured value):" in table
     assert "continuous_over_static>=2" in r["targets"]
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
 
