@@ -93,6 +93,19 @@ def write_kv(
 _STATIC = ("sm_scale", "max_query_len", "sliding_window", "soft_cap", "impl", "interpret")
 
 
+def _implementation(op: str, impl: str, interpret: bool):
+    """The function behind `op` ("ragged" | "decode") for `impl`; kernels get `interpret`.
+    Kernel modules are imported lazily so the CPU path never loads them."""
+    if impl == "reference":
+        return getattr(reference, f"{op}_paged_attention_reference")
+    if impl == "gpu":
+        from pallas_kernels import gpu_kernels as kernels
+    else:
+        from pallas_kernels import tpu_kernels as kernels
+    return functools.partial(getattr(kernels, f"{op}_paged_attention_{impl}"),
+                             interpret=interpret)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _ragged_jit(
     q,
@@ -122,15 +135,7 @@ def _ragged_jit(
         "k_scales": k_scales,
         "v_scales": v_scales,
     }
-    if impl == "reference":
-        return reference.ragged_paged_attention_reference(*args, **opts)
-    if impl == "gpu":
-        from pallas_kernels import gpu_kernels
-
-        return gpu_kernels.ragged_paged_attention_gpu(*args, **opts, interpret=interpret)
-    from pallas_kernels import tpu_kernels
-
-    return tpu_kernels.ragged_paged_attention_tpu(*args, **opts, interpret=interpret)
+    return _implementation("ragged", impl, interpret)(*args, **opts)
 
 
 @functools.partial(jax.jit, static_argnames=tuple(s for s in _STATIC if s != "max_query_len"))
@@ -158,15 +163,7 @@ def _decode_jit(
         "k_scales": k_scales,
         "v_scales": v_scales,
     }
-    if impl == "reference":
-        return reference.decode_paged_attention_reference(*args, **opts)
-    if impl == "gpu":
-        from pallas_kernels import gpu_kernels
-
-        return gpu_kernels.decode_paged_attention_gpu(*args, **opts, interpret=interpret)
-    from pallas_kernels import tpu_kernels
-
-    return tpu_kernels.decode_paged_attention_tpu(*args, **opts, interpret=interpret)
+    return _implementation("decode", impl, interpret)(*args, **opts)
 
 
 def _check_attention_inputs(
