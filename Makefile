@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test lint format install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,14 @@ demo: install
 
 test: install
 	$(VPY) -m pytest -q tests
+
+lint: install
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+
+format: install
+	$(VPY) -m ruff check --fix .
+	$(VPY) -m ruff format .
 
 clean:
 	rm -rf $(VENV)

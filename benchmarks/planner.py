@@ -64,9 +64,16 @@ def pages_per_sequence(seq_len: int, page_size: int) -> int:
     return math.ceil(seq_len / page_size)
 
 
-def memory_plan(cfg: ModelConfig, kv_dtype: str, device_memory_bytes: int, weights_bytes: int,
-                workspace_bytes: int, page_size: int = 16, utilization: float = 1.0,
-                kv_head_replication: int = 1) -> MemoryPlan:
+def memory_plan(
+    cfg: ModelConfig,
+    kv_dtype: str,
+    device_memory_bytes: int,
+    weights_bytes: int,
+    workspace_bytes: int,
+    page_size: int = 16,
+    utilization: float = 1.0,
+    kv_head_replication: int = 1,
+) -> MemoryPlan:
     """KV pages left after weights and workspace. Raises if nothing is left."""
     per_token = kv_memory.kv_bytes_per_token(cfg, kv_dtype, kv_head_replication)
     budget = int(device_memory_bytes * utilization) - weights_bytes - workspace_bytes
@@ -74,7 +81,8 @@ def memory_plan(cfg: ModelConfig, kv_dtype: str, device_memory_bytes: int, weigh
         raise ValueError(
             f"device_memory={device_memory_bytes / GIB:.2f} GiB x utilization {utilization} "
             f"leaves no KV budget after weights {weights_bytes / GIB:.2f} GiB + workspace "
-            f"{workspace_bytes / GIB:.2f} GiB")
+            f"{workspace_bytes / GIB:.2f} GiB"
+        )
     return MemoryPlan(per_token, page_size, budget, budget // (per_token * page_size))
 
 
@@ -93,64 +101,94 @@ def output_token_demand(rate_rps: float, mean_output_tokens: float) -> float:
     return rate_rps * mean_output_tokens
 
 
-def length_samples(prompt_median: float, output_median: float, prompt_sigma: float,
-                   output_sigma: float, rho: float, n: int = 20000, seed: int = 0
-                   ) -> list[tuple[int, int]]:
+def length_samples(
+    prompt_median: float,
+    output_median: float,
+    prompt_sigma: float,
+    output_sigma: float,
+    rho: float,
+    n: int = 20000,
+    seed: int = 0,
+) -> list[tuple[int, int]]:
     """Monte Carlo draws of a joint lognormal (same model as the load generator's)."""
     from benchmarks.loadgen.workloads import LengthDist
 
-    dist = LengthDist(prompt_median, output_median, prompt_sigma, output_sigma, rho,
-                      max_in=10**9, max_out=10**9)
+    dist = LengthDist(
+        prompt_median, output_median, prompt_sigma, output_sigma, rho, max_in=10**9, max_out=10**9
+    )
     rng = random.Random(seed)
     return [dist.sample(rng) for _ in range(n)]
 
 
-def length_summary(samples: list[tuple[int, int]], page_size: int, max_tokens: int | None
-                   ) -> dict:
+def length_summary(samples: list[tuple[int, int]], page_size: int, max_tokens: int | None) -> dict:
     from benchmarks.loadgen.metrics import percentile
 
     totals = [i + o for i, o in samples]
     worst = [i + max_tokens for i, _ in samples] if max_tokens else totals
     mean = lambda xs: sum(xs) / len(xs)
-    return {"mean_prompt_tokens": mean([i for i, _ in samples]),
-            "mean_output_tokens": mean([o for _, o in samples]),
-            "mean_total_tokens": mean(totals),
-            "p95_total_tokens": percentile(totals, 95),
-            "mean_pages_expected": mean([pages_per_sequence(t, page_size) for t in totals]),
-            "mean_pages_budgeted": mean([pages_per_sequence(t, page_size) for t in worst]),
-            "page_rounding_waste": 1 - mean(totals) / (
-                page_size * mean([pages_per_sequence(t, page_size) for t in totals]))}
+    return {
+        "mean_prompt_tokens": mean([i for i, _ in samples]),
+        "mean_output_tokens": mean([o for _, o in samples]),
+        "mean_total_tokens": mean(totals),
+        "p95_total_tokens": percentile(totals, 95),
+        "mean_pages_expected": mean([pages_per_sequence(t, page_size) for t in totals]),
+        "mean_pages_budgeted": mean([pages_per_sequence(t, page_size) for t in worst]),
+        "page_rounding_waste": 1
+        - mean(totals) / (page_size * mean([pages_per_sequence(t, page_size) for t in totals])),
+    }
 
 
-def plan(cfg: ModelConfig, *, kv_dtype: str, device_memory_bytes: int, weights_bytes: int,
-         workspace_bytes: int, page_size: int, samples: list[tuple[int, int]],
-         max_tokens: int | None, seq_lens: list[int], rate_rps: float | None = None,
-         goodput_per_replica_rps: float | None = None, reserve: float = 0.2,
-         utilization: float = 1.0) -> dict:
-    mem = memory_plan(cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes,
-                      page_size, utilization)
+def plan(
+    cfg: ModelConfig,
+    *,
+    kv_dtype: str,
+    device_memory_bytes: int,
+    weights_bytes: int,
+    workspace_bytes: int,
+    page_size: int,
+    samples: list[tuple[int, int]],
+    max_tokens: int | None,
+    seq_lens: list[int],
+    rate_rps: float | None = None,
+    goodput_per_replica_rps: float | None = None,
+    reserve: float = 0.2,
+    utilization: float = 1.0,
+) -> dict:
+    mem = memory_plan(
+        cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes, page_size, utilization
+    )
     lengths = length_summary(samples, page_size, max_tokens)
-    out = {"model": cfg.name, "kv_dtype": kv_dtype, "page_size": page_size,
-           "kv_bytes_per_token": mem.kv_bytes_per_token, "page_bytes": mem.page_bytes,
-           "device_memory_gib": device_memory_bytes / GIB, "weights_gib": weights_bytes / GIB,
-           "workspace_gib": workspace_bytes / GIB, "kv_budget_gib": mem.kv_budget_bytes / GIB,
-           "kv_pages": mem.num_pages, "kv_tokens": mem.kv_tokens,
-           "sequences_that_fit": {str(n): mem.sequences_that_fit(n) for n in seq_lens},
-           "lengths": lengths,
-           "concurrent_sequences_expected": int(mem.num_pages // lengths["mean_pages_expected"]),
-           "concurrent_sequences_budgeted": int(mem.num_pages // lengths["mean_pages_budgeted"]),
-           "max_tokens": max_tokens,
-           "caution": "max_tokens is not the actual output, but admission must budget it: a "
-                      "sequence may grow to prompt + max_tokens, so plan concurrency on the "
-                      "budgeted figure and treat the expected one as optimistic."}
+    out = {
+        "model": cfg.name,
+        "kv_dtype": kv_dtype,
+        "page_size": page_size,
+        "kv_bytes_per_token": mem.kv_bytes_per_token,
+        "page_bytes": mem.page_bytes,
+        "device_memory_gib": device_memory_bytes / GIB,
+        "weights_gib": weights_bytes / GIB,
+        "workspace_gib": workspace_bytes / GIB,
+        "kv_budget_gib": mem.kv_budget_bytes / GIB,
+        "kv_pages": mem.num_pages,
+        "kv_tokens": mem.kv_tokens,
+        "sequences_that_fit": {str(n): mem.sequences_that_fit(n) for n in seq_lens},
+        "lengths": lengths,
+        "concurrent_sequences_expected": int(mem.num_pages // lengths["mean_pages_expected"]),
+        "concurrent_sequences_budgeted": int(mem.num_pages // lengths["mean_pages_budgeted"]),
+        "max_tokens": max_tokens,
+        "caution": "max_tokens is not the actual output, but admission must budget it: a "
+        "sequence may grow to prompt + max_tokens, so plan concurrency on the "
+        "budgeted figure and treat the expected one as optimistic.",
+    }
     if rate_rps is not None:
-        out["output_token_demand_tps"] = output_token_demand(rate_rps,
-                                                             lengths["mean_output_tokens"])
+        out["output_token_demand_tps"] = output_token_demand(
+            rate_rps, lengths["mean_output_tokens"]
+        )
         out["input_token_demand_tps"] = rate_rps * lengths["mean_prompt_tokens"]
     if rate_rps is not None and goodput_per_replica_rps:
         out["replicas"] = replicas_needed(rate_rps, goodput_per_replica_rps, reserve)
-        out["replica_formula"] = (f"ceil({rate_rps:g} / {goodput_per_replica_rps:.4g} x "
-                                  f"(1 + {reserve:g}))")
+        out["replica_formula"] = (
+            f"ceil({rate_rps:g} / {goodput_per_replica_rps:.4g} x (1 + {reserve:g}))"
+        )
     return out
 
 
@@ -158,19 +196,28 @@ def render_plan(p: dict) -> str:
     """The plan as a few lines a person reads."""
     fits = ", ".join(f"{n} tokens: {k}" for n, k in p["sequences_that_fit"].items())
     lines = [
-        (f"{p['model']}: {p['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token "
-         f"({p['kv_dtype']}), {p['page_bytes'] / 2**20:.2f} MiB per {p['page_size']}-token page"),
-        (f"KV budget {p['kv_budget_gib']:.2f} GiB = {p['device_memory_gib']:.1f} GiB x "
-         f"utilization - weights {p['weights_gib']:.2f} - workspace {p['workspace_gib']:.2f} "
-         f"-> {p['kv_pages']} pages, {p['kv_tokens']:,} tokens"),
+        (
+            f"{p['model']}: {p['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token "
+            f"({p['kv_dtype']}), {p['page_bytes'] / 2**20:.2f} MiB per {p['page_size']}-token page"
+        ),
+        (
+            f"KV budget {p['kv_budget_gib']:.2f} GiB = {p['device_memory_gib']:.1f} GiB x "
+            f"utilization - weights {p['weights_gib']:.2f} - workspace {p['workspace_gib']:.2f} "
+            f"-> {p['kv_pages']} pages, {p['kv_tokens']:,} tokens"
+        ),
         f"sequences that fit: {fits}",
-        (f"at the length distribution: {p['concurrent_sequences_expected']} concurrent "
-         f"sequences at expected lengths, {p['concurrent_sequences_budgeted']} when "
-         f"max_tokens={p['max_tokens']} is budgeted"),
-        f"caution: {p['caution']}"]
+        (
+            f"at the length distribution: {p['concurrent_sequences_expected']} concurrent "
+            f"sequences at expected lengths, {p['concurrent_sequences_budgeted']} when "
+            f"max_tokens={p['max_tokens']} is budgeted"
+        ),
+        f"caution: {p['caution']}",
+    ]
     if "output_token_demand_tps" in p:
-        lines.append(f"demand: {p['output_token_demand_tps']:.0f} output tok/s, "
-                     f"{p['input_token_demand_tps']:.0f} input tok/s")
+        lines.append(
+            f"demand: {p['output_token_demand_tps']:.0f} output tok/s, "
+            f"{p['input_token_demand_tps']:.0f} input tok/s"
+        )
     if "replicas" in p:
         lines.append(f"replicas: {p['replicas']} = {p['replica_formula']}")
     return "\n".join(lines)
@@ -207,26 +254,37 @@ def _samples_from_flags() -> list[tuple[int, int]]:
         from benchmarks.loadgen.trace import load_trace
 
         return [(e.prompt_tokens, e.output_tokens) for e in load_trace(F.trace)]
-    return length_samples(F.prompt_median, F.output_median, F.prompt_sigma, F.output_sigma,
-                          F.rho)
+    return length_samples(F.prompt_median, F.output_median, F.prompt_sigma, F.output_sigma, F.rho)
 
 
 def main(argv):
     if len(argv) != 2 or argv[1] != "plan":
         sys.exit("usage: python -m benchmarks.planner plan [--flags]")
     cfg = from_name(F.model)
-    weights = (F.weights_gib * GIB if F.weights_gib is not None
-               else cfg.num_params * kv_memory.dtype_bytes(F.weight_dtype))
+    weights = (
+        F.weights_gib * GIB
+        if F.weights_gib is not None
+        else cfg.num_params * kv_memory.dtype_bytes(F.weight_dtype)
+    )
     goodput = F.goodput_per_replica
     if F.sweep_json:
         with open(F.sweep_json) as f:
             goodput = json.load(f)["operating_goodput_rps"]
-    result = plan(cfg, kv_dtype=F.kv_dtype, device_memory_bytes=int(F.device_memory_gib * GIB),
-                  weights_bytes=int(weights), workspace_bytes=int(F.workspace_gib * GIB),
-                  page_size=F.page_size, samples=_samples_from_flags(),
-                  max_tokens=F.max_tokens, seq_lens=[int(s) for s in F.seq_lens],
-                  rate_rps=F.rate, goodput_per_replica_rps=goodput, reserve=F.reserve,
-                  utilization=F.utilization)
+    result = plan(
+        cfg,
+        kv_dtype=F.kv_dtype,
+        device_memory_bytes=int(F.device_memory_gib * GIB),
+        weights_bytes=int(weights),
+        workspace_bytes=int(F.workspace_gib * GIB),
+        page_size=F.page_size,
+        samples=_samples_from_flags(),
+        max_tokens=F.max_tokens,
+        seq_lens=[int(s) for s in F.seq_lens],
+        rate_rps=F.rate,
+        goodput_per_replica_rps=goodput,
+        reserve=F.reserve,
+        utilization=F.utilization,
+    )
     print(json.dumps(result, indent=1) if F.format == "json" else render_plan(result))
 
 

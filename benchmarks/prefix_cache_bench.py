@@ -42,16 +42,29 @@ from engine.step import engine_step
 
 CORPUS_DIR = os.path.join(os.path.dirname(__file__), "loadgen", "corpus")
 QUESTIONS = [
-    "What is the main idea of the text above?", "Who is speaking in the second passage?",
-    "Summarize the first fable in one sentence.", "Which animal appears most often?",
-    "What does the declaration complain about?", "Name one moral from the fables.",
-    "How many paragraphs are there?", "What is the tone of the speech?",
-    "Give a title for the whole text.", "Which word is used most?",
-    "What happens to the fox?", "Why was the speech given?",
-    "List three characters.", "Is the text old or new?", "What is liberty?",
-    "Translate the first line into French.", "Who wrote the last passage?",
-    "What is a fable?", "Name a virtue praised above.", "What would you ask the author?",
-    "Explain the ending.", "Quote the shortest sentence.", "What year is mentioned?",
+    "What is the main idea of the text above?",
+    "Who is speaking in the second passage?",
+    "Summarize the first fable in one sentence.",
+    "Which animal appears most often?",
+    "What does the declaration complain about?",
+    "Name one moral from the fables.",
+    "How many paragraphs are there?",
+    "What is the tone of the speech?",
+    "Give a title for the whole text.",
+    "Which word is used most?",
+    "What happens to the fox?",
+    "Why was the speech given?",
+    "List three characters.",
+    "Is the text old or new?",
+    "What is liberty?",
+    "Translate the first line into French.",
+    "Who wrote the last passage?",
+    "What is a fable?",
+    "Name a virtue praised above.",
+    "What would you ask the author?",
+    "Explain the ending.",
+    "Quote the shortest sentence.",
+    "What year is mentioned?",
     "Which passage is the longest?",
 ]
 
@@ -67,21 +80,39 @@ class BenchSizes:
     unshared_requests: int = 8
     unshared_prompt_tokens: int = 256
     repeats: int = 5  # on/off alternations of the unshared burst
-    engine: tuple = (("page_size", 16), ("max_num_seqs", 8), ("max_num_batched_tokens", 512),
-                     ("prefill_chunk_size", 512), ("max_model_len", 2176),
-                     ("num_pages", 1200))
+    engine: tuple = (
+        ("page_size", 16),
+        ("max_num_seqs", 8),
+        ("max_num_batched_tokens", 512),
+        ("prefill_chunk_size", 512),
+        ("max_model_len", 2176),
+        ("num_pages", 1200),
+    )
 
 
 SIZES = {
     "full": BenchSizes(),
     # The engine options of tests/test_prefix_cache_engine.py, so the smoke test compiles
     # nothing new after that module.
-    "smoke": BenchSizes(model="tiny", system_tokens=14, num_cold=2, num_warm=3,
-                        burst_requests=3, max_tokens=4, unshared_requests=2,
-                        unshared_prompt_tokens=12, repeats=2,
-                        engine=(("page_size", 8), ("num_pages", 7), ("max_num_seqs", 2),
-                                ("max_num_batched_tokens", 16), ("prefill_chunk_size", 16),
-                                ("max_model_len", 32))),
+    "smoke": BenchSizes(
+        model="tiny",
+        system_tokens=14,
+        num_cold=2,
+        num_warm=3,
+        burst_requests=3,
+        max_tokens=4,
+        unshared_requests=2,
+        unshared_prompt_tokens=12,
+        repeats=2,
+        engine=(
+            ("page_size", 8),
+            ("num_pages", 7),
+            ("max_num_seqs", 2),
+            ("max_num_batched_tokens", 16),
+            ("prefill_chunk_size", 16),
+            ("max_model_len", 32),
+        ),
+    ),
 }
 
 
@@ -100,8 +131,9 @@ def system_prompt(tokenizer, num_tokens: int) -> list[int]:
 
 
 def question_ids(tokenizer, i: int, max_len: int | None = None) -> list[int]:
-    ids = tokenizer.encode(f"\n\nQuestion {i}: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:",
-                           add_special_tokens=False)
+    ids = tokenizer.encode(
+        f"\n\nQuestion {i}: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:", add_special_tokens=False
+    )
     return ids[:max_len] if max_len else ids
 
 
@@ -118,8 +150,9 @@ class Runner:
 
     num_compiles = 0  # step programs compiled inside timed runs (should stay 0)
 
-    def run(self, prompts: list[list[int]], max_tokens: int, timed: bool = True
-            ) -> tuple[float, list]:
+    def run(
+        self, prompts: list[list[int]], max_tokens: int, timed: bool = True
+    ) -> tuple[float, list]:
         """Submits all prompts at once, steps until done: (wall seconds, final outputs)."""
         compiled = engine_step._cache_size()
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -176,11 +209,14 @@ def measure_ttft(on: Runner, sizes: BenchSizes, system: list[int]) -> dict:
         warm_cached.append(out.metrics.cached_tokens)
     return {
         "prompt_tokens": len(prompt(100)),
-        "cold_ttft_median_s": statistics.median(cold), "cold_ttft_p95_s": pct(cold, 95),
-        "warm_ttft_median_s": statistics.median(warm), "warm_ttft_p95_s": pct(warm, 95),
+        "cold_ttft_median_s": statistics.median(cold),
+        "cold_ttft_p95_s": pct(cold, 95),
+        "warm_ttft_median_s": statistics.median(warm),
+        "warm_ttft_p95_s": pct(warm, 95),
         "warm_cached_tokens_median": statistics.median(warm_cached),
         "ttft_speedup_median": statistics.median(cold) / statistics.median(warm),
-        "cold_samples": len(cold), "warm_samples": len(warm),
+        "cold_samples": len(cold),
+        "warm_samples": len(warm),
     }
 
 
@@ -189,8 +225,10 @@ def measure_shared(on: Runner, off: Runner, sizes: BenchSizes, system: list[int]
     qmax = None if sizes.model != "tiny" else 2
     results = {}
     for rnd in ("compile", "timed"):
-        prompts = [system + question_ids(tok, 1000 * (rnd == "timed") + i, qmax)
-                   for i in range(sizes.burst_requests)]
+        prompts = [
+            system + question_ids(tok, 1000 * (rnd == "timed") + i, qmax)
+            for i in range(sizes.burst_requests)
+        ]
         outs = {}
         for name, runner in (("on", on), ("off", off)):
             progress(f"shared burst: {rnd} round, cache {name}")
@@ -201,7 +239,8 @@ def measure_shared(on: Runner, off: Runner, sizes: BenchSizes, system: list[int]
             outs[name] = [t for t, _ in got]
             n_out = sum(len(t) for t in outs[name])
             results[name] = {
-                "wall_s": wall, "requests_per_s": len(prompts) / wall,
+                "wall_s": wall,
+                "requests_per_s": len(prompts) / wall,
                 "output_tokens_per_s": n_out / wall,
                 "tokens_computed": after[0] - before[0],
                 "prefill_tokens_saved": after[1] - before[1],
@@ -219,8 +258,9 @@ def measure_unshared(on: Runner, off: Runner, sizes: BenchSizes) -> dict:
     walls = {"on": [], "off": []}
     hits = 0
     for rep in range(sizes.repeats + 1):  # repeat 0 compiles
-        prompts = random_prompts(sizes.unshared_requests, sizes.unshared_prompt_tokens, vocab,
-                                 seed=10_000 + rep)
+        prompts = random_prompts(
+            sizes.unshared_requests, sizes.unshared_prompt_tokens, vocab, seed=10_000 + rep
+        )
         order = (("on", on), ("off", off)) if rep % 2 else (("off", off), ("on", on))
         for name, runner in order:
             progress(f"unshared burst: repeat {rep}, cache {name}")
@@ -231,10 +271,16 @@ def measure_unshared(on: Runner, off: Runner, sizes: BenchSizes) -> dict:
             if name == "on":
                 hits += runner.prefill_tokens()[1] - before
     on_s, off_s = statistics.median(walls["on"]), statistics.median(walls["off"])
-    return {"requests": sizes.unshared_requests, "prompt_tokens": sizes.unshared_prompt_tokens,
-            "wall_on_s": walls["on"], "wall_off_s": walls["off"],
-            "median_on_s": on_s, "median_off_s": off_s,
-            "overhead_pct": 100.0 * (on_s - off_s) / off_s, "hit_tokens": hits}
+    return {
+        "requests": sizes.unshared_requests,
+        "prompt_tokens": sizes.unshared_prompt_tokens,
+        "wall_on_s": walls["on"],
+        "wall_off_s": walls["off"],
+        "median_on_s": on_s,
+        "median_off_s": off_s,
+        "overhead_pct": 100.0 * (on_s - off_s) / off_s,
+        "hit_tokens": hits,
+    }
 
 
 def run(sizes: BenchSizes, model=None) -> dict:
@@ -245,8 +291,7 @@ def run(sizes: BenchSizes, model=None) -> dict:
     model = model or load_model(sizes.model)
     opts = dict(sizes.engine)
     on = Runner(EngineCore(model, EngineConfig(model=sizes.model, **opts)))
-    off = Runner(EngineCore(model, EngineConfig(model=sizes.model, prefix_caching=False,
-                                                **opts)))
+    off = Runner(EngineCore(model, EngineConfig(model=sizes.model, prefix_caching=False, **opts)))
     system = system_prompt(model.tokenizer, sizes.system_tokens)
     t0 = time.perf_counter()
     Runner.num_compiles = 0
@@ -271,41 +316,57 @@ def render(r: dict) -> str:
     t, sh, un = r["ttft"], r["shared"], r["unshared"]
     ms = lambda s: f"{1000 * s:9.1f} ms"
     rows = [
-        (f"Prefix cache benchmark: {r['sizes']['model']}, system prompt "
-         f"{r['sizes']['system_tokens']} tokens, {r['cpus']} CPUs, load average "
-         f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f}"),
+        (
+            f"Prefix cache benchmark: {r['sizes']['model']}, system prompt "
+            f"{r['sizes']['system_tokens']} tokens, {r['cpus']} CPUs, load average "
+            f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f}"
+        ),
         "",
         f"TTFT, one request at a time ({t['prompt_tokens']}-token prompts)",
         f"  {'':24} {'median':>12} {'p95':>12}",
         f"  {'cold (cache cleared)':24} {ms(t['cold_ttft_median_s'])} {ms(t['cold_ttft_p95_s'])}",
         f"  {'warm (system cached)':24} {ms(t['warm_ttft_median_s'])} {ms(t['warm_ttft_p95_s'])}",
-        (f"  cold / warm (median): {t['ttft_speedup_median']:.1f}x   (target >= 5x); warm "
-         f"requests hit {t['warm_cached_tokens_median']:.0f} tokens"),
+        (
+            f"  cold / warm (median): {t['ttft_speedup_median']:.1f}x   (target >= 5x); warm "
+            f"requests hit {t['warm_cached_tokens_median']:.0f} tokens"
+        ),
         "",
-        (f"Shared-prefix burst: {sh['burst_requests']} requests x {sh['prompt_tokens']} prompt "
-         f"tokens, {r['sizes']['max_tokens']} outputs each, submitted together to a cold cache"),
+        (
+            f"Shared-prefix burst: {sh['burst_requests']} requests x {sh['prompt_tokens']} prompt "
+            f"tokens, {r['sizes']['max_tokens']} outputs each, submitted together to a cold cache"
+        ),
         f"  {'':10} {'wall':>9} {'req/s':>8} {'out tok/s':>10} {'computed':>9} {'saved':>8}",
     ]
     for name in ("on", "off"):
         x = sh[name]
-        rows.append(f"  {'cache ' + name:10} {x['wall_s']:8.2f}s {x['requests_per_s']:8.2f} "
-                    f"{x['output_tokens_per_s']:10.1f} {x['tokens_computed']:9d} "
-                    f"{x['prefill_tokens_saved']:8d}")
+        rows.append(
+            f"  {'cache ' + name:10} {x['wall_s']:8.2f}s {x['requests_per_s']:8.2f} "
+            f"{x['output_tokens_per_s']:10.1f} {x['tokens_computed']:9d} "
+            f"{x['prefill_tokens_saved']:8d}"
+        )
     rows += [
-        (f"  on / off throughput: {sh['throughput_ratio']:.2f}x; outputs identical: "
-         f"{sh['outputs_identical']}; cached tokens per request (on): "
-         f"{sh['on']['cached_tokens_per_request']}"),
+        (
+            f"  on / off throughput: {sh['throughput_ratio']:.2f}x; outputs identical: "
+            f"{sh['outputs_identical']}; cached tokens per request (on): "
+            f"{sh['on']['cached_tokens_per_request']}"
+        ),
         "",
-        (f"Nothing shared: {un['requests']} distinct {un['prompt_tokens']}-token prompts, "
-         f"median of {len(un['wall_on_s'])} alternated runs"),
-        (f"  cache on {un['median_on_s']:.3f}s  off {un['median_off_s']:.3f}s  cost "
-         f"{un['overhead_pct']:+.1f}% wall time (target < 3%); hits: {un['hit_tokens']}"),
+        (
+            f"Nothing shared: {un['requests']} distinct {un['prompt_tokens']}-token prompts, "
+            f"median of {len(un['wall_on_s'])} alternated runs"
+        ),
+        (
+            f"  cache on {un['median_on_s']:.3f}s  off {un['median_off_s']:.3f}s  cost "
+            f"{un['overhead_pct']:+.1f}% wall time (target < 3%); hits: {un['hit_tokens']}"
+        ),
         f"  runs on:  {' '.join(f'{w:.3f}' for w in un['wall_on_s'])}",
         f"  runs off: {' '.join(f'{w:.3f}' for w in un['wall_off_s'])}",
         "",
         f"Cache counters (on engine): {r['cache_stats_on']}",
-        (f"Benchmark time {r['bench_s']:.0f}s; step programs compiled inside timed runs: "
-         f"{r['compiles_in_timed_runs']}"),
+        (
+            f"Benchmark time {r['bench_s']:.0f}s; step programs compiled inside timed runs: "
+            f"{r['compiles_in_timed_runs']}"
+        ),
     ]
     return "\n".join(rows)
 

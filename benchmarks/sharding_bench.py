@@ -42,9 +42,17 @@ def load(name: str):
     if name != "bench":
         return load_model(name)
     m = load_model("tiny")
-    cfg = dataclasses.replace(m.config, name="bench", num_layers=4, hidden_size=512,
-                              num_heads=16, num_kv_heads=8, ffn_size=2048, vocab_size=8192,
-                              head_dim=32)
+    cfg = dataclasses.replace(
+        m.config,
+        name="bench",
+        num_layers=4,
+        hidden_size=512,
+        num_heads=16,
+        num_kv_heads=8,
+        ffn_size=2048,
+        vocab_size=8192,
+        head_dim=32,
+    )
     return dataclasses.replace(m, config=cfg, params=init_params(cfg, jax.random.key(0)))
 
 
@@ -57,10 +65,13 @@ def measure(model, mesh: str | None, args) -> dict:
     from engine.core import EngineCore
     from engine.sampling_params import SamplingParams
 
-    config = EngineConfig(model=model.config.name, num_pages=args.num_pages,
-                          max_num_seqs=args.batch, max_num_batched_tokens=max(
-                              512, args.batch * args.prompt_tokens),
-                          max_model_len=args.prompt_tokens + 2 * args.decode_steps + 8)
+    config = EngineConfig(
+        model=model.config.name,
+        num_pages=args.num_pages,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(512, args.batch * args.prompt_tokens),
+        max_model_len=args.prompt_tokens + 2 * args.decode_steps + 8,
+    )
     engine = EngineCore(model, config, mesh=mesh)
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0, max_tokens=2 * args.decode_steps + 4, ignore_eos=True)
@@ -87,10 +98,15 @@ def measure(model, mesh: str | None, args) -> dict:
     w = sharding.bytes_per_device(engine.params)
     kv = sharding.bytes_per_device(engine.kv)
     m = sharding.model_axis_size(engine.mesh)
-    return {"mesh": mesh or "none", "devices": len(w), "weights_mib": max(w.values()) / 2**20,
-            "kv_mib": max(kv.values()) / 2**20,
-            "kv_replication": sharding.kv_replication(model.config, m),
-            "prefill_ms": 1e3 * prefill, "decode_ms": 1e3 * statistics.median(decode)}
+    return {
+        "mesh": mesh or "none",
+        "devices": len(w),
+        "weights_mib": max(w.values()) / 2**20,
+        "kv_mib": max(kv.values()) / 2**20,
+        "kv_replication": sharding.kv_replication(model.config, m),
+        "prefill_ms": 1e3 * prefill,
+        "decode_ms": 1e3 * statistics.median(decode),
+    }
 
 
 def main() -> None:
@@ -100,19 +116,25 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", args.devices)
     model = load(args.model)
     c = model.config
-    print(f"model {c.name}: L={c.num_layers} D={c.hidden_size} H={c.num_heads} "
-          f"K={c.num_kv_heads} F={c.ffn_size} V={c.vocab_size}; batch {args.batch} x "
-          f"{args.prompt_tokens} prompt tokens; {args.num_pages} pages; "
-          f"{jax.device_count()} CPU devices")
+    print(
+        f"model {c.name}: L={c.num_layers} D={c.hidden_size} H={c.num_heads} "
+        f"K={c.num_kv_heads} F={c.ffn_size} V={c.vocab_size}; batch {args.batch} x "
+        f"{args.prompt_tokens} prompt tokens; {args.num_pages} pages; "
+        f"{jax.device_count()} CPU devices"
+    )
     rows = [measure(model, None, args)]
     for m in (int(x) for x in args.degrees.split(",")):
         rows.append(measure(model, f"model:{m}", args))
-    head = (f"{'mesh':>8} {'devs':>4} {'weights MiB/dev':>15} {'KV MiB/dev':>10} "
-            f"{'KV repl':>7} {'prefill ms':>10} {'decode ms':>9}")
+    head = (
+        f"{'mesh':>8} {'devs':>4} {'weights MiB/dev':>15} {'KV MiB/dev':>10} "
+        f"{'KV repl':>7} {'prefill ms':>10} {'decode ms':>9}"
+    )
     print(head)
     for r in rows:
-        print(f"{r['mesh']:>8} {r['devices']:>4} {r['weights_mib']:>15.2f} {r['kv_mib']:>10.2f} "
-              f"{r['kv_replication']:>7} {r['prefill_ms']:>10.1f} {r['decode_ms']:>9.2f}")
+        print(
+            f"{r['mesh']:>8} {r['devices']:>4} {r['weights_mib']:>15.2f} {r['kv_mib']:>10.2f} "
+            f"{r['kv_replication']:>7} {r['prefill_ms']:>10.1f} {r['decode_ms']:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

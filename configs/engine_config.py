@@ -39,20 +39,38 @@ class SchedulerConfig:
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
-        _check("num_pages", self.num_pages, self.num_pages >= 2,
-               ">= 2 (page 0 is the reserved null page)")
+        _check(
+            "num_pages",
+            self.num_pages,
+            self.num_pages >= 2,
+            ">= 2 (page 0 is the reserved null page)",
+        )
         _check("max_num_seqs", self.max_num_seqs, self.max_num_seqs >= 1, ">= 1")
-        _check("max_num_batched_tokens", self.max_num_batched_tokens,
-               self.max_num_batched_tokens >= 1, ">= 1")
-        _check("prefill_chunk_size", self.prefill_chunk_size,
-               1 <= self.prefill_chunk_size <= self.max_num_batched_tokens,
-               f"1 <= x <= max_num_batched_tokens ({self.max_num_batched_tokens})")
+        _check(
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            self.max_num_batched_tokens >= 1,
+            ">= 1",
+        )
+        _check(
+            "prefill_chunk_size",
+            self.prefill_chunk_size,
+            1 <= self.prefill_chunk_size <= self.max_num_batched_tokens,
+            f"1 <= x <= max_num_batched_tokens ({self.max_num_batched_tokens})",
+        )
         _check("max_model_len", self.max_model_len, self.max_model_len >= 2, ">= 2")
-        _check("priority_aging_per_s", self.priority_aging_per_s,
-               self.priority_aging_per_s >= 0.0, ">= 0")
-        _check("prefix_cache_ttl_s", self.prefix_cache_ttl_s,
-               self.prefix_cache_ttl_s is None or self.prefix_cache_ttl_s > 0.0,
-               "None (never expire) or > 0")
+        _check(
+            "priority_aging_per_s",
+            self.priority_aging_per_s,
+            self.priority_aging_per_s >= 0.0,
+            ">= 0",
+        )
+        _check(
+            "prefix_cache_ttl_s",
+            self.prefix_cache_ttl_s,
+            self.prefix_cache_ttl_s is None or self.prefix_cache_ttl_s > 0.0,
+            "None (never expire) or > 0",
+        )
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -83,17 +101,30 @@ class EngineConfig:
     prefix_cache_ttl_s: float | None = 600.0
     # Which tenants share prefix-cache pages (EngineCore derives each request's salt from it).
     cache_sharing: CacheSharingPolicy = dataclasses.field(
-        default_factory=lambda: CacheSharingPolicy())
+        default_factory=lambda: CacheSharingPolicy()
+    )
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
-        _check("cache_sharing", self.cache_sharing,
-               isinstance(self.cache_sharing, CacheSharingPolicy), "a CacheSharingPolicy")
-        _check("num_pages", self.num_pages, self.num_pages is None or self.num_pages >= 2,
-               "None (use kv_cache_bytes) or >= 2")
+        _check(
+            "cache_sharing",
+            self.cache_sharing,
+            isinstance(self.cache_sharing, CacheSharingPolicy),
+            "a CacheSharingPolicy",
+        )
+        _check(
+            "num_pages",
+            self.num_pages,
+            self.num_pages is None or self.num_pages >= 2,
+            "None (use kv_cache_bytes) or >= 2",
+        )
         _check("kv_cache_bytes", self.kv_cache_bytes, self.kv_cache_bytes > 0, "> 0")
-        _check("max_model_len", self.max_model_len,
-               self.max_model_len is None or self.max_model_len >= 2, "None or >= 2")
+        _check(
+            "max_model_len",
+            self.max_model_len,
+            self.max_model_len is None or self.max_model_len >= 2,
+            "None or >= 2",
+        )
         # The remaining fields are checked by SchedulerConfig; build one now so a bad value
         # fails at construction, not at engine start.
         self._scheduler_config(num_pages=2, max_model_len=self.max_model_len or 2)
@@ -104,8 +135,12 @@ class EngineConfig:
             return self.num_pages
         page_bytes = kv_bytes_per_token(model_cfg, self.kv_dtype) * self.page_size
         num_pages = self.kv_cache_bytes // page_bytes
-        _check("kv_cache_bytes", self.kv_cache_bytes, num_pages >= 2,
-               f">= 2 pages of {page_bytes} bytes for {model_cfg.name}")
+        _check(
+            "kv_cache_bytes",
+            self.kv_cache_bytes,
+            num_pages >= 2,
+            f">= 2 pages of {page_bytes} bytes for {model_cfg.name}",
+        )
         return num_pages
 
     def scheduler_config(self, model_cfg: ModelConfig) -> SchedulerConfig:
@@ -116,10 +151,15 @@ class EngineConfig:
 
     def _scheduler_config(self, num_pages: int, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
-            page_size=self.page_size, num_pages=num_pages, max_num_seqs=self.max_num_seqs,
+            page_size=self.page_size,
+            num_pages=num_pages,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            prefill_chunk_size=(self.prefill_chunk_size if self.prefill_chunk_size is not None
-                                else min(256, self.max_num_batched_tokens)),
+            prefill_chunk_size=(
+                self.prefill_chunk_size
+                if self.prefill_chunk_size is not None
+                else min(256, self.max_num_batched_tokens)
+            ),
             max_model_len=max_model_len,
             priority_aging_per_s=self.priority_aging_per_s,
             enable_prefix_caching=self.prefix_caching,
@@ -147,10 +187,18 @@ class CacheSharingPolicy:
         seen: dict[str, str] = {}
         for name, members in groups:
             for tenant in members:
-                _check("shared_groups", tenant, tenant not in seen,
-                       f"a tenant may be in one group only (also in {seen.get(tenant)!r})")
-                _check("shared_groups", tenant, tenant not in self.isolated_tenants,
-                       "a tenant cannot be both isolated and in a shared group")
+                _check(
+                    "shared_groups",
+                    tenant,
+                    tenant not in seen,
+                    f"a tenant may be in one group only (also in {seen.get(tenant)!r})",
+                )
+                _check(
+                    "shared_groups",
+                    tenant,
+                    tenant not in self.isolated_tenants,
+                    "a tenant cannot be both isolated and in a shared group",
+                )
                 seen[tenant] = name
 
     def group_of(self, tenant: str) -> str | None:

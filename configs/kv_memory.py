@@ -25,19 +25,27 @@ def dtype_bytes(dtype: str | int) -> int:
         raise ValueError(f"kv dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}") from None
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str | int = "bfloat16",
-                       kv_head_replication: int = 1) -> int:
+def kv_bytes_per_token(
+    cfg: ModelConfig, dtype: str | int = "bfloat16", kv_head_replication: int = 1
+) -> int:
     """Raw K+V bytes one cached token occupies across all layers.
 
     `kv_head_replication` > 1 models tensor-parallel degrees above the KV-head count, where
     each KV head is stored on several devices (the seeds list it as a KV multiplier).
     """
-    return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
-            * kv_head_replication)
+    return (
+        2
+        * cfg.num_layers
+        * cfg.num_kv_heads
+        * cfg.head_dim
+        * dtype_bytes(dtype)
+        * kv_head_replication
+    )
 
 
-def kv_bytes_per_sequence(cfg: ModelConfig, num_tokens: int, dtype: str | int = "bfloat16",
-                          page_size: int | None = None) -> int:
+def kv_bytes_per_sequence(
+    cfg: ModelConfig, num_tokens: int, dtype: str | int = "bfloat16", page_size: int | None = None
+) -> int:
     """K+V bytes for one sequence of `num_tokens`, rounded up to whole pages if `page_size`."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens={num_tokens}: must be >= 0")

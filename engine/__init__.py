@@ -1,10 +1,10 @@
 """The engine: host-side scheduling over a paged KV cache and a jitted device step.
 
-    engine.request / page_pool / scheduler   host side, plain Python (no device)
-    engine.batch                             plan -> fixed-shape arrays (the boundary)
-    engine.step / kv_cache / sampling        device side, pure jitted functions
-    engine.core.EngineCore                   the step loop (serving drives it)
-    engine.llm.LLM                           the notebook API
+engine.request / page_pool / scheduler   host side, plain Python (no device)
+engine.batch                             plan -> fixed-shape arrays (the boundary)
+engine.step / kv_cache / sampling        device side, pure jitted functions
+engine.core.EngineCore                   the step loop (serving drives it)
+engine.llm.LLM                           the notebook API
 """
 
 

@@ -10,8 +10,14 @@ from engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "timed_out", "failed", "rejected"]
 # Outcome of a finished request, as recorded in metrics: "stop" and "length" are successes.
-OUTCOME_OF_FINISH = {"stop": "success", "length": "success", "cancelled": "cancelled",
-                     "timed_out": "timed_out", "failed": "failed", "rejected": "rejected"}
+OUTCOME_OF_FINISH = {
+    "stop": "success",
+    "length": "success",
+    "cancelled": "cancelled",
+    "timed_out": "timed_out",
+    "failed": "failed",
+    "rejected": "rejected",
+}
 
 
 @dataclasses.dataclass

@@ -50,10 +50,25 @@ class BatchShape:
     max_query_len: int  # static bound on a prefill sequence's chunk
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "token_ids", "positions", "slot_mapping", "kv_lens_d", "page_table_d", "kv_lens_p",
-    "page_table_p", "query_start_p", "num_seqs_p", "logits_indices", "sample_mask",
-    "slot_ids", "sampling"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "kv_lens_d",
+        "page_table_d",
+        "kv_lens_p",
+        "page_table_p",
+        "query_start_p",
+        "num_seqs_p",
+        "logits_indices",
+        "sample_mask",
+        "slot_ids",
+        "sampling",
+    ],
+    meta_fields=[],
+)
 @dataclasses.dataclass
 class StepBatch:
     token_ids: np.ndarray  # [Sd + Tp] int32
@@ -87,9 +102,17 @@ def _page_row(page_ids: list[int], num_tokens: int, page_size: int, width: int) 
     return row
 
 
-def build_batch(scheduled, page_size: int, *, max_prefill_tokens: int, prefill_chunk_size: int,
-                max_pages_per_seq: int, slot_of: dict[str, int], seed_of: dict[str, int],
-                eos_token_ids: tuple[int, ...]) -> tuple[StepBatch, BatchShape, list[BatchRow]]:
+def build_batch(
+    scheduled,
+    page_size: int,
+    *,
+    max_prefill_tokens: int,
+    prefill_chunk_size: int,
+    max_pages_per_seq: int,
+    slot_of: dict[str, int],
+    seed_of: dict[str, int],
+    eos_token_ids: tuple[int, ...],
+) -> tuple[StepBatch, BatchShape, list[BatchRow]]:
     """`scheduled`: the scheduler's ScheduledRequest list. Returns numpy arrays."""
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -100,13 +123,19 @@ def build_batch(scheduled, page_size: int, *, max_prefill_tokens: int, prefill_c
         num_prefill_tokens=pow2_bucket(n_prefill_tokens, 16, max_prefill_tokens),
         num_prefill_seqs=pow2_bucket(len(prefills)),
         pages_per_seq=pow2_bucket(max_pages, 4, max_pages_per_seq),
-        max_query_len=0)
+        max_query_len=0,
+    )
     # NOTE: max_query_len is tied to the prefill token bucket (not to the longest chunk) so
     # it adds no dimension to the set of compiled shapes.
-    shape = dataclasses.replace(shape, max_query_len=query_len_bound(
-        shape.num_prefill_tokens, prefill_chunk_size))
-    Sd, Tp, Sp, P = (shape.num_decode, shape.num_prefill_tokens, shape.num_prefill_seqs,
-                     shape.pages_per_seq)
+    shape = dataclasses.replace(
+        shape, max_query_len=query_len_bound(shape.num_prefill_tokens, prefill_chunk_size)
+    )
+    Sd, Tp, Sp, P = (
+        shape.num_decode,
+        shape.num_prefill_tokens,
+        shape.num_prefill_seqs,
+        shape.pages_per_seq,
+    )
     T, R = Sd + Tp, Sd + Sp
     token_ids, positions, slots = (np.zeros(T, np.int32) for _ in range(3))
     kv_lens_d, kv_lens_p = np.zeros(Sd, np.int32), np.zeros(Sp, np.int32)
@@ -120,18 +149,21 @@ def build_batch(scheduled, page_size: int, *, max_prefill_tokens: int, prefill_c
     def fill_tokens(s, first_row: int) -> None:
         req, n = s.request, s.num_new_tokens
         pos = np.arange(s.start, s.start + n, dtype=np.int32)
-        token_ids[first_row:first_row + n] = req.all_token_ids[s.start:s.start + n]
-        positions[first_row:first_row + n] = pos
+        token_ids[first_row : first_row + n] = req.all_token_ids[s.start : s.start + n]
+        positions[first_row : first_row + n] = pos
         pages = np.asarray(req.page_ids, np.int32)
-        slots[first_row:first_row + n] = pages[pos // page_size] * page_size + pos % page_size
+        slots[first_row : first_row + n] = pages[pos // page_size] * page_size + pos % page_size
 
     def fill_row(s, r: int, token_row: int) -> None:
         req = s.request
         logits_indices[r] = token_row
         sample_mask[r] = s.samples
         slot_ids[r] = slot_of[req.request_id]
-        params[r], out_lens[r], seeds[r] = (req.sampling, req.num_output_tokens,
-                                            seed_of[req.request_id])
+        params[r], out_lens[r], seeds[r] = (
+            req.sampling,
+            req.num_output_tokens,
+            seed_of[req.request_id],
+        )
         rows.append(BatchRow(req.request_id, r, s.samples))
 
     for i, s in enumerate(decodes):
@@ -148,9 +180,21 @@ def build_batch(scheduled, page_size: int, *, max_prefill_tokens: int, prefill_c
         query_start_p[j + 1] = query_start_p[j] + s.num_new_tokens
         row += s.num_new_tokens
         fill_row(s, Sd + j, row - 1)
-    query_start_p[len(prefills) + 1:] = query_start_p[len(prefills)]
+    query_start_p[len(prefills) + 1 :] = query_start_p[len(prefills)]
     sampling = SamplingTensors.from_params(params, out_lens, seeds, R, eos_token_ids)
-    batch = StepBatch(token_ids, positions, slots, kv_lens_d, page_table_d, kv_lens_p,
-                      page_table_p, query_start_p, np.array([len(prefills)], np.int32),
-                      logits_indices, sample_mask, slot_ids, sampling)
+    batch = StepBatch(
+        token_ids,
+        positions,
+        slots,
+        kv_lens_d,
+        page_table_d,
+        kv_lens_p,
+        page_table_p,
+        query_start_p,
+        np.array([len(prefills)], np.int32),
+        logits_indices,
+        sample_mask,
+        slot_ids,
+        sampling,
+    )
     return batch, shape, rows

@@ -27,14 +27,20 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import sharding
-from engine.api_types import (EngineRequest, RequestMetrics, RequestOutput, TokenLogprob)
+from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
 from engine.batch import BatchShape, build_batch, pow2_bucket
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.page_pool import PagePool, cache_salt_for
 from engine.request import Request
-from engine.sampling import (SampleResult, SamplingFlags, init_counts, reset_slot_counts,
-                             resolve_seed, uses_penalties)
+from engine.sampling import (
+    SampleResult,
+    SamplingFlags,
+    init_counts,
+    reset_slot_counts,
+    resolve_seed,
+    uses_penalties,
+)
 from engine.scheduler import Scheduler
 from engine.step import engine_step
 from engine.stop_checker import StopChecker
@@ -55,8 +61,9 @@ class _RequestState:
 
 def request_metrics(req: Request) -> RequestMetrics:
     t = req.token_times_s
-    m = RequestMetrics(cached_tokens=max(req.num_cached_tokens, 0),
-                       num_preemptions=req.num_preemptions)
+    m = RequestMetrics(
+        cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions
+    )
     if req.first_scheduled_s is not None:
         m.queue_s = req.first_scheduled_s - req.arrival_s
     if t:
@@ -79,8 +86,11 @@ class EngineCore:
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
         self.sched_config = config.scheduler_config(self.cfg)
-        keys = (self.identity.revision, self.identity.tokenizer_hash,
-                self.identity.chat_template_hash)
+        keys = (
+            self.identity.revision,
+            self.identity.tokenizer_hash,
+            self.identity.chat_template_hash,
+        )
         self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
         self.scheduler = Scheduler(self.sched_config, self.pool)
         self.params, kv_sharding = model.params, None
@@ -90,13 +100,20 @@ class EngineCore:
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
-        self.kv = PagedKVCache.zeros(self.cfg, self.sched_config.num_pages,
-                                     self.sched_config.page_size, config.kv_dtype,
-                                     sharding=kv_sharding)
+        self.kv = PagedKVCache.zeros(
+            self.cfg,
+            self.sched_config.num_pages,
+            self.sched_config.page_size,
+            config.kv_dtype,
+            sharding=kv_sharding,
+        )
         zeros = jnp.zeros((1, 1), jnp.int32)
         # With a mesh: replicated, as the step returns it (the KV spec would not fit (1, 1)).
-        self._counts = self._prompt_mask = (jax.device_put(zeros, kv_sharding) if self.mesh is None
-                                            else sharding.replicate(zeros, self.mesh))
+        self._counts = self._prompt_mask = (
+            jax.device_put(zeros, kv_sharding)
+            if self.mesh is None
+            else sharding.replicate(zeros, self.mesh)
+        )
         self._penalties_ready = False
         self._states: dict[str, _RequestState] = {}
         self._slot_of: dict[str, int] = {}
@@ -113,19 +130,24 @@ class EngineCore:
             raise InvalidRequestError("prompt_token_ids", [], "must hold at least one token")
         bad = [t for t in er.prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise InvalidRequestError("prompt_token_ids", bad[0],
-                                      f"token ids must be in [0, {self.cfg.vocab_size})")
+            raise InvalidRequestError(
+                "prompt_token_ids", bad[0], f"token ids must be in [0, {self.cfg.vocab_size})"
+            )
         if er.request_id in self._states:
             raise InvalidRequestError("request_id", er.request_id, "already running")
         now = time.monotonic()
-        salt = (cache_salt if cache_salt is not None
-                else cache_salt_for(er.tenant, self.config.cache_sharing))
+        salt = (
+            cache_salt
+            if cache_salt is not None
+            else cache_salt_for(er.tenant, self.config.cache_sharing)
+        )
         req = Request.from_engine_request(er, now_s=now, cache_salt=salt)
         self.scheduler.add_request(req)
         detok = self.tokenizer.new_detokenizer(er.prompt_token_ids)
         self._states[er.request_id] = _RequestState(
             StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok),
-            resolve_seed(er.sampling, self._rng))
+            resolve_seed(er.sampling, self._rng),
+        )
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -136,14 +158,17 @@ class EngineCore:
         with the old weights is ever hit; requests in flight keep the K/V they already
         computed, and nothing they compute is cached."""
         if model.config != self.model.config:
-            raise ValueError(f"reload_model: config {model.config.name!r} differs from the "
-                             f"running {self.model.config.name!r} (same architecture only)")
+            raise ValueError(
+                f"reload_model: config {model.config.name!r} differs from the "
+                f"running {self.model.config.name!r} (same architecture only)"
+            )
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.params = model.params
-        self.pool.clear_cache((self.identity.revision, self.identity.tokenizer_hash,
-                               self.identity.chat_template_hash))
+        self.pool.clear_cache(
+            (self.identity.revision, self.identity.tokenizer_hash, self.identity.chat_template_hash)
+        )
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page (pages in use stay in use)."""
@@ -162,12 +187,15 @@ class EngineCore:
         for s in plan.scheduled:
             self._ensure_slot(s.request)
         batch, shape, rows = build_batch(
-            plan.scheduled, self.sched_config.page_size,
+            plan.scheduled,
+            self.sched_config.page_size,
             max_prefill_tokens=self.sched_config.max_num_batched_tokens,
             prefill_chunk_size=self.sched_config.prefill_chunk_size,
             max_pages_per_seq=self.sched_config.max_pages_per_seq,
-            slot_of=self._slot_of, seed_of={r: st.seed for r, st in self._states.items()},
-            eos_token_ids=self.tokenizer.eos_token_ids)
+            slot_of=self._slot_of,
+            seed_of={r: st.seed for r, st in self._states.items()},
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
         params_list = [s.request.sampling for s in plan.scheduled]
         try:
             packed = self._run_device(batch, shape, params_list)
@@ -181,8 +209,9 @@ class EngineCore:
             return outputs
         result = SampleResult.unpack(packed)
         now = time.monotonic()
-        sampled = {row.request_id: int(result.tokens[row.sampler_row])
-                   for row in rows if row.samples}
+        sampled = {
+            row.request_id: int(result.tokens[row.sampler_row]) for row in rows if row.samples
+        }
         row_of = {row.request_id: row.sampler_row for row in rows}
         self.num_steps += 1
         self.num_tokens_processed += plan.total_num_scheduled_tokens
@@ -194,8 +223,9 @@ class EngineCore:
     def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
         greedy = all(p.greedy and not p.logprobs for p in params_list)
         before = engine_step._cache_size()
-        packed = self.run_step(batch, shape, _GREEDY_FLAGS if greedy else _FULL_FLAGS,
-                               uses_penalties(params_list))
+        packed = self.run_step(
+            batch, shape, _GREEDY_FLAGS if greedy else _FULL_FLAGS, uses_penalties(params_list)
+        )
         if self.warmup_s is not None and engine_step._cache_size() > before:
             log.warning("step compiled a shape after warm-up: %s", shape)
         return np.asarray(jax.device_get(packed))
@@ -203,9 +233,18 @@ class EngineCore:
     def run_step(self, batch, shape: BatchShape, flags: SamplingFlags, use_penalties: bool):
         """One device step (also used by warm-up); returns the packed results on device."""
         self.kv, self._counts, packed = engine_step(
-            self.params, self.kv, self._counts, self._prompt_mask, batch, cfg=self.cfg,
-            shape=shape, flags=flags, use_penalties=use_penalties, impl=self.impl,
-            mesh=self.mesh)
+            self.params,
+            self.kv,
+            self._counts,
+            self._prompt_mask,
+            batch,
+            cfg=self.cfg,
+            shape=shape,
+            flags=flags,
+            use_penalties=use_penalties,
+            impl=self.impl,
+            mesh=self.mesh,
+        )
         return packed
 
     def _ensure_slot(self, req: Request) -> None:
@@ -220,16 +259,23 @@ class EngineCore:
 
     def _reset_penalty_row(self, slot: int, req: Request) -> None:
         if not self._penalties_ready:
-            self._counts, self._prompt_mask = init_counts(self.sched_config.max_num_seqs,
-                                                          self.cfg.vocab_size)
+            self._counts, self._prompt_mask = init_counts(
+                self.sched_config.max_num_seqs, self.cfg.vocab_size
+            )
             self._penalties_ready = True
         prompt = np.zeros(pow2_bucket(req.num_prompt_tokens, 16), np.int32)
-        prompt[:req.num_prompt_tokens] = req.prompt_token_ids
+        prompt[: req.num_prompt_tokens] = req.prompt_token_ids
         outs = np.zeros(pow2_bucket(max(req.num_output_tokens, 1), 16), np.int32)
-        outs[:req.num_output_tokens] = req.output_token_ids
+        outs[: req.num_output_tokens] = req.output_token_ids
         self._counts, self._prompt_mask = _reset_counts_jit(
-            self._counts, self._prompt_mask, slot, prompt, req.num_prompt_tokens, outs,
-            req.num_output_tokens)
+            self._counts,
+            self._prompt_mask,
+            slot,
+            prompt,
+            req.num_prompt_tokens,
+            outs,
+            req.num_output_tokens,
+        )
 
     def _release_slot(self, request_id: str) -> None:
         slot = self._slot_of.pop(request_id, None)
@@ -237,39 +283,59 @@ class EngineCore:
             self._free_slots.append(slot)
 
     # ---- outputs ----------------------------------------------------------------------------
-    def _on_token(self, req: Request, result: SampleResult, row: int, now: float
-                  ) -> RequestOutput:
+    def _on_token(self, req: Request, result: SampleResult, row: int, now: float) -> RequestOutput:
         st = self._states[req.request_id]
         token = req.output_token_ids[-1]
         text, reason = st.stop.add_token(token)
         logprobs = None
         n = req.sampling.logprobs
         if n is not None:
-            top = [(int(i), float(lp)) for i, lp in
-                   zip(result.top_ids[row][:n], result.top_logprobs[row][:n])]
+            top = [
+                (int(i), float(lp))
+                for i, lp in zip(result.top_ids[row][:n], result.top_logprobs[row][:n])
+            ]
             logprobs = [TokenLogprob(token, float(result.logprobs[row]), top)]
         if reason is not None:
             self.scheduler.finish_request(req.request_id, reason, now)
             return self._finished_output(req, [token], text=text, logprobs=logprobs)
         return self._delta(req, [token], text, logprobs)
 
-    def _delta(self, req: Request, tokens: list[int], text: str, logprobs=None,
-               finished: bool = False, error: str | None = None) -> RequestOutput:
+    def _delta(
+        self,
+        req: Request,
+        tokens: list[int],
+        text: str,
+        logprobs=None,
+        finished: bool = False,
+        error: str | None = None,
+    ) -> RequestOutput:
         st = self._states.get(req.request_id)
         if st is not None:
             st.sent_tokens += len(tokens)
         k = len(tokens)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_text=text,
-            token_times_s=req.token_times_s[len(req.token_times_s) - k:] if k else [],
-            finished=finished, finish_reason=req.finish_reason if finished else None,
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            token_times_s=req.token_times_s[len(req.token_times_s) - k :] if k else [],
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, logprobs=logprobs,
-            metrics=request_metrics(req) if finished else None, error=error)
+            num_output_tokens=req.num_output_tokens,
+            logprobs=logprobs,
+            metrics=request_metrics(req) if finished else None,
+            error=error,
+        )
 
-    def _finished_output(self, req: Request, tokens: list[int], text: str = "", logprobs=None,
-                         error: str | None = None) -> RequestOutput:
+    def _finished_output(
+        self,
+        req: Request,
+        tokens: list[int],
+        text: str = "",
+        logprobs=None,
+        error: str | None = None,
+    ) -> RequestOutput:
         st = self._states.pop(req.request_id, None)
         if st is not None:
             text += st.stop.flush() if req.finish_reason in ("stop", "length") else ""

@@ -64,12 +64,19 @@ def initialize(cfg: DistributedConfig) -> bool:
     auto = os.environ.get("PAGEDJAX_MULTIHOST") == "1"
     if cfg.num_processes in (None, 1) and cfg.coordinator_address is None and not auto:
         return False
-    jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
-                               num_processes=cfg.num_processes, process_id=cfg.process_id,
-                               local_device_ids=cfg.local_device_ids)
-    log.info("jax.distributed: process %d of %d, %d local / %d global devices",
-             jax.process_index(), jax.process_count(), jax.local_device_count(),
-             jax.device_count())
+    jax.distributed.initialize(
+        coordinator_address=cfg.coordinator_address,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+        local_device_ids=cfg.local_device_ids,
+    )
+    log.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -129,9 +136,11 @@ def _leader_class():
 
         def _reset_penalty_row(self, slot, req):
             ids = types.SimpleNamespace(
-                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
                 prompt_token_ids=list(req.prompt_token_ids),
-                output_token_ids=list(req.output_token_ids))
+                output_token_ids=list(req.output_token_ids),
+            )
             self.channel.send(RESET_COUNTS, (slot, ids))
             super()._reset_penalty_row(slot, ids)
 
@@ -207,8 +216,13 @@ def main(argv=None) -> None:
     from models.registry import load_model
 
     model = load_model(args.model)
-    config = EngineConfig(model=args.model, num_pages=args.num_pages, max_num_seqs=4,
-                          max_num_batched_tokens=64, max_model_len=128)
+    config = EngineConfig(
+        model=args.model,
+        num_pages=args.num_pages,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+    )
     engine = create_multihost_engine(model, config, mesh=args.mesh or None)
     if jax.process_index() != 0:
         print("FOLLOWER " + json.dumps({"steps": follow(engine)}), flush=True)
@@ -219,9 +233,18 @@ def main(argv=None) -> None:
     finally:
         if hasattr(engine, "shutdown"):
             engine.shutdown()
-    print("RESULT " + json.dumps({"tokens": out, "steps": engine.num_steps,
-                                  "processes": jax.process_count(),
-                                  "devices": jax.device_count()}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "tokens": out,
+                "steps": engine.num_steps,
+                "processes": jax.process_count(),
+                "devices": jax.device_count(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

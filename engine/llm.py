@@ -42,8 +42,15 @@ class CompletionOutput:
 
 class LLM:
     # mesh: None (one device), "model:4", "data:2,model:4" (engine/sharding.py)
-    def __init__(self, model="smollm2-135m", *, mesh: str | None = None,
-                 warmup: bool = False, impl: str = "auto", **engine_options):
+    def __init__(
+        self,
+        model="smollm2-135m",
+        *,
+        mesh: str | None = None,
+        warmup: bool = False,
+        impl: str = "auto",
+        **engine_options,
+    ):
         from models.registry import load_model
 
         t0 = time.perf_counter()
@@ -51,8 +58,9 @@ class LLM:
         # that build several engines over one set of weights).
         # With a mesh, each param shard goes straight to its devices.
         shardings_for = None if mesh is None else loader_shardings(mesh)
-        self.model = (load_model(model, shardings_for=shardings_for) if isinstance(model, str)
-                      else model)
+        self.model = (
+            load_model(model, shardings_for=shardings_for) if isinstance(model, str) else model
+        )
         name = model if isinstance(model, str) else self.model.identity.name
         self.config = EngineConfig(model=name, **engine_options)
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
@@ -75,21 +83,28 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int, tenant: str) -> str:
         rid = f"llm-{next(self._ids)}"
-        self.engine.add_request(EngineRequest(rid, self.encode_prompt(prompt), params,
-                                              priority=priority, tenant=tenant))
+        self.engine.add_request(
+            EngineRequest(rid, self.encode_prompt(prompt), params, priority=priority, tenant=tenant)
+        )
         return rid
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: int = 0, tenant: str = "default") -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> list[CompletionOutput]:
         """Runs all prompts together (continuous batching); returns outputs in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for "
-                             f"{len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+            )
         ids = [self._add(p, sp, priority, tenant) for p, sp in zip(prompts, params)]
         results = {rid: CompletionOutput(rid, [], "", [], None, None, None) for rid in ids}
         for rid in ids:
@@ -99,9 +114,14 @@ class LLM:
                 self._accumulate(results.get(out.request_id), out)
         return [results[rid] for rid in ids]
 
-    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        *, priority: int = 0, tenant: str = "default"
-                        ) -> Iterator[RequestOutput]:
+    def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> Iterator[RequestOutput]:
         """Yields this request's deltas as they come (other requests keep running)."""
         rid = self._add(prompt, sampling_params or SamplingParams(), priority, tenant)
         while self.engine.has_unfinished():

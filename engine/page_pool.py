@@ -90,8 +90,15 @@ class PagePoolStats:
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 ttl_s: float | None = None, model_keys: tuple = ()):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        ttl_s: float | None = None,
+        model_keys: tuple = (),
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} is invalid: >= 2 (page 0 is reserved)")
         self.num_pages = num_pages
@@ -109,8 +116,13 @@ class PagePool:
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig, model_keys: tuple = ()) -> PagePool:
-        return cls(cfg.num_pages, cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                   ttl_s=cfg.prefix_cache_ttl_s, model_keys=model_keys)
+        return cls(
+            cfg.num_pages,
+            cfg.page_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            ttl_s=cfg.prefix_cache_ttl_s,
+            model_keys=model_keys,
+        )
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -166,8 +178,10 @@ class PagePool:
         pages (least likely shared) are the first evicted."""
         for page in reversed(page_ids):
             if page == NULL_PAGE or self.ref_counts[page] <= 0:
-                raise ValueError(f"page {page} freed with reference count "
-                                 f"{self.ref_counts[page]}: double free or foreign page")
+                raise ValueError(
+                    f"page {page} freed with reference count "
+                    f"{self.ref_counts[page]}: double free or foreign page"
+                )
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
                 cached = self._cached.get(page)
@@ -189,7 +203,7 @@ class PagePool:
         extra = self.extra_keys(request)
         for i in range(len(keys), len(tokens) // ps):
             parent = keys[i - 1] if i else None
-            keys.append(hash((parent, tuple(tokens[i * ps:(i + 1) * ps]), extra)))
+            keys.append(hash((parent, tuple(tokens[i * ps : (i + 1) * ps]), extra)))
         return keys
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
@@ -206,8 +220,11 @@ class PagePool:
             if page is None:
                 break
             cached = self._cached[page]
-            if (cached.parent_key != (keys[i - 1] if i else None) or cached.extra_keys != extra
-                    or cached.token_ids != tuple(tokens[i * ps:(i + 1) * ps])):
+            if (
+                cached.parent_key != (keys[i - 1] if i else None)
+                or cached.extra_keys != extra
+                or cached.token_ids != tuple(tokens[i * ps : (i + 1) * ps])
+            ):
                 break  # a hash collision: a miss, never a wrong hit
             pages.append(page)
         return pages, len(pages) * ps
@@ -232,8 +249,9 @@ class PagePool:
             page = request.page_ids[i]
             if page in self._cached or keys[i] in self._page_of_key:
                 continue
-            self._cached[page] = CachedPage(keys[i], keys[i - 1] if i else None,
-                                            tuple(tokens[i * ps:(i + 1) * ps]), extra)
+            self._cached[page] = CachedPage(
+                keys[i], keys[i - 1] if i else None, tuple(tokens[i * ps : (i + 1) * ps]), extra
+            )
             self._page_of_key[keys[i]] = page
         request.num_registered_pages = num_full
 
@@ -286,11 +304,16 @@ class PagePool:
     def stats_dict(self) -> dict:
         s = self.stats
         return {
-            "pages_total": self.num_pages - 1, "pages_used": self.num_used_pages,
-            "pages_free": self.num_free_pages, "prefix_cache_enabled": self.enable_prefix_caching,
+            "pages_total": self.num_pages - 1,
+            "pages_used": self.num_used_pages,
+            "pages_free": self.num_free_pages,
+            "prefix_cache_enabled": self.enable_prefix_caching,
             "prefix_cached_pages": self.num_cached_pages,
-            "prefix_queried_tokens": s.queried_tokens, "prefix_hit_tokens": s.hit_tokens,
-            "prefix_hit_rate": s.hit_rate, "prefill_tokens_saved": s.hit_tokens,
-            "prefix_evictions": s.evictions, "prefix_expirations": s.expirations,
+            "prefix_queried_tokens": s.queried_tokens,
+            "prefix_hit_tokens": s.hit_tokens,
+            "prefix_hit_rate": s.hit_rate,
+            "prefill_tokens_saved": s.hit_tokens,
+            "prefix_evictions": s.evictions,
+            "prefix_expirations": s.expirations,
             "allocation_failures": s.allocation_failures,
         }

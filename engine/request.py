@@ -65,14 +65,24 @@ class Request:
         self._all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @classmethod
-    def from_engine_request(cls, request: EngineRequest, *, now_s: float,
-                            cache_salt: str | None = None,
-                            adapter_id: str | None = None) -> Request:
+    def from_engine_request(
+        cls,
+        request: EngineRequest,
+        *,
+        now_s: float,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+    ) -> Request:
         """`now_s` is the arrival time when the EngineRequest has none."""
         return cls(
-            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            sampling=request.sampling, priority=request.priority, tenant=request.tenant,
-            cache_salt=cache_salt, adapter_id=adapter_id, deadline_s=request.deadline_s,
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling,
+            priority=request.priority,
+            tenant=request.tenant,
+            cache_salt=cache_salt,
+            adapter_id=adapter_id,
+            deadline_s=request.deadline_s,
             arrival_s=now_s if request.arrival_s is None else request.arrival_s,
         )
 

@@ -76,21 +76,28 @@ class SamplingFlags:
             raise ValueError(f"max_candidates={self.max_candidates} must be >= {MAX_LOGPROBS}")
 
     @classmethod
-    def for_batch(cls, params_list: Sequence[SamplingParams | None],
-                  max_candidates: int = DEFAULT_MAX_CANDIDATES) -> SamplingFlags:
+    def for_batch(
+        cls,
+        params_list: Sequence[SamplingParams | None],
+        max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    ) -> SamplingFlags:
         """The cheapest flags that are still exact for this batch."""
         active = [p for p in params_list if p is not None]
         return cls(
             filters=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in active),
             all_greedy=all(p.greedy for p in active),
             top_logprobs=any(p.logprobs for p in active),
-            max_candidates=max_candidates)
+            max_candidates=max_candidates,
+        )
 
 
 def uses_penalties(params_list: Sequence[SamplingParams | None]) -> bool:
     """Whether any row needs token counts (else pass counts=None to `sample`)."""
-    return any(p is not None and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                                  or p.frequency_penalty != 0.0) for p in params_list)
+    return any(
+        p is not None
+        and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+        for p in params_list
+    )
 
 
 def seed_to_key_data(seed: int) -> np.ndarray:
@@ -105,9 +112,23 @@ def resolve_seed(params: SamplingParams, rng: random.Random | None = None) -> in
     return (rng or random.SystemRandom()).getrandbits(63)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "key_data", "step", "min_tokens", "stop_ids"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "key_data",
+        "step",
+        "min_tokens",
+        "stop_ids",
+    ],
+    meta_fields=[],
+)
 @dataclasses.dataclass
 class SamplingTensors:
     """Per-slot sampling parameters, one row per batch slot. Padding rows are greedy."""
@@ -125,17 +146,23 @@ class SamplingTensors:
     stop_ids: Array  # [S, MAX_MIN_TOKENS_STOP_IDS] i32, EOS + stop_token_ids, -1 padded
 
     @classmethod
-    def from_params(cls, params_list: Sequence[SamplingParams | None],
-                    output_lens: Sequence[int], seeds: Sequence[int | None] | None,
-                    num_slots: int, eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
+    def from_params(
+        cls,
+        params_list: Sequence[SamplingParams | None],
+        output_lens: Sequence[int],
+        seeds: Sequence[int | None] | None,
+        num_slots: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> SamplingTensors:
         """Host-side numpy rows padded to `num_slots`. `output_lens[i]` is how many tokens row i
         has already produced; `seeds[i]` its resolved seed (see `resolve_seed`; None falls back
         to params.seed, and only greedy rows may have no seed at all)."""
         if len(params_list) > num_slots:
             raise ValueError(f"params_list has {len(params_list)} rows > num_slots={num_slots}")
         if len(output_lens) != len(params_list):
-            raise ValueError(f"output_lens has {len(output_lens)} rows, "
-                             f"params_list {len(params_list)}")
+            raise ValueError(
+                f"output_lens has {len(output_lens)} rows, params_list {len(params_list)}"
+            )
         rows = _greedy_rows(num_slots)
         for i, p in enumerate(params_list):
             if p is not None:
@@ -148,34 +175,61 @@ def _greedy_rows(num_slots: int) -> dict[str, np.ndarray]:
     S = num_slots
     f32 = lambda fill: np.full(S, fill, np.float32)
     i32 = lambda fill: np.full(S, fill, np.int32)
-    return {"temperature": f32(0.0), "top_k": i32(0), "top_p": f32(1.0), "min_p": f32(0.0),
-            "repetition_penalty": f32(1.0), "presence_penalty": f32(0.0),
-            "frequency_penalty": f32(0.0), "key_data": np.zeros((S, 2), np.uint32),
-            "step": i32(0), "min_tokens": i32(0),
-            "stop_ids": np.full((S, MAX_MIN_TOKENS_STOP_IDS), -1, np.int32)}
+    return {
+        "temperature": f32(0.0),
+        "top_k": i32(0),
+        "top_p": f32(1.0),
+        "min_p": f32(0.0),
+        "repetition_penalty": f32(1.0),
+        "presence_penalty": f32(0.0),
+        "frequency_penalty": f32(0.0),
+        "key_data": np.zeros((S, 2), np.uint32),
+        "step": i32(0),
+        "min_tokens": i32(0),
+        "stop_ids": np.full((S, MAX_MIN_TOKENS_STOP_IDS), -1, np.int32),
+    }
 
 
-def _fill_row(rows: dict[str, np.ndarray], i: int, p: SamplingParams, output_len: int,
-              seed: int | None, eos_token_ids: Sequence[int]) -> None:
+def _fill_row(
+    rows: dict[str, np.ndarray],
+    i: int,
+    p: SamplingParams,
+    output_len: int,
+    seed: int | None,
+    eos_token_ids: Sequence[int],
+) -> None:
     if seed is None and not p.greedy:
-        raise ValueError(f"row {i} samples (temperature={p.temperature}) but has no seed: "
-                         "draw one with resolve_seed() when the request arrives")
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "min_tokens"):
+        raise ValueError(
+            f"row {i} samples (temperature={p.temperature}) but has no seed: "
+            "draw one with resolve_seed() when the request arrives"
+        )
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_tokens",
+    ):
         rows[name][i] = getattr(p, name)
     rows["key_data"][i] = seed_to_key_data(seed or 0)
     rows["step"][i] = output_len
     # NOTE: past the cap, extra stop ids are not banned on device; the host StopChecker
     # still refuses to stop on them before min_tokens, so they are emitted as plain tokens.
     ids = list(dict.fromkeys([*eos_token_ids, *p.stop_token_ids]))[:MAX_MIN_TOKENS_STOP_IDS]
-    rows["stop_ids"][i, :len(ids)] = ids
+    rows["stop_ids"][i, : len(ids)] = ids
 
 
 K = MAX_LOGPROBS
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"],
+    meta_fields=[],
+)
 @dataclasses.dataclass
 class SampleResult:
     tokens: Array  # [S] i32
@@ -186,36 +240,57 @@ class SampleResult:
     def pack(self) -> Array:
         """[S, 2 + 2K] f32, ids bit-cast (exact), so the host fetches one array."""
         as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
-        return jnp.concatenate([as_f32(self.tokens)[:, None], self.logprobs[:, None],
-                                as_f32(self.top_ids), self.top_logprobs], axis=1)
+        return jnp.concatenate(
+            [
+                as_f32(self.tokens)[:, None],
+                self.logprobs[:, None],
+                as_f32(self.top_ids),
+                self.top_logprobs,
+            ],
+            axis=1,
+        )
 
     @staticmethod
     def unpack(packed: np.ndarray) -> SampleResult:
         """Host side: numpy arrays back from `pack()`'s output."""
         packed = np.ascontiguousarray(packed, dtype=np.float32)
         ids = packed.view(np.int32)
-        return SampleResult(tokens=ids[:, 0].copy(), logprobs=packed[:, 1].copy(),
-                            top_ids=ids[:, 2:2 + K].copy(), top_logprobs=packed[:, 2 + K:].copy())
+        return SampleResult(
+            tokens=ids[:, 0].copy(),
+            logprobs=packed[:, 1].copy(),
+            top_ids=ids[:, 2 : 2 + K].copy(),
+            top_logprobs=packed[:, 2 + K :].copy(),
+        )
 
 
 # ---------------------------------------------------------------- penalties (device side)
 
+
 def init_counts(num_slots: int, vocab_size: int) -> tuple[Array, Array]:
     """Zeroed (token_counts [S, V] i32, prompt_mask [S, V] bool)."""
-    return (jnp.zeros((num_slots, vocab_size), jnp.int32),
-            jnp.zeros((num_slots, vocab_size), jnp.bool_))
+    return (
+        jnp.zeros((num_slots, vocab_size), jnp.int32),
+        jnp.zeros((num_slots, vocab_size), jnp.bool_),
+    )
 
 
-def reset_slot_counts(counts: Array, prompt_mask: Array, slot: Array | int, prompt_ids: Array,
-                      prompt_len: Array | int, output_ids: Array | None = None,
-                      output_len: Array | int = 0) -> tuple[Array, Array]:
+def reset_slot_counts(
+    counts: Array,
+    prompt_mask: Array,
+    slot: Array | int,
+    prompt_ids: Array,
+    prompt_len: Array | int,
+    output_ids: Array | None = None,
+    output_len: Array | int = 0,
+) -> tuple[Array, Array]:
     """Rows of `slot` for a newly inserted request. prompt_ids [P] (padded; P static, bucket it),
     output_ids [O] the tokens already generated (a request resumed after preemption).
     Jit with counts and prompt_mask donated."""
     V = counts.shape[1]
     in_prompt = jnp.arange(prompt_ids.shape[0]) < prompt_len  # [P]
-    mask_row = jnp.zeros((V,), jnp.bool_).at[jnp.where(in_prompt, prompt_ids, V)].set(
-        True, mode="drop")  # [V]
+    mask_row = (
+        jnp.zeros((V,), jnp.bool_).at[jnp.where(in_prompt, prompt_ids, V)].set(True, mode="drop")
+    )  # [V]
     count_row = jnp.zeros((V,), jnp.int32)  # [V]
     if output_ids is not None:
         in_output = jnp.arange(output_ids.shape[0]) < output_len  # [O]
@@ -228,8 +303,9 @@ def update_counts(counts: Array, slots: Array, tokens: Array, valid: Array) -> A
     return counts.at[slots, tokens].add(valid.astype(jnp.int32), mode="drop")
 
 
-def apply_penalties(logits: Array, counts: Array, prompt_mask: Array,
-                    tensors: SamplingTensors) -> Array:
+def apply_penalties(
+    logits: Array, counts: Array, prompt_mask: Array, tensors: SamplingTensors
+) -> Array:
     """vLLM's definitions. logits/counts/prompt_mask [S, V] with rows aligned (gather
     `counts[slot_ids]` first if batch rows are not slots). Repetition: tokens seen in prompt or
     output get positive logits divided, negative multiplied by the penalty; then frequency
@@ -252,6 +328,7 @@ def ban_stop_ids_before_min_tokens(logits: Array, tensors: SamplingTensors) -> A
 
 # ---------------------------------------------------------------- filters and sampling
 
+
 def _gumbels(tensors: SamplingTensors, sizes: tuple[int, ...]) -> list[Array]:
     """Per row, one [S, n] Gumbel draw per size; keys from (seed, output position) only.
     NOTE: one threefry draw sliced, not split keys: each threefry instance costs seconds of
@@ -268,8 +345,9 @@ def _top_k_on(tensors: SamplingTensors, vocab_size: int) -> Array:
     return (tensors.top_k > 0) & (tensors.top_k < vocab_size)
 
 
-def _top_k_top_p_threshold(cand: Array, temperature: Array, lse_scaled: Array,
-                           tensors: SamplingTensors, vocab_size: int) -> Array:
+def _top_k_top_p_threshold(
+    cand: Array, temperature: Array, lse_scaled: Array, tensors: SamplingTensors, vocab_size: int
+) -> Array:
     """[S] lowest processed logit kept by top-k then top-p (-inf for rows using neither).
     cand [S, C]: the row's top processed logits, descending; lse_scaled [S]: logsumexp of
     logits / temperature over the whole row."""
@@ -289,8 +367,14 @@ def _top_k_top_p_threshold(cand: Array, temperature: Array, lse_scaled: Array,
     return jnp.where(k_on | p_on, thr, _NEG_INF)
 
 
-def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: Array | None,
-                   tensors: SamplingTensors, num_candidates: int) -> Array:
+def _sample_random(
+    logits: Array,
+    row_max: Array,
+    cand: Array | None,
+    cand_ids: Array | None,
+    tensors: SamplingTensors,
+    num_candidates: int,
+) -> Array:
     """[S] tokens for sampling rows: temperature -> top-k -> top-p -> min-p -> draw.
 
     Rows without top-k/top-p draw from the whole vocabulary, hierarchically: a block of
@@ -302,8 +386,9 @@ def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: 
     nb = -(-V // BLOCK)
     temperature = jnp.where(tensors.temperature > 0, tensors.temperature, 1.0)  # [S]
     # min-p: p >= min_p * p_max  <=>  logit >= max + T * log(min_p); renormalizing keeps it.
-    min_p_thr = jnp.where(tensors.min_p > 0, row_max + temperature * jnp.log(tensors.min_p),
-                          _NEG_INF)  # [S]
+    min_p_thr = jnp.where(
+        tensors.min_p > 0, row_max + temperature * jnp.log(tensors.min_p), _NEG_INF
+    )  # [S]
     pad = ((0, 0), (0, nb * BLOCK - V))
     blocks = jnp.pad(logits, pad, constant_values=_NEG_INF).reshape(S, nb, BLOCK)
     scaled = blocks / temperature[:, None, None]  # [S, NB, BLOCK]
@@ -322,15 +407,20 @@ def _sample_random(logits: Array, row_max: Array, cand: Array | None, cand_ids: 
     thr = _top_k_top_p_threshold(cand, temperature, lse_scaled, tensors, V)  # [S]
     thr = jnp.maximum(thr, min_p_thr)
     scores = jnp.where(cand >= thr[:, None], cand / temperature[:, None], _NEG_INF)  # [S, C]
-    from_cand = jnp.take_along_axis(cand_ids, jnp.argmax(scores + g_cand, axis=-1)[:, None],
-                                    axis=-1)[:, 0]  # [S]
+    from_cand = jnp.take_along_axis(
+        cand_ids, jnp.argmax(scores + g_cand, axis=-1)[:, None], axis=-1
+    )[:, 0]  # [S]
     filtered = _top_k_on(tensors, V) | (tensors.top_p < 1.0)  # [S]
     return jnp.where(filtered, from_cand, drawn).astype(jnp.int32)
 
 
-def sample(logits: Array, tensors: SamplingTensors, counts: Array | None = None,
-           prompt_mask: Array | None = None, flags: SamplingFlags = SamplingFlags()
-           ) -> SampleResult:
+def sample(
+    logits: Array,
+    tensors: SamplingTensors,
+    counts: Array | None = None,
+    prompt_mask: Array | None = None,
+    flags: SamplingFlags = SamplingFlags(),
+) -> SampleResult:
     """Pick one token per row. logits [S, V]; counts/prompt_mask [S, V] rows aligned with
     logits, or None to skip penalties. Call inside a jit with `flags` static."""
     S, V = logits.shape
@@ -357,16 +447,26 @@ def sample(logits: Array, tensors: SamplingTensors, counts: Array | None = None,
         greedy, row_max = jnp.argmax(logits, axis=-1), jnp.max(logits, axis=-1)
     tokens = greedy.astype(jnp.int32)  # [S]
     if not flags.all_greedy:
-        drawn = _sample_random(logits, row_max, cand if filters else None,
-                               cand_ids if filters else None, tensors, num_candidates)
+        drawn = _sample_random(
+            logits,
+            row_max,
+            cand if filters else None,
+            cand_ids if filters else None,
+            tensors,
+            num_candidates,
+        )
         tokens = jnp.where(tensors.temperature > 0, drawn, tokens)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [S]
     if flags.top_logprobs:
         top_ids, top_logprobs = cand_ids[:, :K], cand[:, :K] - lse[:, None]
     else:
         top_ids, top_logprobs = jnp.zeros((S, K), jnp.int32), jnp.zeros((S, K), jnp.float32)
-    return SampleResult(tokens=tokens, logprobs=chosen - lse, top_ids=top_ids.astype(jnp.int32),
-                        top_logprobs=top_logprobs)
+    return SampleResult(
+        tokens=tokens,
+        logprobs=chosen - lse,
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_logprobs,
+    )
 
 
 sample_jit = jax.jit(sample, static_argnames=("flags",))

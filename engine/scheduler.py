@@ -95,9 +95,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, page_pool: PagePool):
         if page_pool.page_size != config.page_size or page_pool.num_pages != config.num_pages:
-            raise ValueError(f"page pool ({page_pool.num_pages} pages of "
-                             f"{page_pool.page_size}) does not match the config "
-                             f"({config.num_pages} pages of {config.page_size})")
+            raise ValueError(
+                f"page pool ({page_pool.num_pages} pages of "
+                f"{page_pool.page_size}) does not match the config "
+                f"({config.num_pages} pages of {config.page_size})"
+            )
         self.config = config
         self.pool = page_pool
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -115,13 +117,19 @@ class Scheduler:
             raise DuplicateRequestError(request.request_id)
         max_len = request.num_prompt_tokens + request.sampling.max_tokens
         if max_len > self.config.max_model_len:
-            raise InvalidRequestError("prompt_token_ids + max_tokens", max_len,
-                                      f"<= max_model_len ({self.config.max_model_len})")
+            raise InvalidRequestError(
+                "prompt_token_ids + max_tokens",
+                max_len,
+                f"<= max_model_len ({self.config.max_model_len})",
+            )
         # NOTE: a request that could not fit in the pool alone would preempt itself forever.
         if self.pool.pages_for_tokens(max_len) > self.pool.num_pages - 1:
-            raise InvalidRequestError("prompt_token_ids + max_tokens", max_len,
-                                      f"<= {(self.pool.num_pages - 1) * self.pool.page_size}"
-                                      " tokens (the whole KV page pool)")
+            raise InvalidRequestError(
+                "prompt_token_ids + max_tokens",
+                max_len,
+                f"<= {(self.pool.num_pages - 1) * self.pool.page_size}"
+                " tokens (the whole KV page pool)",
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         if request.deadline_s is not None:
@@ -162,11 +170,13 @@ class Scheduler:
         total = sum(s.num_new_tokens for s in scheduled)
         assert total <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
-        return SchedulerOutput(scheduled, total, preempted, finished,
-                               len(self.running), len(self.waiting))
+        return SchedulerOutput(
+            scheduled, total, preempted, finished, len(self.running), len(self.waiting)
+        )
 
-    def update_after_step(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
-                          now_s: float) -> list[Request]:
+    def update_after_step(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now_s: float
+    ) -> list[Request]:
         """Commit a finished device step: advance computed tokens, register newly full pages
         in the prefix cache, append sampled tokens. Returns the requests that received a
         token, for the engine's stop checks."""
@@ -183,11 +193,16 @@ class Scheduler:
                 received.append(request)
         return received
 
-    def _schedule_running(self, now_s: float, budget: int, scheduled: list[ScheduledRequest],
-                          preempted: list[str]) -> int:
+    def _schedule_running(
+        self, now_s: float, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
+    ) -> int:
         # Decodes first, then the most important; victims come from the not yet scheduled.
-        order = collections.deque(sorted(
-            self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._rank(r))))
+        order = collections.deque(
+            sorted(
+                self.running,
+                key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._rank(r)),
+            )
+        )
         while order and budget > 0:
             request = order.popleft()
             num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
@@ -203,13 +218,11 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _admit_waiting(self, now_s: float, budget: int,
-                       scheduled: list[ScheduledRequest]) -> None:
+    def _admit_waiting(self, now_s: float, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_pages, num_cached = self.pool.find_cached_prefix(request)
-            num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size,
-                          budget)
+            num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size, budget)
             num_pages = self.pool.pages_for_tokens(num_cached + num_new) - len(cached_pages)
             if not self.pool.can_allocate(num_pages, reserving=cached_pages):
                 self.pool.stats.allocation_failures += 1
@@ -248,8 +261,9 @@ class Scheduler:
 
     def _grow_pages(self, request: Request, num_new: int) -> bool:
         """Make the page table cover num_computed + num_new tokens; False if no room."""
-        num_pages = (self.pool.pages_for_tokens(request.num_computed_tokens + num_new)
-                     - len(request.page_ids))
+        num_pages = self.pool.pages_for_tokens(request.num_computed_tokens + num_new) - len(
+            request.page_ids
+        )
         if num_pages <= 0:
             return True
         pages = self.pool.allocate(num_pages)
@@ -303,7 +317,9 @@ class Scheduler:
     # ---- stats -------------------------------------------------------------------------
     def stats(self) -> dict:
         return {
-            "num_running": len(self.running), "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
-            "num_finished": dict(self.num_finished), **self.pool.stats_dict(),
+            "num_finished": dict(self.num_finished),
+            **self.pool.stats_dict(),
         }

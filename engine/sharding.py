@@ -62,14 +62,19 @@ LOGICAL_RULES: dict[str, str | None] = {
 
 # Logical axes of every param (LayerWeights carry the leading `layers` axis).
 _LAYER_AXES: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
+    "attn_norm": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
     "wq": ("layers", "embed", "heads", "head_dim"),
     "wk": ("layers", "embed", "kv_heads", "head_dim"),
     "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "bq": ("layers", "heads", "head_dim"), "bk": ("layers", "kv_heads", "head_dim"),
-    "bv": ("layers", "kv_heads", "head_dim"), "wo": ("layers", "heads", "head_dim", "embed"),
-    "w_gate": ("layers", "embed", "ffn"), "w_up": ("layers", "embed", "ffn"),
-    "w_down": ("layers", "ffn", "embed")}
+    "bq": ("layers", "heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "wo": ("layers", "heads", "head_dim", "embed"),
+    "w_gate": ("layers", "embed", "ffn"),
+    "w_up": ("layers", "embed", "ffn"),
+    "w_down": ("layers", "ffn", "embed"),
+}
 KV_CACHE_AXES = ("layers", "kv_heads", "pages", "page_slot", "head_dim")
 
 
@@ -79,14 +84,15 @@ class ShardingConfigError(ValueError):
 
 # ---- mesh --------------------------------------------------------------------------------
 def parse_mesh_spec(spec: str) -> dict[str, int]:
-    """"model:4" / "data:2,model:4" / "tp=2" -> {"data": d, "model": m} (missing axes = 1)."""
+    """ "model:4" / "data:2,model:4" / "tp=2" -> {"data": d, "model": m} (missing axes = 1)."""
     sizes = {DATA: 1, MODEL: 1}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = re.fullmatch(r"(\w+)\s*[:=]\s*(\d+)", part)
         if not m or m.group(1) not in _ALIASES or int(m.group(2)) < 1:
             raise ShardingConfigError(
                 f"mesh={spec!r}: bad entry {part!r}; expected 'data:N' and/or 'model:N' "
-                f"(N >= 1), e.g. 'data:2,model:4'")
+                f"(N >= 1), e.g. 'data:2,model:4'"
+            )
         sizes[_ALIASES[m.group(1)]] = int(m.group(2))
     return sizes
 
@@ -99,15 +105,14 @@ def make_mesh(spec: str | Mesh, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     need = sizes[DATA] * sizes[MODEL]
     if need > len(devices):
-        raise ShardingConfigError(f"mesh={spec!r} needs {need} devices; "
-                                  f"{len(devices)} available")
+        raise ShardingConfigError(f"mesh={spec!r} needs {need} devices; {len(devices)} available")
     grid = np.array(devices[:need], dtype=object).reshape(sizes[DATA], sizes[MODEL])
     return Mesh(grid, (DATA, MODEL))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
     """One (1, model) mesh per data row: the device group of each data-parallel replica."""
-    return [Mesh(mesh.devices[g:g + 1], (DATA, MODEL)) for g in range(mesh.shape[DATA])]
+    return [Mesh(mesh.devices[g : g + 1], (DATA, MODEL)) for g in range(mesh.shape[DATA])]
 
 
 def model_axis_size(mesh: Mesh | None) -> int:
@@ -126,8 +131,10 @@ def _layout_error(cfg: ModelConfig, m: int) -> str | None:
     if m <= K and K % m:
         return f"num_kv_heads={K} must be divisible by the model axis ({m}) when it is <= {K}"
     if m > K and m % K:
-        return (f"the model axis ({m}) must be a multiple of num_kv_heads={K} when it is "
-                f"larger (KV heads are replicated {m}/{K} times)")
+        return (
+            f"the model axis ({m}) must be a multiple of num_kv_heads={K} when it is "
+            f"larger (KV heads are replicated {m}/{K} times)"
+        )
     if cfg.ffn_size % m:
         return f"ffn_size={cfg.ffn_size} must be divisible by the model axis ({m})"
     return None
@@ -136,8 +143,10 @@ def _layout_error(cfg: ModelConfig, m: int) -> str | None:
 def check_model_axis(cfg: ModelConfig, m: int) -> None:
     err = _layout_error(cfg, m)
     if err:
-        raise ShardingConfigError(f"model axis {m} cannot shard {cfg.name}: {err}; allowed "
-                                  f"model axis sizes: {allowed_model_degrees(cfg)}")
+        raise ShardingConfigError(
+            f"model axis {m} cannot shard {cfg.name}: {err}; allowed "
+            f"model axis sizes: {allowed_model_degrees(cfg)}"
+        )
 
 
 def kv_replication(cfg: ModelConfig, m: int) -> int:
@@ -159,8 +168,9 @@ def replicate_kv_heads(params: Params, r: int) -> Params:
         return params
     rep = lambda a, axis: None if a is None else jax.numpy.repeat(a, r, axis=axis)
     w = params.layers
-    layers = dataclasses.replace(w, wk=rep(w.wk, 2), wv=rep(w.wv, 2), bk=rep(w.bk, 1),
-                                 bv=rep(w.bv, 1))
+    layers = dataclasses.replace(
+        w, wk=rep(w.wk, 2), wv=rep(w.wv, 2), bk=rep(w.bk, 1), bv=rep(w.bv, 1)
+    )
     return dataclasses.replace(params, layers=layers)
 
 
@@ -174,8 +184,8 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -
         ok = mesh_axis is not None and dim % mesh.shape[mesh_axis] == 0
         out.append(mesh_axis if ok and mesh.shape[mesh_axis] > 1 else None)
     while out and out[-1] is None:  # NOTE: the canonical short form, as jit returns it: a
-        out.pop()                   # KV cache placed with P(None, m, None...) would compile
-    return P(*out)                  # its first step twice (different cache key)
+        out.pop()  # KV cache placed with P(None, m, None...) would compile
+    return P(*out)  # its first step twice (different cache key)
 
 
 def _named(mesh: Mesh, axes, shape) -> NamedSharding:
@@ -189,14 +199,21 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
     from models.llama import param_shapes
 
     shapes = param_shapes(cfg)
-    layers = {f: (None if getattr(shapes.layers, f) is None else
-                  _named(mesh, axes, getattr(shapes.layers, f).shape))
-              for f, axes in _LAYER_AXES.items()}
+    layers = {
+        f: (
+            None
+            if getattr(shapes.layers, f) is None
+            else _named(mesh, axes, getattr(shapes.layers, f).shape)
+        )
+        for f, axes in _LAYER_AXES.items()
+    }
     V, D = cfg.vocab_size, cfg.hidden_size
-    return Params(embed=_named(mesh, ("vocab", "embed"), (V, D)), layers=LayerWeights(**layers),
-                  final_norm=_named(mesh, ("embed",), (D,)),
-                  lm_head=None if shapes.lm_head is None else
-                  _named(mesh, ("embed", "vocab"), (D, V)))
+    return Params(
+        embed=_named(mesh, ("vocab", "embed"), (V, D)),
+        layers=LayerWeights(**layers),
+        final_norm=_named(mesh, ("embed",), (D,)),
+        lm_head=None if shapes.lm_head is None else _named(mesh, ("embed", "vocab"), (D, V)),
+    )
 
 
 def loader_shardings(mesh: str | Mesh):
@@ -234,6 +251,7 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelCon
 def put_global(tree, shardings):
     """device_put of each leaf with its sharding; works across processes (every process
     passes the same host value) because each process only builds its addressable shards."""
+
     def put(x, s):
         if isinstance(x, jax.Array) and x.sharding == s:
             return x
@@ -243,6 +261,7 @@ def put_global(tree, shardings):
             return jax.device_put(x, s)  # device to device, shard by shard
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
     return jax.tree.map(put, tree, shardings)
 
 
@@ -261,7 +280,8 @@ def engine_mesh(mesh: str | Mesh) -> Mesh:
     if mesh.shape[DATA] != 1:
         raise ShardingConfigError(
             f"mesh data axis={mesh.shape[DATA]}: one EngineCore runs one data replica (limit "
-            f"1); build data-parallel engines with engine.sharding.create_engine")
+            f"1); build data-parallel engines with engine.sharding.create_engine"
+        )
     return mesh
 
 
@@ -292,8 +312,9 @@ class DataParallelEngine:
         from engine.core import EngineCore
 
         self.mesh = mesh
-        self.replicas = [EngineCore(model, config, impl=impl, mesh=sub)
-                         for sub in replica_meshes(mesh)]
+        self.replicas = [
+            EngineCore(model, config, impl=impl, mesh=sub) for sub in replica_meshes(mesh)
+        ]
         self.identity = self.replicas[0].identity
         self.tokenizer = self.replicas[0].tokenizer
         self.config = config
@@ -325,12 +346,19 @@ class DataParallelEngine:
 
     def stats(self) -> dict:
         per = [r.stats() for r in self.replicas]
-        out = {k: (sum(s[k] for s in per) if isinstance(v, (int, float)) and
-                   not isinstance(v, bool) else v) for k, v in per[0].items()}
+        out = {
+            k: (
+                sum(s[k] for s in per)
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+                else v
+            )
+            for k, v in per[0].items()
+        }
         used, total = out["kv_pages_used"], out["kv_pages_total"]
         out["kv_usage"] = used / max(1, total)
-        out["prefix_cache_hit_rate"] = (out["prefix_cache_hit_tokens"] /
-                                        max(1, out["prefix_cache_queries_tokens"]))
+        out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / max(
+            1, out["prefix_cache_queries_tokens"]
+        )
         out["num_data_replicas"] = len(self.replicas)
         out["max_model_len"] = per[0]["max_model_len"]
         out["page_size"] = per[0]["page_size"]

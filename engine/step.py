@@ -23,30 +23,59 @@ from models.llama import Params, forward
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
 
 
-def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str,
-                       mesh=None):
+def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str, mesh=None):
     """The model's attention over the paged cache for this batch layout (engine/batch.py).
     With a mesh, the KV write and the kernels run per shard under `jax.shard_map`: each
     model shard holds H/m query heads and the KV heads they read (engine/sharding.py)."""
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     Sd = shape.num_decode
     opts = dict(sm_scale=sm_scale, sliding_window=cfg.sliding_window, impl=impl)
-    meta = (batch.slot_mapping, batch.kv_lens_d, batch.page_table_d, batch.kv_lens_p,
-            batch.page_table_p, batch.query_start_p, batch.num_seqs_p)
+    meta = (
+        batch.slot_mapping,
+        batch.kv_lens_d,
+        batch.page_table_d,
+        batch.kv_lens_p,
+        batch.page_table_p,
+        batch.query_start_p,
+        batch.num_seqs_p,
+    )
 
     def local(q, k, v, layer, cache: PagedKVCache, meta):
         slots, kv_lens_d, page_table_d, kv_lens_p, page_table_p, query_start_p, num_p = meta
-        kp, vp, ks, vs = write_kv(cache.k_pages, cache.v_pages, k, v, slots, layer,
-                                  k_scales=cache.k_scales, v_scales=cache.v_scales)
+        kp, vp, ks, vs = write_kv(
+            cache.k_pages,
+            cache.v_pages,
+            k,
+            v,
+            slots,
+            layer,
+            k_scales=cache.k_scales,
+            v_scales=cache.v_scales,
+        )
         scales = dict(k_scales=ks, v_scales=vs)
         outs = []
         if Sd:
-            outs.append(decode_paged_attention(q[:Sd], kp, vp, kv_lens_d, page_table_d, layer,
-                                               **opts, **scales))
+            outs.append(
+                decode_paged_attention(
+                    q[:Sd], kp, vp, kv_lens_d, page_table_d, layer, **opts, **scales
+                )
+            )
         if shape.num_prefill_tokens:
-            outs.append(ragged_paged_attention(
-                q[Sd:], kp, vp, kv_lens_p, page_table_p, query_start_p, num_p, layer,
-                max_query_len=shape.max_query_len, **opts, **scales))
+            outs.append(
+                ragged_paged_attention(
+                    q[Sd:],
+                    kp,
+                    vp,
+                    kv_lens_p,
+                    page_table_p,
+                    query_start_p,
+                    num_p,
+                    layer,
+                    max_query_len=shape.max_query_len,
+                    **opts,
+                    **scales,
+                )
+            )
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         return out.astype(q.dtype), PagedKVCache(kp, vp, ks, vs)
 
@@ -58,28 +87,49 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
 
     def attention(q, k, v, layer, cache: PagedKVCache):
         kv_spec = P(None, "model")
-        cache_spec = PagedKVCache(kv_spec, kv_spec, None if cache.k_scales is None else kv_spec,
-                                  None if cache.v_scales is None else kv_spec)
+        cache_spec = PagedKVCache(
+            kv_spec,
+            kv_spec,
+            None if cache.k_scales is None else kv_spec,
+            None if cache.v_scales is None else kv_spec,
+        )
         sharded = jax.shard_map(
-            local, mesh=mesh, in_specs=(heads, heads, heads, P(), cache_spec, P()),
-            out_specs=(heads, cache_spec), check_vma=False)
+            local,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, P(), cache_spec, P()),
+            out_specs=(heads, cache_spec),
+            check_vma=False,
+        )
         return sharded(q, k, v, layer, cache, meta)
 
     return attention
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shape", "flags", "use_penalties", "impl",
-                                             "mesh"),
-                   donate_argnames=("kv_cache", "counts"))
-def engine_step(params: Params, kv_cache: PagedKVCache, counts: jax.Array,
-                prompt_mask: jax.Array, batch: StepBatch, *, cfg: ModelConfig,
-                shape: BatchShape, flags: SamplingFlags, use_penalties: bool,
-                impl: str = "auto", mesh=None):
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
+    donate_argnames=("kv_cache", "counts"),
+)
+def engine_step(
+    params: Params,
+    kv_cache: PagedKVCache,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    batch: StepBatch,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    flags: SamplingFlags,
+    use_penalties: bool,
+    impl: str = "auto",
+    mesh=None,
+):
     """Returns (kv_cache, counts, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one
     device) or the engine's ("data", "model") mesh (params/cache placed by engine/sharding)."""
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
-    logits, kv_cache = forward(params, cfg, batch.token_ids, batch.positions, kv_cache,
-                               attention, batch.logits_indices)  # [Sd + Sp, V]
+    logits, kv_cache = forward(
+        params, cfg, batch.token_ids, batch.positions, kv_cache, attention, batch.logits_indices
+    )  # [Sd + Sp, V]
     if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
         logits = jax.lax.with_sharding_constraint(logits, _replicated(mesh))
     if use_penalties:

@@ -42,8 +42,12 @@ class RequestFinishedError(RuntimeError):
 
 
 class StopChecker:
-    def __init__(self, sampling_params: SamplingParams, eos_token_ids: Iterable[int],
-                 detokenizer: Detokenizer):
+    def __init__(
+        self,
+        sampling_params: SamplingParams,
+        eos_token_ids: Iterable[int],
+        detokenizer: Detokenizer,
+    ):
         self.params = sampling_params
         self.detokenizer = detokenizer
         self._stop_ids = set(sampling_params.stop_token_ids)
@@ -61,8 +65,9 @@ class StopChecker:
         self.num_output_tokens += 1
         if token_id in self._stop_ids and index >= self.params.min_tokens:
             return self._finish("stop", self.flush())
-        text, stopped = self._scan(self.detokenizer.add_token(token_id),
-                                   check=index >= self.params.min_tokens)
+        text, stopped = self._scan(
+            self.detokenizer.add_token(token_id), check=index >= self.params.min_tokens
+        )
         if stopped:
             return self._finish("stop", text)
         if self.num_output_tokens >= self.params.max_tokens:
@@ -88,8 +93,8 @@ class StopChecker:
                 self._held = ""
                 return buf[:cut], True
         keep = self._longest_partial_stop(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
 
     def _earliest_stop(self, buf: str, held_len: int) -> int | None:
         """Start of the earliest stop string occurrence that ends in the new text."""

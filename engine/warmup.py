@@ -39,8 +39,11 @@ def reachable_shapes(sched_config, max_pages_per_seq: int | None = None) -> list
     seqs = [0] + _pow2_range(1, pow2_bucket(sc.max_num_seqs))
     max_tp = pow2_bucket(sc.max_num_batched_tokens, 16, sc.max_num_batched_tokens)
     tokens = [0] + _pow2_range(16, max_tp)
-    max_p = pow2_bucket(min(max_pages_per_seq or sc.max_pages_per_seq, sc.max_pages_per_seq),
-                        4, sc.max_pages_per_seq)
+    max_p = pow2_bucket(
+        min(max_pages_per_seq or sc.max_pages_per_seq, sc.max_pages_per_seq),
+        4,
+        sc.max_pages_per_seq,
+    )
     pages = _pow2_range(4, max_p)
     shapes = []
     for sd, tp, p in itertools.product(seqs, tokens, pages):
@@ -52,8 +55,9 @@ def reachable_shapes(sched_config, max_pages_per_seq: int | None = None) -> list
     return shapes
 
 
-def startup_shapes(sched_config, max_shapes: int = 64, max_context_tokens: int = 2048
-                   ) -> list[BatchShape]:
+def startup_shapes(
+    sched_config, max_shapes: int = 64, max_context_tokens: int = 2048
+) -> list[BatchShape]:
     """What to compile at start-up: every reachable shape when there are at most
     `max_shapes`; otherwise the most frequent ones, in order: decode-only steps and steps with
     one prefill sequence (with any decode bucket), for contexts up to `max_context_tokens`.
@@ -67,8 +71,14 @@ def startup_shapes(sched_config, max_shapes: int = 64, max_context_tokens: int =
         return every
     max_pages = -(-max_context_tokens // sched_config.page_size)
     frequent = [s for s in every if s.num_prefill_seqs <= 1 and s.pages_per_seq <= max_pages]
-    frequent.sort(key=lambda s: (s.num_prefill_tokens > 0, s.pages_per_seq, s.num_decode,
-                                 s.num_prefill_tokens))
+    frequent.sort(
+        key=lambda s: (
+            s.num_prefill_tokens > 0,
+            s.pages_per_seq,
+            s.num_decode,
+            s.num_prefill_tokens,
+        )
+    )
     return frequent[:max_shapes]
 
 
@@ -76,15 +86,30 @@ def dummy_batch(shape: BatchShape) -> StepBatch:
     """An all-padding batch of `shape` (no sequence, every token writes the null page)."""
     T, R = shape.num_decode + shape.num_prefill_tokens, shape.num_decode + shape.num_prefill_seqs
     z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-    return StepBatch(z(T), z(T), z(T), z(shape.num_decode),
-                     z(shape.num_decode, shape.pages_per_seq), z(shape.num_prefill_seqs),
-                     z(shape.num_prefill_seqs, shape.pages_per_seq),
-                     z(shape.num_prefill_seqs + 1), z(1), z(R), np.zeros(R, bool), z(R),
-                     SamplingTensors.from_params([None] * R, [0] * R, None, R))
+    return StepBatch(
+        z(T),
+        z(T),
+        z(T),
+        z(shape.num_decode),
+        z(shape.num_decode, shape.pages_per_seq),
+        z(shape.num_prefill_seqs),
+        z(shape.num_prefill_seqs, shape.pages_per_seq),
+        z(shape.num_prefill_seqs + 1),
+        z(1),
+        z(R),
+        np.zeros(R, bool),
+        z(R),
+        SamplingTensors.from_params([None] * R, [0] * R, None, R),
+    )
 
 
-def warmup(engine, shapes: list[BatchShape] | None = None, *, sampling=("greedy", "full"),
-           max_shapes: int = 64) -> float:
+def warmup(
+    engine,
+    shapes: list[BatchShape] | None = None,
+    *,
+    sampling=("greedy", "full"),
+    max_shapes: int = 64,
+) -> float:
     """Compiles the step for `shapes` (default: `startup_shapes`) and each sampler variant in
     `sampling` ("greedy", "full"). Returns and logs the time taken."""
     from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
@@ -97,6 +122,7 @@ def warmup(engine, shapes: list[BatchShape] | None = None, *, sampling=("greedy"
         packed = engine.run_step(batch, shape, f, use_penalties=False)
         jax.block_until_ready(packed)
     engine.warmup_s = time.perf_counter() - t0
-    log.warning("warm-up compiled %d step programs in %.1fs", len(shapes) * len(flags),
-                engine.warmup_s)
+    log.warning(
+        "warm-up compiled %d step programs in %.1fs", len(shapes) * len(flags), engine.warmup_s
+    )
     return engine.warmup_s

@@ -93,7 +93,7 @@ class ChatTemplate:
 
 
 def validate_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Plain-dict copies of `messages`, with keys whose value is None dropped (as transformers does).
+    """Plain-dict copies of `messages`, keys with a None value dropped (as transformers does).
 
     Each message needs a non-empty string `role` and a `content` that is a string or a list of
     content blocks (dicts); an assistant message carrying `tool_calls` may omit `content`.

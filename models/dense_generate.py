@@ -37,10 +37,12 @@ def dense_attention(cfg: ModelConfig, positions: jax.Array):
 
     def attention(q, k, v, layer, cache: DenseKVCache):
         start = positions[0]
-        ck = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype),
-                                          (layer, start, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype),
-                                          (layer, start, 0, 0))
+        ck = jax.lax.dynamic_update_slice(
+            cache.k, k[None].astype(cache.k.dtype), (layer, start, 0, 0)
+        )
+        cv = jax.lax.dynamic_update_slice(
+            cache.v, v[None].astype(cache.v.dtype), (layer, start, 0, 0)
+        )
         keys, values = ck[layer], cv[layer]  # [S, K, hd]
         T, H, hd = q.shape
         K = keys.shape[1]
@@ -59,11 +61,24 @@ def dense_attention(cfg: ModelConfig, positions: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def dense_step(params: Params, cfg: ModelConfig, cache: DenseKVCache, token_ids: jax.Array,
-               positions: jax.Array, last_index: jax.Array):
+def dense_step(
+    params: Params,
+    cfg: ModelConfig,
+    cache: DenseKVCache,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    last_index: jax.Array,
+):
     """Runs tokens [T] at `positions` [T]; returns (logits [V] of row last_index, cache)."""
-    logits, cache = forward(params, cfg, token_ids, positions, cache,
-                            dense_attention(cfg, positions), logits_indices=last_index[None])
+    logits, cache = forward(
+        params,
+        cfg,
+        token_ids,
+        positions,
+        cache,
+        dense_attention(cfg, positions),
+        logits_indices=last_index[None],
+    )
     return logits[0], cache
 
 
@@ -71,9 +86,17 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def generate_dense(params: Params, cfg: ModelConfig, prompt_ids: list[int], max_tokens: int,
-                   *, temperature: float = 0.0, eos_token_ids: tuple[int, ...] = (),
-                   seed: int = 0, max_len: int | None = None) -> dict:
+def generate_dense(
+    params: Params,
+    cfg: ModelConfig,
+    prompt_ids: list[int],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    eos_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    max_len: int | None = None,
+) -> dict:
     """Generates up to `max_tokens` tokens after `prompt_ids`. Returns a dict with
     `token_ids` (the output only), `finish_reason` ("stop" on EOS, else "length") and
     timings `prefill_s`, `decode_s`."""
@@ -90,8 +113,14 @@ def generate_dense(params: Params, cfg: ModelConfig, prompt_ids: list[int], max_
     tokens[:n] = prompt_ids
     key = jax.random.key(seed)
     t0 = time.perf_counter()
-    logits, cache = dense_step(params, cfg, cache, jnp.asarray(tokens),
-                               jnp.arange(padded, dtype=jnp.int32), jnp.int32(n - 1))
+    logits, cache = dense_step(
+        params,
+        cfg,
+        cache,
+        jnp.asarray(tokens),
+        jnp.arange(padded, dtype=jnp.int32),
+        jnp.int32(n - 1),
+    )
     out: list[int] = []
     finish_reason = "length"
     prefill_s = None
@@ -111,7 +140,12 @@ def generate_dense(params: Params, cfg: ModelConfig, prompt_ids: list[int], max_
         if i + 1 == max_tokens:
             break
         pos = jnp.array([n + i], jnp.int32)
-        logits, cache = dense_step(params, cfg, cache, jnp.array([token], jnp.int32), pos,
-                                   jnp.int32(0))
-    return {"token_ids": out, "finish_reason": finish_reason, "prefill_s": prefill_s,
-            "decode_s": time.perf_counter() - t0}
+        logits, cache = dense_step(
+            params, cfg, cache, jnp.array([token], jnp.int32), pos, jnp.int32(0)
+        )
+    return {
+        "token_ids": out,
+        "finish_reason": finish_reason,
+        "prefill_s": prefill_s,
+        "decode_s": time.perf_counter() - t0,
+    }

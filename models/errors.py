@@ -1,2 +1,2 @@
 class ModelLoadError(ValueError):
-    """A checkpoint or tokenizer file is missing, truncated, or not supported; names the file and the part."""
+    """A checkpoint or tokenizer file is missing, truncated or unsupported; names file and part."""

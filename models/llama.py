@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,24 @@ from configs.model_config import ModelConfig
 Array = jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate", "w_up",
-    "w_down"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "attn_norm",
+        "wq",
+        "wk",
+        "wv",
+        "bq",
+        "bk",
+        "bv",
+        "wo",
+        "mlp_norm",
+        "w_gate",
+        "w_up",
+        "w_down",
+    ],
+    meta_fields=[],
+)
 @dataclasses.dataclass
 class LayerWeights:
     attn_norm: Array  # [L, D]
@@ -47,8 +63,11 @@ class LayerWeights:
     w_down: Array  # [L, F, D]
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["embed", "layers", "final_norm", "lm_head"],
+    meta_fields=[],
+)
 @dataclasses.dataclass
 class Params:
     embed: Array  # [V, D]
@@ -59,17 +78,37 @@ class Params:
 
 def param_shapes(cfg: ModelConfig) -> Params:
     """The abstract params: each leaf a `jax.ShapeDtypeStruct` (float32)."""
-    L, D, H, K, hd, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                            cfg.head_dim, cfg.ffn_size, cfg.vocab_size)
+    L, D, H, K, hd, F, V = (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.ffn_size,
+        cfg.vocab_size,
+    )
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     bias = cfg.attention_bias
     layers = LayerWeights(
-        attn_norm=s(L, D), wq=s(L, D, H, hd), wk=s(L, D, K, hd), wv=s(L, D, K, hd),
-        bq=s(L, H, hd) if bias else None, bk=s(L, K, hd) if bias else None,
-        bv=s(L, K, hd) if bias else None, wo=s(L, H, hd, D), mlp_norm=s(L, D),
-        w_gate=s(L, D, F), w_up=s(L, D, F), w_down=s(L, F, D))
-    return Params(embed=s(V, D), layers=layers, final_norm=s(D),
-                  lm_head=None if cfg.tie_embeddings else s(D, V))
+        attn_norm=s(L, D),
+        wq=s(L, D, H, hd),
+        wk=s(L, D, K, hd),
+        wv=s(L, D, K, hd),
+        bq=s(L, H, hd) if bias else None,
+        bk=s(L, K, hd) if bias else None,
+        bv=s(L, K, hd) if bias else None,
+        wo=s(L, H, hd, D),
+        mlp_norm=s(L, D),
+        w_gate=s(L, D, F),
+        w_up=s(L, D, F),
+        w_down=s(L, F, D),
+    )
+    return Params(
+        embed=s(V, D),
+        layers=layers,
+        final_norm=s(D),
+        lm_head=None if cfg.tie_embeddings else s(D, V),
+    )
 
 
 def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
@@ -80,8 +119,11 @@ def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32, scale: float = 
     out = [(scale * jax.random.normal(k, x.shape)).astype(dtype) for k, x in zip(keys, leaves)]
     params = jax.tree.unflatten(treedef, out)
     ones = lambda a: jnp.ones_like(a)  # noqa: E731
-    layers = dataclasses.replace(params.layers, attn_norm=ones(params.layers.attn_norm),
-                                 mlp_norm=ones(params.layers.mlp_norm))
+    layers = dataclasses.replace(
+        params.layers,
+        attn_norm=ones(params.layers.attn_norm),
+        mlp_norm=ones(params.layers.mlp_norm),
+    )
     return dataclasses.replace(params, layers=layers, final_norm=ones(params.final_norm))
 
 
@@ -105,7 +147,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Array:
     high_freq_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
     wavelen = 2 * jnp.pi / inv_freq
     smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
-        sc.high_freq_factor - sc.low_freq_factor)
+        sc.high_freq_factor - sc.low_freq_factor
+    )
     smoothed = (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq
     out = jnp.where(wavelen > low_freq_wavelen, inv_freq / sc.factor, inv_freq)
     is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
@@ -126,8 +169,7 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 AttentionFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
 
 
-def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions: Array,
-           carry, xs):
+def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions: Array, carry, xs):
     x, cache = carry  # x [T, D]
     w, layer = xs  # w: one layer's LayerWeights (leading L axis removed)
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)
@@ -147,9 +189,15 @@ def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions:
     return (x, cache), None
 
 
-def forward(params: Params, cfg: ModelConfig, token_ids: Array, positions: Array,
-            cache: Any, attention: AttentionFn,
-            logits_indices: Array | None = None) -> tuple[Array, Any]:
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    token_ids: Array,
+    positions: Array,
+    cache: Any,
+    attention: AttentionFn,
+    logits_indices: Array | None = None,
+) -> tuple[Array, Any]:
     """Runs the model over a flat token batch. Returns (logits [R, V] float32, cache).
 
     token_ids, positions: [T] int32. `logits_indices` [R] picks the rows whose logits are

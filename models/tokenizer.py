@@ -5,7 +5,7 @@ needs around it: the BOS/EOS ids, whether BOS is prepended, the special-token st
 model's chat template. Two ways in:
 
     Tokenizer.from_gguf(path_or_reader)   # GGUF metadata: vocab + merges + token types + template
-    Tokenizer.from_hf_dir(path)           # tokenizer.json + tokenizer_config.json (+ generation_config.json)
+    Tokenizer.from_hf_dir(path)   # tokenizer.json + tokenizer_config.json (+ generation_config)
 
 A GGUF stores no tokenizer.json, only llama.cpp's metadata. `from_gguf` rebuilds the byte-level
 BPE the way `transformers` does for the same file (transformers/integrations/gguf/
@@ -166,7 +166,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
-        """Build from a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
+        """Build from a HF folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -181,7 +181,7 @@ class Tokenizer:
         special = {name: _token_content(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
         ids = {name: backend.token_to_id(tok) if tok else None for name, tok in special.items()}
         if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            # Same rule as transformers' TokenizersBackend: explicit flags rebuild the post-processor.
+            # As transformers' TokenizersBackend: explicit flags rebuild the post-processor.
             add_bos = bool(config.get("add_bos_token")) and ids["bos_token"] is not None
             add_eos = bool(config.get("add_eos_token")) and ids["eos_token"] is not None
             backend.post_processor = _template_processing(
@@ -272,7 +272,8 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+            f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_token_id}, "
             f"eos={self.eos_token_ids}, add_bos={self.add_bos}, sha256={self.sha256[:12]}...)"
         )
 
@@ -309,7 +310,7 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
 
     def add_token(self, token_id: int) -> str:
-        """Append one generated token; return the text it completes ('' while a character is partial)."""
+        """Append one generated token; return the text it completes ('' mid-character)."""
         self.token_ids.append(int(token_id))
         text = self._decode(self._prefix_offset, len(self.token_ids))
         if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
@@ -405,7 +406,7 @@ class _GGUFMetadata:
 def _add_named_special_tokens(
     backend: tokenizers.Tokenizer, special: Mapping[str, str | None]
 ) -> None:
-    """BOS/EOS/UNK/PAD are special even where a file did not mark them control (as in transformers)."""
+    """BOS/EOS/UNK/PAD are special even where a file did not mark them (as in transformers)."""
     added = {t.content for t in backend.get_added_tokens_decoder().values()}
     missing = [
         AddedToken(t, normalized=False, special=True)
@@ -419,7 +420,7 @@ def _add_named_special_tokens(
 def _template_processing(
     bos: tuple[str, int] | None, eos: tuple[str, int] | None
 ) -> processors.TemplateProcessing:
-    """The post-processor that adds BOS and/or EOS, built as transformers' `update_post_processor`."""
+    """The post-processor adding BOS and/or EOS, as transformers' `update_post_processor`."""
     single = f"{bos[0] + ':0 ' if bos else ''}$A:0{' ' + eos[0] + ':0' if eos else ''}"
     pair = f"{single}{' ' + bos[0] + ':1' if bos else ''} $B:1{' ' + eos[0] + ':1' if eos else ''}"
     return processors.TemplateProcessing(
@@ -472,7 +473,7 @@ def _read_json(path: Path) -> dict:
 def _byte_level_pre_tokenizer(
     pre: str | None, source: str, compat: Compat
 ) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer llama.cpp names `tokenizer.ggml.pre` (None: GPT-2's, llama.cpp's default)."""
+    """The pre-tokenizer llama.cpp names `tokenizer.ggml.pre` (None: GPT-2's, the default)."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre is None or pre in _GPT2_PRE:
         return byte_level
@@ -489,7 +490,8 @@ def _byte_level_pre_tokenizer(
             ]
         )
     raise ModelLoadError(
-        f"{source}: tokenizer.ggml.pre = {pre!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_PRE)})"
+        f"{source}: tokenizer.ggml.pre = {pre!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_GGUF_PRE)})"
     )
 
 
@@ -501,10 +503,10 @@ def _byte_level_backend(
     source: str,
     compat: Compat,
 ) -> tokenizers.Tokenizer:
-    """Byte-level BPE from llama.cpp's vocabulary, as transformers' `byte_level_tokenizer` builds it."""
+    """Byte-level BPE from llama.cpp's vocabulary, as transformers' `byte_level_tokenizer`."""
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
-    # A token written outside the byte alphabet (rare: a mislabelled added token) is respelled byte-wise.
+    # A token outside the byte alphabet (rare: a mislabelled added token) is respelled byte-wise.
     vocab = {
         tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
         for i, tok in enumerate(tokens)

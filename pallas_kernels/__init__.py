@@ -102,8 +102,7 @@ def _implementation(op: str, impl: str, interpret: bool):
         from pallas_kernels import gpu_kernels as kernels
     else:
         from pallas_kernels import tpu_kernels as kernels
-    return functools.partial(getattr(kernels, f"{op}_paged_attention_{impl}"),
-                             interpret=interpret)
+    return functools.partial(getattr(kernels, f"{op}_paged_attention_{impl}"), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

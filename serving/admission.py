@@ -65,18 +65,32 @@ class Rejected(Exception):
 def check_limits(cfg: AdmissionConfig, num_prompt_tokens: int, sp: SamplingParams) -> None:
     """The limits checked before queueing; raises InvalidRequestError naming the field."""
     checks = [
-        ("prompt", num_prompt_tokens, 1 <= num_prompt_tokens, "at least 1 token"),
-        ("prompt", num_prompt_tokens, num_prompt_tokens <= cfg.max_prompt_tokens,
-         f"at most {cfg.max_prompt_tokens} prompt tokens"),
-        ("max_tokens", sp.max_tokens, sp.max_tokens <= cfg.max_tokens,
-         f"at most {cfg.max_tokens}"),
-        ("max_tokens", sp.max_tokens, num_prompt_tokens + sp.max_tokens <= cfg.max_model_len,
-         f"prompt ({num_prompt_tokens}) + max_tokens <= max_model_len ({cfg.max_model_len})"),
-        ("stop", len(sp.stop), len(sp.stop) <= cfg.max_stop_strings,
-         f"at most {cfg.max_stop_strings} stop strings"),
-        ("stop", max(map(len, sp.stop), default=0),
-         all(len(s) <= cfg.max_stop_string_chars for s in sp.stop),
-         f"each stop string at most {cfg.max_stop_string_chars} characters"),
+        ("prompt", num_prompt_tokens, num_prompt_tokens >= 1, "at least 1 token"),
+        (
+            "prompt",
+            num_prompt_tokens,
+            num_prompt_tokens <= cfg.max_prompt_tokens,
+            f"at most {cfg.max_prompt_tokens} prompt tokens",
+        ),
+        ("max_tokens", sp.max_tokens, sp.max_tokens <= cfg.max_tokens, f"at most {cfg.max_tokens}"),
+        (
+            "max_tokens",
+            sp.max_tokens,
+            num_prompt_tokens + sp.max_tokens <= cfg.max_model_len,
+            f"prompt ({num_prompt_tokens}) + max_tokens <= max_model_len ({cfg.max_model_len})",
+        ),
+        (
+            "stop",
+            len(sp.stop),
+            len(sp.stop) <= cfg.max_stop_strings,
+            f"at most {cfg.max_stop_strings} stop strings",
+        ),
+        (
+            "stop",
+            max(map(len, sp.stop), default=0),
+            all(len(s) <= cfg.max_stop_string_chars for s in sp.stop),
+            f"each stop string at most {cfg.max_stop_string_chars} characters",
+        ),
     ]
     for field, value, ok, limit in checks:
         if not ok:
@@ -171,19 +185,32 @@ class WaitingQueue:
             rates = self.drain.rates(now)
             count, tokens = len(self._items), self._tokens
             if count + 1 > self.cfg.max_queue_requests:
-                raise Rejected("queue_full", self._retry_ms(rates, count + 1 - self.cfg.max_queue_requests, 0),
-                               f"waiting queue full ({count} >= {self.cfg.max_queue_requests} requests)")
+                raise Rejected(
+                    "queue_full",
+                    self._retry_ms(rates, count + 1 - self.cfg.max_queue_requests, 0),
+                    f"waiting queue full ({count} >= {self.cfg.max_queue_requests} requests)",
+                )
             if tokens + item.num_tokens > self.cfg.max_queue_tokens:
                 excess = tokens + item.num_tokens - self.cfg.max_queue_tokens
-                raise Rejected("queue_tokens", self._retry_ms(rates, 0, excess),
-                               f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
-                               f"{self.cfg.max_queue_tokens}")
+                raise Rejected(
+                    "queue_tokens",
+                    self._retry_ms(rates, 0, excess),
+                    f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
+                    f"{self.cfg.max_queue_tokens}",
+                )
             wait_s = None if rates is None else count / rates[0]
-            if wait_s is not None and item.deadline_s is not None and now + wait_s > item.deadline_s:
+            if (
+                wait_s is not None
+                and item.deadline_s is not None
+                and now + wait_s > item.deadline_s
+            ):
                 late_s = now + wait_s - item.deadline_s
-                raise Rejected("deadline", self._clamp(1000 * late_s),
-                               f"estimated queue wait {wait_s:.3f}s exceeds the deadline "
-                               f"({item.deadline_s - now:.3f}s left)")
+                raise Rejected(
+                    "deadline",
+                    self._clamp(1000 * late_s),
+                    f"estimated queue wait {wait_s:.3f}s exceeds the deadline "
+                    f"({item.deadline_s - now:.3f}s left)",
+                )
             item.seq = next(self._counter)
             item.enqueued_s = now
             self._items[item.request_id] = item
@@ -242,8 +269,10 @@ class WaitingQueue:
         if rates is None:
             return self.cfg.default_retry_after_ms
         per_s, tokens_per_s = rates
-        wait_s = max(excess_requests / per_s if per_s else math.inf,
-                     excess_tokens / tokens_per_s if tokens_per_s else 0.0)
+        wait_s = max(
+            excess_requests / per_s if per_s else math.inf,
+            excess_tokens / tokens_per_s if tokens_per_s else 0.0,
+        )
         return self._clamp(1000 * wait_s)
 
     def _clamp(self, ms: float) -> int:

@@ -18,8 +18,12 @@ from collections.abc import Callable
 
 
 class CircuitBreaker:
-    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         assert failure_threshold >= 1, failure_threshold
         self.failure_threshold, self.cooldown_s, self.clock = failure_threshold, cooldown_s, clock
         self._failures = 0

@@ -31,10 +31,12 @@ flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'model:4' or 'data:2,model:
 def _prompt_ids(tokenizer) -> list[int]:
     if FLAGS.raw:
         return tokenizer.encode(FLAGS.prompt)
-    messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else [])
+    messages = [{"role": "system", "content": FLAGS.system}] if FLAGS.system else []
     messages.append({"role": "user", "content": FLAGS.prompt})
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                            add_special_tokens=False)
+    return tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
 
 
 def _generate_dense() -> str:
@@ -43,14 +45,26 @@ def _generate_dense() -> str:
 
     t0 = time.perf_counter()
     model = load_model(FLAGS.model)
-    print(f"[loaded {model.identity.name} rev {model.identity.revision[:12]} in "
-          f"{time.perf_counter() - t0:.1f}s: {model.load_times_s}]", file=sys.stderr)
+    print(
+        f"[loaded {model.identity.name} rev {model.identity.revision[:12]} in "
+        f"{time.perf_counter() - t0:.1f}s: {model.load_times_s}]",
+        file=sys.stderr,
+    )
     ids = _prompt_ids(model.tokenizer)
-    out = generate_dense(model.params, model.config, ids, FLAGS.max_tokens,
-                         temperature=FLAGS.temperature, seed=FLAGS.seed,
-                         eos_token_ids=model.tokenizer.eos_token_ids)
-    print(f"[prefill {out['prefill_s']:.2f}s, {len(out['token_ids'])} tokens in "
-          f"{out['decode_s']:.2f}s, finish={out['finish_reason']}]", file=sys.stderr)
+    out = generate_dense(
+        model.params,
+        model.config,
+        ids,
+        FLAGS.max_tokens,
+        temperature=FLAGS.temperature,
+        seed=FLAGS.seed,
+        eos_token_ids=model.tokenizer.eos_token_ids,
+    )
+    print(
+        f"[prefill {out['prefill_s']:.2f}s, {len(out['token_ids'])} tokens in "
+        f"{out['decode_s']:.2f}s, finish={out['finish_reason']}]",
+        file=sys.stderr,
+    )
     return model.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
 
 
@@ -60,20 +74,27 @@ def _generate_paged() -> str:
     t0 = time.perf_counter()
     llm = LLM(FLAGS.model, mesh=FLAGS.mesh)
     ident = llm.model.identity
-    print(f"[loaded {ident.name} rev {ident.revision[:19]} in {time.perf_counter() - t0:.1f}s: "
-          + ", ".join(f"{k}={v:.2f}s" for k, v in llm.model.load_times_s.items()) + "]",
-          file=sys.stderr)
-    params = SamplingParams(temperature=FLAGS.temperature, max_tokens=FLAGS.max_tokens,
-                            seed=FLAGS.seed)
+    print(
+        f"[loaded {ident.name} rev {ident.revision[:19]} in {time.perf_counter() - t0:.1f}s: "
+        + ", ".join(f"{k}={v:.2f}s" for k, v in llm.model.load_times_s.items())
+        + "]",
+        file=sys.stderr,
+    )
+    params = SamplingParams(
+        temperature=FLAGS.temperature, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed
+    )
     if FLAGS.raw:
         prompt = FLAGS.prompt
     else:
-        prompt = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else [])
+        prompt = [{"role": "system", "content": FLAGS.system}] if FLAGS.system else []
         prompt.append({"role": "user", "content": FLAGS.prompt})
     out = llm.generate([prompt], params)[0]
     m = out.metrics
-    print(f"[ttft {m.ttft_s:.2f}s, {len(out.token_ids)} tokens, e2e {m.e2e_s:.2f}s, "
-          f"finish={out.finish_reason}]", file=sys.stderr)
+    print(
+        f"[ttft {m.ttft_s:.2f}s, {len(out.token_ids)} tokens, e2e {m.e2e_s:.2f}s, "
+        f"finish={out.finish_reason}]",
+        file=sys.stderr,
+    )
     return out.text
 
 

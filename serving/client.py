@@ -28,8 +28,17 @@ from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
 PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "seed", "logprobs")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+)
 
 
 @dataclasses.dataclass
@@ -58,20 +67,39 @@ class GenerateResult:
         return self.code == "OK"
 
 
-def build_request(prompt: str | None = None, *, token_ids=None, messages=None, model: str = "",
-                  revision: str = "", max_tokens: int | None = None, min_tokens: int = 0,
-                  stop=(), stop_token_ids=(), ignore_eos: bool = False,
-                  priority: str = "normal", stream: bool = True, request_id: str = "",
-                  **sampling) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids=None,
+    messages=None,
+    model: str = "",
+    revision: str = "",
+    max_tokens: int | None = None,
+    min_tokens: int = 0,
+    stop=(),
+    stop_token_ids=(),
+    ignore_eos: bool = False,
+    priority: str = "normal",
+    stream: bool = True,
+    request_id: str = "",
+    **sampling,
+) -> pb.GenerateRequest:
     """One GenerateRequest; `messages` is a list of {"role", "content"} dicts."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}")
     req = pb.GenerateRequest(
-        request_id=request_id, model=model, revision=revision, min_tokens=min_tokens,
-        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        priority=PRIORITIES[priority], stream=stream,
-        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
+        request_id=request_id,
+        model=model,
+        revision=revision,
+        min_tokens=min_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        priority=PRIORITIES[priority],
+        stream=stream,
+        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+    )
     if max_tokens is not None:
         req.max_tokens = max_tokens
     if messages is not None:
@@ -116,13 +144,19 @@ class GenerateClient:
         """The raw call: iterate it for GenerateResponse messages; `.cancel()` cancels."""
         return self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata)
 
-    def generate(self, prompt: str | None = None, *, timeout_s: float | None = None,
-                 on_delta: Callable[[pb.GenerateResponse], None] | None = None,
-                 **fields) -> GenerateResult:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        on_delta: Callable[[pb.GenerateResponse], None] | None = None,
+        **fields,
+    ) -> GenerateResult:
         return self.generate_request(build_request(prompt, **fields), timeout_s, on_delta)
 
-    def generate_request(self, request: pb.GenerateRequest, timeout_s: float | None = None,
-                         on_delta=None) -> GenerateResult:
+    def generate_request(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None, on_delta=None
+    ) -> GenerateResult:
         res = GenerateResult(request_id=request.request_id, client_start_s=time.monotonic())
         call = self.stream(request, timeout_s)
         try:
@@ -153,15 +187,24 @@ class GenerateClient:
             res.prompt_tokens = f.usage.prompt_tokens
             res.cached_tokens = f.usage.cached_tokens
             res.completion_tokens = f.usage.completion_tokens
-            res.server_timings = {k: getattr(f.timings, k)
-                                  for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
-            res.versions = {k: getattr(f.versions, k) for k in
-                            ("name", "revision", "tokenizer_hash", "chat_template_hash",
-                             "engine_version")}
+            res.server_timings = {
+                k: getattr(f.timings, k) for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")
+            }
+            res.versions = {
+                k: getattr(f.versions, k)
+                for k in (
+                    "name",
+                    "revision",
+                    "tokenizer_hash",
+                    "chat_template_hash",
+                    "engine_version",
+                )
+            }
 
     def tokenize(self, text: str, model: str = "") -> list[int]:
-        resp = self.stub.Tokenize(pb.TokenizeRequest(model=model, text=text),
-                                  metadata=self.metadata)
+        resp = self.stub.Tokenize(
+            pb.TokenizeRequest(model=model, text=text), metadata=self.metadata
+        )
         return list(resp.token_ids)
 
     def server_info(self) -> pb.ServerInfoResponse:
@@ -194,9 +237,14 @@ def define_flags() -> None:
 
 def main(argv) -> int:
     del argv
-    fields = {"model": FLAGS.model, "revision": FLAGS.revision, "max_tokens": FLAGS.max_tokens,
-              "temperature": FLAGS.temperature, "priority": FLAGS.priority,
-              "stream": FLAGS.stream}
+    fields = {
+        "model": FLAGS.model,
+        "revision": FLAGS.revision,
+        "max_tokens": FLAGS.max_tokens,
+        "temperature": FLAGS.temperature,
+        "priority": FLAGS.priority,
+        "stream": FLAGS.stream,
+    }
     if FLAGS.chat:
         fields["messages"] = [{"role": "user", "content": FLAGS.prompt}]
     else:
@@ -218,13 +266,15 @@ def format_summary(res: GenerateResult) -> str:
         hint = f" retry-after-ms={res.retry_after_ms}" if res.retry_after_ms is not None else ""
         return f"[{res.code}] {res.details}{hint}"
     t = res.server_timings
-    return (f"[{res.finish_reason}] prompt={res.prompt_tokens} cached={res.cached_tokens} "
-            f"completion={res.completion_tokens} | server: queue={t['queue_s']*1e3:.1f}ms "
-            f"ttft={t['ttft_s']*1e3:.1f}ms tpot={t['tpot_s']*1e3:.2f}ms "
-            f"e2e={t['e2e_s']*1e3:.1f}ms | client: ttft="
-            f"{(res.client_ttft_s or 0)*1e3:.1f}ms e2e={(res.client_e2e_s or 0)*1e3:.1f}ms | "
-            f"{res.versions.get('name')}@{res.versions.get('revision')} "
-            f"engine={res.versions.get('engine_version')}")
+    return (
+        f"[{res.finish_reason}] prompt={res.prompt_tokens} cached={res.cached_tokens} "
+        f"completion={res.completion_tokens} | server: queue={t['queue_s'] * 1e3:.1f}ms "
+        f"ttft={t['ttft_s'] * 1e3:.1f}ms tpot={t['tpot_s'] * 1e3:.2f}ms "
+        f"e2e={t['e2e_s'] * 1e3:.1f}ms | client: ttft="
+        f"{(res.client_ttft_s or 0) * 1e3:.1f}ms e2e={(res.client_e2e_s or 0) * 1e3:.1f}ms | "
+        f"{res.versions.get('name')}@{res.versions.get('revision')} "
+        f"engine={res.versions.get('engine_version')}"
+    )
 
 
 def run() -> None:

@@ -10,11 +10,24 @@ from engine.sampling_params import SamplingParams
 from serving.proto import pagedjax_pb2 as pb
 
 # Priority class -> engine priority (larger = more important).
-ENGINE_PRIORITY = {pb.PRIORITY_UNSPECIFIED: 1, pb.PRIORITY_LOW: 0, pb.PRIORITY_NORMAL: 1,
-                   pb.PRIORITY_HIGH: 2}
+ENGINE_PRIORITY = {
+    pb.PRIORITY_UNSPECIFIED: 1,
+    pb.PRIORITY_LOW: 0,
+    pb.PRIORITY_NORMAL: 1,
+    pb.PRIORITY_HIGH: 2,
+}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "logprobs")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+)
 
 # Token times cross the wire as unix nanoseconds; the engine stamps time.monotonic().
 _UNIX_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
@@ -64,8 +77,11 @@ def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> Samplin
     return SamplingParams(
         **kwargs,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
-        min_tokens=req.min_tokens, stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+        min_tokens=req.min_tokens,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+    )
 
 
 def delta_message(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
@@ -76,9 +92,13 @@ def delta_message(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateR
         msg.token_times_unix_ns.extend(unix_ns(t) for t in out.token_times_s)
         msg.text += out.new_text
         for lp in out.logprobs or ():
-            msg.logprobs.append(pb.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]))
+            msg.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+                )
+            )
     return msg
 
 
@@ -94,16 +114,29 @@ def versions_message(identity) -> pb.ModelVersions:
 
 
 def versions_dict(identity) -> dict[str, str]:
-    return {k: str(getattr(identity, k, "")) for k in
-            ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version")}
+    return {
+        k: str(getattr(identity, k, ""))
+        for k in ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version")
+    }
 
 
-def final_info(finish_reason: str, prompt_tokens: int, cached_tokens: int,
-               completion_tokens: int, timings: dict, identity) -> pb.FinalInfo:
+def final_info(
+    finish_reason: str,
+    prompt_tokens: int,
+    cached_tokens: int,
+    completion_tokens: int,
+    timings: dict,
+    identity,
+) -> pb.FinalInfo:
     return pb.FinalInfo(
         finish_reason=finish_reason,
-        usage=pb.Usage(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                       completion_tokens=completion_tokens),
-        timings=pb.Timings(**{k: timings.get(k) or 0.0
-                              for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}),
-        versions=versions_message(identity))
+        usage=pb.Usage(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens,
+        ),
+        timings=pb.Timings(
+            **{k: timings.get(k) or 0.0 for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
+        ),
+        versions=versions_message(identity),
+    )

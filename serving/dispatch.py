@@ -35,8 +35,14 @@ class _Arrival:
 
 
 class DispatchLedger(grpc.ServerInterceptor):
-    def __init__(self, ledger: RequestLedger, method: str, timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, calls_counter=None):
+    def __init__(
+        self,
+        ledger: RequestLedger,
+        method: str,
+        timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        calls_counter=None,
+    ):
         self.ledger, self.method, self.timeout_s, self.clock = ledger, method, timeout_s, clock
         self.calls_counter = calls_counter  # incremented for every call seen
         self._pending: dict[int, _Arrival] = {}
@@ -56,12 +62,15 @@ class DispatchLedger(grpc.ServerInterceptor):
 
         def claimed_behavior(request, context):
             if not self._claim(arrival):
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"no handler thread picked the call up within {self.timeout_s}s")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no handler thread picked the call up within {self.timeout_s}s",
+                )
             yield from behavior(request, context)
 
         return grpc.unary_stream_rpc_method_handler(
-            claimed_behavior, handler.request_deserializer, handler.response_serializer)
+            claimed_behavior, handler.request_deserializer, handler.response_serializer
+        )
 
     def _claim(self, arrival: _Arrival) -> bool:
         with self._lock:
@@ -79,8 +88,13 @@ class DispatchLedger(grpc.ServerInterceptor):
             for a in late:
                 del self._pending[a.key]
         for a in late:
-            self.ledger.reject(f"undispatched-{a.key}", "?", "before_dispatch",
-                               grpc.StatusCode.CANCELLED,
-                               "call ended before a handler thread picked it up", a.arrival_s,
-                               outcome="cancelled")
+            self.ledger.reject(
+                f"undispatched-{a.key}",
+                "?",
+                "before_dispatch",
+                grpc.StatusCode.CANCELLED,
+                "call ended before a handler thread picked it up",
+                a.arrival_s,
+                outcome="cancelled",
+            )
         return len(late)

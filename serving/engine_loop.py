@@ -58,10 +58,20 @@ _FINISH = {
 
 
 class EngineLoop:
-    def __init__(self, engine, waiting: WaitingQueue, ledger: RequestLedger,
-                 breaker: CircuitBreaker, metrics, *, max_inflight: int,
-                 stats_interval_s: float = 0.1, idle_wait_s: float = 0.05,
-                 on_breaker_change=None, on_tick=None):
+    def __init__(
+        self,
+        engine,
+        waiting: WaitingQueue,
+        ledger: RequestLedger,
+        breaker: CircuitBreaker,
+        metrics,
+        *,
+        max_inflight: int,
+        stats_interval_s: float = 0.1,
+        idle_wait_s: float = 0.05,
+        on_breaker_change=None,
+        on_tick=None,
+    ):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
         self.stats_interval_s, self.idle_wait_s = stats_interval_s, idle_wait_s
@@ -116,8 +126,9 @@ class EngineLoop:
         self._apply_aborts()
         self._expire_queued()
         self._feed()
-        self.waiting.drain.set_saturated(time.monotonic(),
-                                         len(self._in_engine) >= self.max_inflight)
+        self.waiting.drain.set_saturated(
+            time.monotonic(), len(self._in_engine) >= self.max_inflight
+        )
         if self.engine.has_unfinished():
             self._step()
         else:
@@ -149,12 +160,22 @@ class EngineLoop:
             if r is None:
                 continue
             if why == "timed_out":
-                self._end(r, "timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
-                          "deadline passed while queued")
+                self._end(
+                    r,
+                    "timed_out",
+                    "deadline",
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "deadline passed while queued",
+                )
             else:
-                self._end(r, "rejected", "queue_timeout", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"waited {self.waiting.cfg.queue_timeout_s}s in the queue",
-                          self.waiting.retry_after_hint_ms())
+                self._end(
+                    r,
+                    "rejected",
+                    "queue_timeout",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"waited {self.waiting.cfg.queue_timeout_s}s in the queue",
+                    self.waiting.retry_after_hint_ms(),
+                )
             self.unregister(item.request_id)
 
     def _feed(self) -> None:
@@ -170,8 +191,9 @@ class EngineLoop:
             try:
                 self.engine.add_request(r.engine_request)
             except InvalidRequestError as e:
-                self._end(r, "rejected", "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT,
-                          str(e))
+                self._end(
+                    r, "rejected", "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT, str(e)
+                )
                 self.unregister(r.request_id)
                 continue
             self._in_engine.add(r.request_id)
@@ -206,8 +228,13 @@ class EngineLoop:
             r = self._lookup(request_id)
             if r is not None:
                 r.finish_reason = "failed"
-                self._end(r, "failed", "engine_step", grpc.StatusCode.INTERNAL,
-                          f"engine step failed: {exc}")
+                self._end(
+                    r,
+                    "failed",
+                    "engine_step",
+                    grpc.StatusCode.INTERNAL,
+                    f"engine step failed: {exc}",
+                )
                 self.unregister(request_id)
 
     def _left_engine(self, request_id: str) -> None:
@@ -217,8 +244,11 @@ class EngineLoop:
         self._in_engine.discard(request_id)
         if self.waiting.drain.saturated:
             r = self._lookup(request_id)
-            tokens = 0 if r is None else (len(r.engine_request.prompt_token_ids)
-                                          + r.engine_request.sampling.max_tokens)
+            tokens = (
+                0
+                if r is None
+                else (len(r.engine_request.prompt_token_ids) + r.engine_request.sampling.max_tokens)
+            )
             self.waiting.drain.record(time.monotonic(), tokens)
 
     def _route(self, out: RequestOutput) -> None:
@@ -235,9 +265,14 @@ class EngineLoop:
             self._finish(r, out)
         elif r.outcome is None and not r.stream.push(out):
             self.engine.abort_request(r.request_id)
-            self._end(r, "cancelled", "slow_consumer", grpc.StatusCode.ABORTED,
-                      f"stream buffer overflowed ({r.stream.limit} undelivered messages): "
-                      "client reads too slowly; request cancelled")
+            self._end(
+                r,
+                "cancelled",
+                "slow_consumer",
+                grpc.StatusCode.ABORTED,
+                f"stream buffer overflowed ({r.stream.limit} undelivered messages): "
+                "client reads too slowly; request cancelled",
+            )
 
     def _finish(self, r: ActiveRequest, out: RequestOutput) -> None:
         if out.metrics is not None:
@@ -252,8 +287,15 @@ class EngineLoop:
             r.stream.close(Terminal(status, details))
         self.unregister(r.request_id)
 
-    def _end(self, r: ActiveRequest, outcome: str, reason: str, status: grpc.StatusCode,
-             details: str, retry_after_ms: int | None = None) -> None:
+    def _end(
+        self,
+        r: ActiveRequest,
+        outcome: str,
+        reason: str,
+        status: grpc.StatusCode,
+        details: str,
+        retry_after_ms: int | None = None,
+    ) -> None:
         """End a request without a final output: record it and close its stream."""
         self.ledger.settle(r, outcome, reason, status, details)
         r.stream.close(Terminal(status, details, retry_after_ms))

@@ -12,10 +12,40 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0, 30.0, 60.0, 120.0)
-ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
-                 2.5, 5.0)
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+ITL_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.5,
+    5.0,
+)
 OUTCOMES = ("success", "cancelled", "rejected", "timed_out", "failed")
 
 _STATS_COUNTERS = {  # engine stats key -> counter attribute
@@ -33,7 +63,9 @@ class ServerMetrics:
         r = self.registry
 
         def hist(name, doc, buckets=LATENCY_BUCKETS_S):
-            return prom.Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
+            return prom.Histogram(name, doc, names, buckets=buckets, registry=r).labels(
+                **self.labels
+            )
 
         def gauge(name, doc):
             return prom.Gauge(name, doc, names, registry=r).labels(**self.labels)
@@ -43,27 +75,38 @@ class ServerMetrics:
 
         self.ttft = hist("pagedjax_time_to_first_token_seconds", "Arrival to first token")
         self.itl = hist("pagedjax_inter_token_latency_seconds", "Gap between tokens", ITL_BUCKETS_S)
-        self.tpot = hist("pagedjax_time_per_output_token_seconds", "Mean gap after the first token",
-                         ITL_BUCKETS_S)
+        self.tpot = hist(
+            "pagedjax_time_per_output_token_seconds",
+            "Mean gap after the first token",
+            ITL_BUCKETS_S,
+        )
         self.e2e = hist("pagedjax_e2e_request_latency_seconds", "Arrival to finish")
         self.queue = hist("pagedjax_queue_time_seconds", "Arrival to first scheduled")
         self.running = gauge("pagedjax_num_requests_running", "Requests running in the engine")
-        self.waiting = gauge("pagedjax_num_requests_waiting",
-                             "Requests waiting (server queue + engine waiting)")
+        self.waiting = gauge(
+            "pagedjax_num_requests_waiting", "Requests waiting (server queue + engine waiting)"
+        )
         self.kv_pages_used = gauge("pagedjax_kv_pages_used", "KV cache pages in use")
         self.kv_pages_free = gauge("pagedjax_kv_pages_free", "KV cache pages free")
         self.kv_usage = gauge("pagedjax_kv_usage_ratio", "Fraction of KV pages in use")
         self.prompt_tokens = counter("pagedjax_prompt_tokens", "Prompt tokens handed to the engine")
         self.generated_tokens = counter("pagedjax_generation_tokens", "Generated tokens")
         self.preemptions = counter("pagedjax_preemptions", "Requests preempted by the engine")
-        self.prefix_queries = counter("pagedjax_prefix_cache_queries_tokens",
-                                      "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("pagedjax_prefix_cache_hits_tokens",
-                                   "Prompt tokens found in the prefix cache")
-        self.generate_calls = counter("pagedjax_generate_calls",
-                                      "Generate calls that reached the server")
-        self.outcomes = prom.Counter("pagedjax_request_outcomes", "Requests by how they ended",
-                                     names + ["outcome", "reason"], registry=r)
+        self.prefix_queries = counter(
+            "pagedjax_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = counter(
+            "pagedjax_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"
+        )
+        self.generate_calls = counter(
+            "pagedjax_generate_calls", "Generate calls that reached the server"
+        )
+        self.outcomes = prom.Counter(
+            "pagedjax_request_outcomes",
+            "Requests by how they ended",
+            names + ["outcome", "reason"],
+            registry=r,
+        )
         self._last_stats: dict[str, float] = {}
 
     def record_outcome(self, outcome: str, reason: str = "") -> None:
@@ -95,8 +138,12 @@ class ServerMetrics:
 
     def observe_finished(self, *, ttft_s, tpot_s, e2e_s, queue_s, itl_s) -> None:
         """Latency histograms of a successful request (seconds; None: not measured)."""
-        for hist, value in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.e2e, e2e_s),
-                            (self.queue, queue_s)):
+        for hist, value in (
+            (self.ttft, ttft_s),
+            (self.tpot, tpot_s),
+            (self.e2e, e2e_s),
+            (self.queue, queue_s),
+        ):
             if value is not None:
                 hist.observe(value)
         for gap in itl_s:

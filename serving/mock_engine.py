@@ -92,9 +92,16 @@ class _Seq:
 class MockEngine:
     """Implements the EngineCore interface. Driven by one thread only."""
 
-    def __init__(self, *, max_num_seqs: int = 8, num_pages: int = 256, page_size: int = 4,
-                 max_model_len: int = 512, step_time_s: float = 0.0,
-                 identity: MockIdentity | None = None):
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int = 8,
+        num_pages: int = 256,
+        page_size: int = 4,
+        max_model_len: int = 512,
+        step_time_s: float = 0.0,
+        identity: MockIdentity | None = None,
+    ):
         self.identity = identity or MockIdentity()
         self.tokenizer = ByteTokenizer()
         self.max_num_seqs, self.num_pages, self.page_size = max_num_seqs, num_pages, page_size
@@ -117,12 +124,18 @@ class MockEngine:
         if n == 0:
             raise InvalidRequestError("prompt", n, "at least one token")
         if n + request.sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError("max_tokens", request.sampling.max_tokens,
-                                      f"prompt ({n}) + max_tokens <= {self.max_model_len}")
+            raise InvalidRequestError(
+                "max_tokens",
+                request.sampling.max_tokens,
+                f"prompt ({n}) + max_tokens <= {self.max_model_len}",
+            )
         if n + request.sampling.max_tokens > self.num_pages * self.page_size:
-            raise InvalidRequestError("max_tokens", request.sampling.max_tokens,
-                                      f"prompt ({n}) + max_tokens <= KV capacity "
-                                      f"({self.num_pages * self.page_size} tokens)")
+            raise InvalidRequestError(
+                "max_tokens",
+                request.sampling.max_tokens,
+                f"prompt ({n}) + max_tokens <= KV capacity "
+                f"({self.num_pages * self.page_size} tokens)",
+            )
         if any(s.req.request_id == request.request_id for s in self._all()):
             raise DuplicateRequestError(request.request_id)
         arrival = request.arrival_s if request.arrival_s is not None else time.monotonic()
@@ -192,8 +205,9 @@ class MockEngine:
         else:
             self.waiting.remove(seq)
 
-    def _finish(self, seq: _Seq, reason: str, now: float, new_ids=(), new_text="",
-                new_times=()) -> RequestOutput:
+    def _finish(
+        self, seq: _Seq, reason: str, now: float, new_ids=(), new_text="", new_times=()
+    ) -> RequestOutput:
         self._drop(seq)
         return self._output(seq, list(new_ids), new_text, list(new_times), now, reason)
 
@@ -274,7 +288,7 @@ class MockEngine:
             reason = "length"
         else:
             cut = len(text) - _held_back(text, sp.stop)
-        delta = text[seq.text_sent:max(cut, seq.text_sent)]
+        delta = text[seq.text_sent : max(cut, seq.text_sent)]
         seq.text_sent = max(cut, seq.text_sent)
         if reason is not None:
             return self._finish(seq, reason, now, [token], delta, [now])
@@ -283,11 +297,17 @@ class MockEngine:
     def _output(self, seq: _Seq, ids, text, times, now, reason) -> RequestOutput:
         finished = reason is not None
         return RequestOutput(
-            request_id=seq.req.request_id, new_token_ids=ids, new_text=text,
-            token_times_s=times, finished=finished, finish_reason=reason,
+            request_id=seq.req.request_id,
+            new_token_ids=ids,
+            new_text=text,
+            token_times_s=times,
+            finished=finished,
+            finish_reason=reason,
             num_prompt_tokens=len(seq.req.prompt_token_ids),
-            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=len(seq.output_ids),
-            metrics=_metrics(seq, now) if finished else None)
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_ids),
+            metrics=_metrics(seq, now) if finished else None,
+        )
 
 
 def _held_back(text: str, stops) -> int:
@@ -311,4 +331,5 @@ def _metrics(seq: _Seq, now: float) -> RequestMetrics:
         itl_s=[b - a for a, b in itertools.pairwise(times)],
         e2e_s=now - seq.arrival_s,
         cached_tokens=seq.num_cached_tokens,
-        num_preemptions=seq.num_preemptions)
+        num_preemptions=seq.num_preemptions,
+    )

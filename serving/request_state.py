@@ -116,16 +116,38 @@ class RequestLedger:
     def __init__(self, metrics, limiter: TenantLimiter, versions: dict):
         self.metrics, self.limiter, self.versions = metrics, limiter, versions
 
-    def reject(self, request_id: str, tenant: str, reason: str, status: grpc.StatusCode,
-               details: str, arrival_s: float, outcome: str = "rejected") -> None:
+    def reject(
+        self,
+        request_id: str,
+        tenant: str,
+        reason: str,
+        status: grpc.StatusCode,
+        details: str,
+        arrival_s: float,
+        outcome: str = "rejected",
+    ) -> None:
         """A request that never got admitted (its only outcome)."""
         self.metrics.record_outcome(outcome, reason)
-        self._log({"request_id": request_id, "tenant": tenant, "outcome": outcome,
-                   "reason": reason, "status": status.name, "details": details,
-                   "e2e_s": time.monotonic() - arrival_s})
+        self._log(
+            {
+                "request_id": request_id,
+                "tenant": tenant,
+                "outcome": outcome,
+                "reason": reason,
+                "status": status.name,
+                "details": details,
+                "e2e_s": time.monotonic() - arrival_s,
+            }
+        )
 
-    def settle(self, r: ActiveRequest, outcome: str, reason: str, status: grpc.StatusCode,
-               details: str = "") -> bool:
+    def settle(
+        self,
+        r: ActiveRequest,
+        outcome: str,
+        reason: str,
+        status: grpc.StatusCode,
+        details: str = "",
+    ) -> bool:
         """Record the outcome of an admitted request, once; False if already recorded."""
         if not r.claim_settlement():
             return False
@@ -133,16 +155,25 @@ class RequestLedger:
         if r.timings is None:
             r.timings = r.compute_timings(now)
         r.outcome = outcome
-        self.limiter.release(r.tenant, r.reservation, r.num_output_tokens,
-                             refund_all=r.added_s is None)  # never reached the engine
+        self.limiter.release(
+            r.tenant, r.reservation, r.num_output_tokens, refund_all=r.added_s is None
+        )  # never reached the engine
         self.metrics.record_outcome(outcome, reason)
         if outcome == "success":
-            self.metrics.observe_finished(**{k: r.timings[k] for k in
-                                             ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")})
-        record = {"request_id": r.request_id, "tenant": r.tenant.name, "outcome": outcome,
-                  "reason": reason, "status": status.name, "finish_reason": r.finish_reason,
-                  "prompt_tokens": r.num_prompt_tokens, "cached_tokens": r.num_cached_tokens,
-                  "completion_tokens": r.num_output_tokens}
+            self.metrics.observe_finished(
+                **{k: r.timings[k] for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")}
+            )
+        record = {
+            "request_id": r.request_id,
+            "tenant": r.tenant.name,
+            "outcome": outcome,
+            "reason": reason,
+            "status": status.name,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": r.num_prompt_tokens,
+            "cached_tokens": r.num_cached_tokens,
+            "completion_tokens": r.num_output_tokens,
+        }
         record.update({k: v for k, v in r.timings.items() if k != "itl_s"})
         if details:
             record["details"] = details

@@ -56,8 +56,9 @@ class ServerConfig:
 
 
 class PagedJaxServer:
-    def __init__(self, engine, config: ServerConfig | None = None,
-                 tenants: TenantRegistry | None = None):
+    def __init__(
+        self, engine, config: ServerConfig | None = None, tenants: TenantRegistry | None = None
+    ):
         config = config or ServerConfig()
         self.engine, self.config = engine, config
         stats = dict(engine.stats())
@@ -65,7 +66,8 @@ class PagedJaxServer:
         engine_len = stats.get("max_model_len")
         if engine_len:
             admission = dataclasses.replace(
-                admission, max_model_len=min(admission.max_model_len, int(engine_len)))
+                admission, max_model_len=min(admission.max_model_len, int(engine_len))
+            )
         max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
         identity = engine.identity
         self.metrics = ServerMetrics(identity.name, identity.revision)
@@ -73,25 +75,46 @@ class PagedJaxServer:
         self.waiting = WaitingQueue(admission)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
-        self.dispatch = DispatchLedger(self.ledger, GENERATE_METHOD, config.dispatch_timeout_s,
-                                       calls_counter=self.metrics.generate_calls)
-        self.loop = EngineLoop(engine, self.waiting, self.ledger, self.breaker, self.metrics,
-                               max_inflight=max_inflight,
-                               on_breaker_change=self._set_health, on_tick=self.dispatch.reap)
+        self.dispatch = DispatchLedger(
+            self.ledger,
+            GENERATE_METHOD,
+            config.dispatch_timeout_s,
+            calls_counter=self.metrics.generate_calls,
+        )
+        self.loop = EngineLoop(
+            engine,
+            self.waiting,
+            self.ledger,
+            self.breaker,
+            self.metrics,
+            max_inflight=max_inflight,
+            on_breaker_change=self._set_health,
+            on_tick=self.dispatch.reap,
+        )
         self.loop.last_stats = stats
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         self.service = PagedJaxService(
-            engine, self.limits, tenants or TenantRegistry(), self.limiter, self.waiting,
-            self.breaker, self.loop, self.ledger, config.engine_config)
+            engine,
+            self.limits,
+            tenants or TenantRegistry(),
+            self.limiter,
+            self.waiting,
+            self.breaker,
+            self.loop,
+            self.ledger,
+            config.engine_config,
+        )
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
-            interceptors=(self.dispatch,))
+            interceptors=(self.dispatch,),
+        )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
+        )
         self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
         self.metrics_port: int | None = None
         self._metrics_http = None
@@ -107,8 +130,11 @@ class PagedJaxServer:
         return self
 
     def _set_health(self, breaker_state: str) -> None:
-        status = (health_pb2.HealthCheckResponse.NOT_SERVING if breaker_state == "open"
-                  else health_pb2.HealthCheckResponse.SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if breaker_state == "open"
+            else health_pb2.HealthCheckResponse.SERVING
+        )
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
@@ -143,38 +169,51 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
     flags.DEFINE_integer("prefill_chunk_size", 256, "prefill chunk")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
-    flags.DEFINE_string("mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)")
+    flags.DEFINE_string(
+        "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
+    )
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
-    flags.DEFINE_integer("warmup_max_shapes", 64,
-                         "compile up to this many step shapes before serving (0: none)")
+    flags.DEFINE_integer(
+        "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
+    )
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "")
     flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
     flags.DEFINE_integer("default_max_tokens", 256, "")
-    flags.DEFINE_integer("max_model_len", None,
-                         "prompt + max_tokens limit (None: the model's context)")
+    flags.DEFINE_integer(
+        "max_model_len", None, "prompt + max_tokens limit (None: the model's context)"
+    )
     flags.DEFINE_integer("max_stop_strings", 16, "")
     flags.DEFINE_integer("max_queue_requests", 256, "waiting queue bound (requests)")
     flags.DEFINE_integer("max_queue_tokens", 2_000_000, "waiting queue bound (prompt + max_tokens)")
     flags.DEFINE_float("queue_timeout_s", 60.0, "")
-    flags.DEFINE_float("aging_s", 10.0, "seconds of waiting that raise a request one priority class")
+    flags.DEFINE_float(
+        "aging_s", 10.0, "seconds of waiting that raise a request one priority class"
+    )
     flags.DEFINE_integer("stream_buffer_messages", 256, "per-stream buffer before cancelling")
-    flags.DEFINE_integer("max_inflight", None, "requests in the engine at once (None: max_num_seqs)")
+    flags.DEFINE_integer(
+        "max_inflight", None, "requests in the engine at once (None: max_num_seqs)"
+    )
     flags.DEFINE_integer("breaker_failures", 3, "consecutive failed steps that open the breaker")
     flags.DEFINE_float("breaker_cooldown_s", 5.0, "")
     flags.DEFINE_integer("max_workers", None, "gRPC handler threads")
 
 
 def engine_options_from_flags() -> dict:
-    return {"page_size": FLAGS.page_size, "num_pages": FLAGS.num_pages,
-            "max_num_seqs": FLAGS.max_num_seqs,
-            "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
-            "prefill_chunk_size": FLAGS.prefill_chunk_size,
-            "prefix_caching": FLAGS.prefix_caching, "mesh": FLAGS.mesh}
+    return {
+        "page_size": FLAGS.page_size,
+        "num_pages": FLAGS.num_pages,
+        "max_num_seqs": FLAGS.max_num_seqs,
+        "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
+        "prefill_chunk_size": FLAGS.prefill_chunk_size,
+        "prefix_caching": FLAGS.prefix_caching,
+        "mesh": FLAGS.mesh,
+    }
 
 
-def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
-                 max_model_len: int | None = None):
+def build_engine(
+    model: str, options: dict, *, mock_step_time_s: float = 0.01, max_model_len: int | None = None
+):
     """'mock' -> MockEngine; anything else -> the real EngineCore, imported lazily (JAX).
 
     `options`: page_size, num_pages, max_num_seqs, max_num_batched_tokens,
@@ -182,16 +221,22 @@ def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
     options = dict(options)
     if model == "mock":
         from serving.mock_engine import MockEngine
-        return MockEngine(max_num_seqs=options["max_num_seqs"],
-                          num_pages=options.get("num_pages") or 4096,
-                          page_size=options["page_size"], max_model_len=max_model_len or 8192,
-                          step_time_s=mock_step_time_s)
+
+        return MockEngine(
+            max_num_seqs=options["max_num_seqs"],
+            num_pages=options.get("num_pages") or 4096,
+            page_size=options["page_size"],
+            max_model_len=max_model_len or 8192,
+            step_time_s=mock_step_time_s,
+        )
     import engine as engine_pkg
+
     if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
     from configs.engine_config import EngineConfig
     from engine.sharding import create_engine, loader_shardings
     from models.registry import load_model
+
     mesh = options.pop("mesh", None)
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
@@ -200,6 +245,7 @@ def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
     core = create_engine(loaded, config, mesh=mesh)
     if warmup_max_shapes:
         from engine.warmup import warmup
+
         for replica in getattr(core, "replicas", [core]):
             warmup(replica, max_shapes=warmup_max_shapes)  # logs how long it took
     return core
@@ -207,19 +253,28 @@ def build_engine(model: str, options: dict, *, mock_step_time_s: float = 0.01,
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
     admission = AdmissionConfig(
-        max_prompt_tokens=FLAGS.max_prompt_tokens, max_tokens=FLAGS.max_tokens_limit,
+        max_prompt_tokens=FLAGS.max_prompt_tokens,
+        max_tokens=FLAGS.max_tokens_limit,
         default_max_tokens=FLAGS.default_max_tokens,
         max_model_len=FLAGS.max_model_len or AdmissionConfig.max_model_len,
-        max_stop_strings=FLAGS.max_stop_strings, max_queue_requests=FLAGS.max_queue_requests,
-        max_queue_tokens=FLAGS.max_queue_tokens, queue_timeout_s=FLAGS.queue_timeout_s,
-        aging_s=FLAGS.aging_s)
+        max_stop_strings=FLAGS.max_stop_strings,
+        max_queue_requests=FLAGS.max_queue_requests,
+        max_queue_tokens=FLAGS.max_queue_tokens,
+        queue_timeout_s=FLAGS.queue_timeout_s,
+        aging_s=FLAGS.aging_s,
+    )
     return ServerConfig(
-        admission=admission, stream_buffer_messages=FLAGS.stream_buffer_messages,
-        max_inflight=FLAGS.max_inflight, breaker_failure_threshold=FLAGS.breaker_failures,
-        breaker_cooldown_s=FLAGS.breaker_cooldown_s, max_workers=FLAGS.max_workers,
-        host=FLAGS.host, port=FLAGS.port,
+        admission=admission,
+        stream_buffer_messages=FLAGS.stream_buffer_messages,
+        max_inflight=FLAGS.max_inflight,
+        breaker_failure_threshold=FLAGS.breaker_failures,
+        breaker_cooldown_s=FLAGS.breaker_cooldown_s,
+        max_workers=FLAGS.max_workers,
+        host=FLAGS.host,
+        port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
-        engine_config={"model": FLAGS.model, **engine_config})
+        engine_config={"model": FLAGS.model, **engine_config},
+    )
 
 
 def _setup_request_log(path: str | None) -> None:
@@ -234,15 +289,22 @@ def _setup_request_log(path: str | None) -> None:
 
 def main(argv) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     _setup_request_log(FLAGS.request_log)
     options = engine_options_from_flags()
-    engine = build_engine(FLAGS.model, {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
-                          mock_step_time_s=FLAGS.mock_step_time_s,
-                          max_model_len=FLAGS.max_model_len)
-    server = PagedJaxServer(engine, config_from_flags(options),
-                            TenantRegistry.from_file(FLAGS.tenants_config))
+    engine = build_engine(
+        FLAGS.model,
+        {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+        mock_step_time_s=FLAGS.mock_step_time_s,
+        max_model_len=FLAGS.max_model_len,
+    )
+    server = PagedJaxServer(
+        engine, config_from_flags(options), TenantRegistry.from_file(FLAGS.tenants_config)
+    )
     server.start()
     print(f"serving on {server.port}", flush=True)
     try:

@@ -38,9 +38,15 @@ _POLL_S = 0.25  # how often a waiting handler checks that its client is still th
 
 
 class _Refusal(Exception):
-    def __init__(self, status: grpc.StatusCode, reason: str, details: str,
-                 retry_after_ms: int | None = None, outcome: str = "rejected",
-                 tenant: str = "?"):
+    def __init__(
+        self,
+        status: grpc.StatusCode,
+        reason: str,
+        details: str,
+        retry_after_ms: int | None = None,
+        outcome: str = "rejected",
+        tenant: str = "?",
+    ):
         self.status, self.reason, self.details = status, reason, details
         self.retry_after_ms, self.outcome, self.tenant = retry_after_ms, outcome, tenant
         super().__init__(details)
@@ -54,9 +60,18 @@ class ServiceLimits:
 
 
 class PagedJaxService(pb_grpc.PagedJaxServicer):
-    def __init__(self, engine, limits: ServiceLimits, tenants: TenantRegistry,
-                 limiter: TenantLimiter, waiting: WaitingQueue, breaker: CircuitBreaker,
-                 loop: EngineLoop, ledger: RequestLedger, engine_config: dict):
+    def __init__(
+        self,
+        engine,
+        limits: ServiceLimits,
+        tenants: TenantRegistry,
+        limiter: TenantLimiter,
+        waiting: WaitingQueue,
+        breaker: CircuitBreaker,
+        loop: EngineLoop,
+        ledger: RequestLedger,
+        engine_config: dict,
+    ):
         self.engine, self.limits, self.tenants, self.limiter = engine, limits, tenants, limiter
         self.waiting, self.breaker, self.loop, self.ledger = waiting, breaker, loop, ledger
         self.identity = engine.identity
@@ -70,8 +85,9 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         try:
             r = self._admit_call(request, request_id, context, arrival_s)
         except _Refusal as e:
-            self.ledger.reject(request_id, e.tenant, e.reason, e.status, e.details, arrival_s,
-                               outcome=e.outcome)
+            self.ledger.reject(
+                request_id, e.tenant, e.reason, e.status, e.details, arrival_s, outcome=e.outcome
+            )
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             context.abort(e.status, e.details)
@@ -91,11 +107,11 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             e.tenant = tenant_name
             raise
         except ValueError as e:  # e.g. the model has no chat template
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e),
-                           tenant=tenant_name) from e
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e), tenant=tenant_name
+            ) from e
         except Exception as e:  # a bug here must still end in one recorded outcome
-            raise _Refusal(grpc.StatusCode.INTERNAL, "internal", repr(e),
-                           tenant=tenant_name) from e
+            raise _Refusal(grpc.StatusCode.INTERNAL, "internal", repr(e), tenant=tenant_name) from e
 
     def _authenticate(self, context):
         api_key = dict(context.invocation_metadata()).get(API_KEY)
@@ -106,21 +122,29 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
 
     def _check_model(self, model: str, revision: str) -> None:
         if model and model != self.identity.name:
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch",
-                           f"model {model!r} is not served here (loaded: {self.identity.name!r})")
+            raise _Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "model_mismatch",
+                f"model {model!r} is not served here (loaded: {self.identity.name!r})",
+            )
         if revision and revision != self.identity.revision:
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch",
-                           f"revision {revision!r} is pinned but {self.identity.revision!r} is "
-                           "loaded")
+            raise _Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "model_mismatch",
+                f"revision {revision!r} is pinned but {self.identity.revision!r} is loaded",
+            )
 
     def _deadline_s(self, context, arrival_s: float) -> float | None:
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e8:
             return None
         if remaining <= 0:
-            raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "expired_on_arrival",
-                           "deadline passed before the request was admitted",
-                           outcome="timed_out")
+            raise _Refusal(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "expired_on_arrival",
+                "deadline passed before the request was admitted",
+                outcome="timed_out",
+            )
         return arrival_s + remaining
 
     def _admit(self, request, request_id, tenant, context, arrival_s) -> ActiveRequest:
@@ -129,45 +153,71 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             prompt = convert.prompt_token_ids(request, self.engine.tokenizer, self.vocab_size)
             a = self.limits.admission
             # NOTE: unset max_tokens is the default, shrunk to what the context leaves.
-            default = max(1, min(a.default_max_tokens, a.max_tokens,
-                                 a.max_model_len - len(prompt)))
+            default = max(1, min(a.default_max_tokens, a.max_tokens, a.max_model_len - len(prompt)))
             sp = convert.sampling_params(request, default)
             check_limits(a, len(prompt), sp)
         except InvalidRequestError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
         if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument",
-                           f"request_id of {len(request_id)} characters is invalid: at most "
-                           f"{MAX_REQUEST_ID_CHARS}")
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_argument",
+                f"request_id of {len(request_id)} characters is invalid: at most "
+                f"{MAX_REQUEST_ID_CHARS}",
+            )
         if self.loop.is_active(request_id):
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument",
-                           f"request_id={request_id!r} is invalid: already in flight")
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_argument",
+                f"request_id={request_id!r} is invalid: already in flight",
+            )
         deadline_s = self._deadline_s(context, arrival_s)
         retry_ms = self.breaker.allow()
         if retry_ms is not None:
-            raise _Refusal(grpc.StatusCode.UNAVAILABLE, "circuit_open",
-                           "engine steps are failing; circuit breaker open", retry_ms)
+            raise _Refusal(
+                grpc.StatusCode.UNAVAILABLE,
+                "circuit_open",
+                "engine steps are failing; circuit breaker open",
+                retry_ms,
+            )
         try:
             reservation = self.limiter.acquire(tenant, len(prompt), sp.max_tokens)
         except InvalidRequestError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
         except Rejected as e:
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e),
-                           e.retry_after_ms) from e
+            raise _Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
+            ) from e
         priority = convert.ENGINE_PRIORITY.get(request.priority, 1)
-        engine_request = EngineRequest(request_id, prompt, sp, priority=priority,
-                                       tenant=tenant.name, deadline_s=deadline_s)
-        r = ActiveRequest(request_id, tenant, reservation, engine_request, arrival_s,
-                          StreamBuffer(self.limits.stream_buffer_messages))
+        engine_request = EngineRequest(
+            request_id, prompt, sp, priority=priority, tenant=tenant.name, deadline_s=deadline_s
+        )
+        r = ActiveRequest(
+            request_id,
+            tenant,
+            reservation,
+            engine_request,
+            arrival_s,
+            StreamBuffer(self.limits.stream_buffer_messages),
+        )
         self.loop.register(r)
         try:
-            self.waiting.offer(QueuedRequest(request_id, len(prompt) + sp.max_tokens, priority,
-                                             arrival_s, deadline_s, payload=None))
+            self.waiting.offer(
+                QueuedRequest(
+                    request_id,
+                    len(prompt) + sp.max_tokens,
+                    priority,
+                    arrival_s,
+                    deadline_s,
+                    payload=None,
+                )
+            )
         except Rejected as e:
             self.loop.unregister(request_id)
             self.limiter.release(tenant, reservation, 0, refund_all=True)
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e),
-                           e.retry_after_ms) from e
+            raise _Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
+            ) from e
         return r
 
     def _on_call_end(self, r: ActiveRequest) -> None:
@@ -177,8 +227,11 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             return
         deadline = r.engine_request.deadline_s
         late = deadline is not None and time.monotonic() >= deadline
-        outcome, reason, status = (("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
-                                   if late else ("cancelled", "client", grpc.StatusCode.CANCELLED))
+        outcome, reason, status = (
+            ("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
+            if late
+            else ("cancelled", "client", grpc.StatusCode.CANCELLED)
+        )
         if self.ledger.settle(r, outcome, reason, status, "call ended by the client"):
             self.loop.abort(r.request_id)
 
@@ -192,9 +245,16 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                 last = items[-1]
                 done = last.finished and last.finish_reason in ("stop", "length")
                 if done:
-                    msg.final.CopyFrom(convert.final_info(
-                        last.finish_reason, r.num_prompt_tokens, r.num_cached_tokens,
-                        r.num_output_tokens, r.timings or {}, self.identity))
+                    msg.final.CopyFrom(
+                        convert.final_info(
+                            last.finish_reason,
+                            r.num_prompt_tokens,
+                            r.num_cached_tokens,
+                            r.num_output_tokens,
+                            r.timings or {},
+                            self.identity,
+                        )
+                    )
                 if stream and (msg.token_ids or msg.text or done):
                     yield msg
                 elif not stream:
@@ -227,17 +287,21 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             except InvalidRequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             text = self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt)
-            ids = convert.chat_token_ids(self.engine.tokenizer, messages,
-                                         request.add_generation_prompt)
+                messages, add_generation_prompt=request.add_generation_prompt
+            )
+            ids = convert.chat_token_ids(
+                self.engine.tokenizer, messages, request.add_generation_prompt
+            )
         else:
             text = request.text
             ids = self.engine.tokenizer.encode(text)
         return pb.TokenizeResponse(token_ids=ids, text=text)
 
     def _model_info(self) -> pb.ModelInfo:
-        return pb.ModelInfo(versions=convert.versions_message(self.identity),
-                            max_model_len=self.limits.admission.max_model_len)
+        return pb.ModelInfo(
+            versions=convert.versions_message(self.identity),
+            max_model_len=self.limits.admission.max_model_len,
+        )
 
     def ListModels(self, request, context):
         return pb.ListModelsResponse(models=[self._model_info()])
@@ -246,16 +310,28 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         a = self.limits.admission
         stats = dict(self.loop.last_stats)
         limits = pb.Limits(
-            max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
-            default_max_tokens=a.default_max_tokens, max_model_len=a.max_model_len,
-            max_stop_strings=a.max_stop_strings, max_queue_requests=a.max_queue_requests,
-            max_queue_tokens=a.max_queue_tokens, queue_timeout_s=a.queue_timeout_s,
+            max_prompt_tokens=a.max_prompt_tokens,
+            max_tokens=a.max_tokens,
+            default_max_tokens=a.default_max_tokens,
+            max_model_len=a.max_model_len,
+            max_stop_strings=a.max_stop_strings,
+            max_queue_requests=a.max_queue_requests,
+            max_queue_tokens=a.max_queue_tokens,
+            queue_timeout_s=a.queue_timeout_s,
             stream_buffer_messages=self.limits.stream_buffer_messages,
-            max_inflight=self.limits.max_inflight)
-        numeric = {k: float(v) for k, v in stats.items()
-                   if isinstance(v, (int, float)) and math.isfinite(float(v))}
+            max_inflight=self.limits.max_inflight,
+        )
+        numeric = {
+            k: float(v)
+            for k, v in stats.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))
+        }
         numeric["server_queue_requests"] = float(len(self.waiting))
         return pb.ServerInfoResponse(
-            model=self._model_info(), kv_capacity_tokens=int(stats.get("kv_capacity_tokens", 0)),
-            limits=limits, engine_config={k: str(v) for k, v in self.engine_config.items()},
-            stats=numeric, circuit_breaker=self.breaker.state)
+            model=self._model_info(),
+            kv_capacity_tokens=int(stats.get("kv_capacity_tokens", 0)),
+            limits=limits,
+            engine_config={k: str(v) for k, v in self.engine_config.items()},
+            stats=numeric,
+            circuit_breaker=self.breaker.state,
+        )

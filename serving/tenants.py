@@ -43,9 +43,13 @@ class TenantPolicy:
 
 
 class TenantRegistry:
-    def __init__(self, tenants: dict[str, TenantPolicy] | None = None,
-                 api_keys: dict[str, str] | None = None, allow_anonymous: bool = True,
-                 default: TenantPolicy | None = None):
+    def __init__(
+        self,
+        tenants: dict[str, TenantPolicy] | None = None,
+        api_keys: dict[str, str] | None = None,
+        allow_anonymous: bool = True,
+        default: TenantPolicy | None = None,
+    ):
         self.tenants = dict(tenants or {})
         self.api_keys = dict(api_keys or {})
         self.allow_anonymous = allow_anonymous
@@ -107,26 +111,36 @@ class TenantLimiter:
         need = prompt_tokens + max_tokens
         tpm = policy.tokens_per_minute
         if tpm is not None and need > tpm:
-            raise InvalidRequestError("max_tokens", max_tokens,
-                                      f"prompt + max_tokens <= tenant budget of {tpm} tokens/minute")
+            raise InvalidRequestError(
+                "max_tokens",
+                max_tokens,
+                f"prompt + max_tokens <= tenant budget of {tpm} tokens/minute",
+            )
         with self._lock:
             b = self._bucket(policy)
             if policy.max_concurrency is not None and b.active >= policy.max_concurrency:
-                raise Rejected("tenant_concurrency", 1000,
-                               f"tenant {policy.name!r} has {b.active} requests in flight "
-                               f"(limit {policy.max_concurrency})")
+                raise Rejected(
+                    "tenant_concurrency",
+                    1000,
+                    f"tenant {policy.name!r} has {b.active} requests in flight "
+                    f"(limit {policy.max_concurrency})",
+                )
             if tpm is not None and b.level < need:
                 wait_ms = math.ceil(1000 * (need - b.level) / (tpm / 60.0))
-                raise Rejected("tenant_tokens", wait_ms,
-                               f"tenant {policy.name!r} budget has {int(b.level)} tokens, "
-                               f"request needs {need} (prompt + max_tokens)")
+                raise Rejected(
+                    "tenant_tokens",
+                    wait_ms,
+                    f"tenant {policy.name!r} budget has {int(b.level)} tokens, "
+                    f"request needs {need} (prompt + max_tokens)",
+                )
             if tpm is not None:
                 b.level -= need
             b.active += 1
             return Reservation(policy.name, need, max_tokens)
 
-    def release(self, policy: TenantPolicy, r: Reservation, completion_tokens: int,
-                refund_all: bool = False) -> int:
+    def release(
+        self, policy: TenantPolicy, r: Reservation, completion_tokens: int, refund_all: bool = False
+    ) -> int:
         """End of a request: frees its concurrency slot and refunds the unused tokens
         (max_tokens - completion_tokens; everything if it never ran: refund_all)."""
         refund = r.reserved_tokens if refund_all else max(r.max_tokens - completion_tokens, 0)

@@ -14,13 +14,17 @@ from serving.tenants import TenantRegistry
 
 
 @contextlib.contextmanager
-def running_server(engine=None, *, tenants: TenantRegistry | None = None,
-                   admission: AdmissionConfig | None = None, api_key: str | None = None,
-                   **config) -> Iterator[tuple[PagedJaxServer, GenerateClient]]:
+def running_server(
+    engine=None,
+    *,
+    tenants: TenantRegistry | None = None,
+    admission: AdmissionConfig | None = None,
+    api_key: str | None = None,
+    **config,
+) -> Iterator[tuple[PagedJaxServer, GenerateClient]]:
     """Starts a server (MockEngine unless given) on 127.0.0.1:0 and a client for it."""
     engine = engine if engine is not None else MockEngine(step_time_s=0.002)
-    cfg = ServerConfig(host="127.0.0.1", port=0, admission=admission or AdmissionConfig(),
-                       **config)
+    cfg = ServerConfig(host="127.0.0.1", port=0, admission=admission or AdmissionConfig(), **config)
     server = PagedJaxServer(engine, cfg, tenants).start()
     client = GenerateClient(f"127.0.0.1:{server.port}", api_key=api_key)
     try:
@@ -30,8 +34,11 @@ def running_server(engine=None, *, tenants: TenantRegistry | None = None,
         server.stop(0)
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0,
-             what: str | Callable[[], str] = "condition") -> None:
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout_s: float = 10.0,
+    what: str | Callable[[], str] = "condition",
+) -> None:
     """Polls until predicate() holds; a generous timeout only guards against a hang.
     `what` (or what() when callable, for state at failure time) names the condition."""
     end = time.monotonic() + timeout_s
@@ -49,7 +56,6 @@ def outcome_counts(server: PagedJaxServer) -> dict[tuple[str, str], float]:
             if s.name.endswith("_total"):
                 counts[(s.labels["outcome"], s.labels["reason"])] = s.value
     return counts
-
 
 
 def calls_seen(server: PagedJaxServer) -> float:

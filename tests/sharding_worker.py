@@ -30,8 +30,13 @@ from models.registry import load_model
 
 # Prefix caching off: the second, identical run must hit the same shapes (a cache hit would
 # legitimately shrink a prefill bucket and compile it).
-OPTS = {"num_pages": 32, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128,
-        "prefix_caching": False}
+OPTS = {
+    "num_pages": 32,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "max_model_len": 128,
+    "prefix_caching": False,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -51,19 +56,30 @@ def describe(llm: LLM, prompts, ref) -> dict:
     before = engine_step._cache_size()
     again = generate(llm, prompts)  # a second run must reuse the compiled steps
     return {
-        "same": out == ref, "again_same": again == ref,
+        "same": out == ref,
+        "again_same": again == ref,
         "recompiled": engine_step._cache_size() - before,
         "num_kv_heads": eng.cfg.num_kv_heads,
-        "specs": {name: spec_of(x) for name, x in [
-            ("embed", p.embed), ("wq", p.layers.wq), ("wk", p.layers.wk), ("wo", p.layers.wo),
-            ("w_gate", p.layers.w_gate), ("w_down", p.layers.w_down),
-            ("attn_norm", p.layers.attn_norm), ("k_pages", eng.kv.k_pages)]},
+        "specs": {
+            name: spec_of(x)
+            for name, x in [
+                ("embed", p.embed),
+                ("wq", p.layers.wq),
+                ("wk", p.layers.wk),
+                ("wo", p.layers.wo),
+                ("w_gate", p.layers.w_gate),
+                ("w_down", p.layers.w_down),
+                ("attn_norm", p.layers.attn_norm),
+                ("k_pages", eng.kv.k_pages),
+            ]
+        },
         "kv_bytes_per_device": sorted(sharding.bytes_per_device(eng.kv).values()),
         "kv_bytes_total": eng.kv.num_bytes,
         "weights_bytes_per_device": sorted(sharding.bytes_per_device(p).values()),
         "kv_devices": sorted(sharding.bytes_per_device(eng.kv)),
-        "replica_devices": [sorted(sharding.bytes_per_device(r.kv))
-                            for r in getattr(llm.engine, "replicas", [])],
+        "replica_devices": [
+            sorted(sharding.bytes_per_device(r.kv)) for r in getattr(llm.engine, "replicas", [])
+        ],
     }
 
 
@@ -72,8 +88,11 @@ def run(model, prompts, meshes, load_name: str | None = None) -> dict:
     its devices: Orbax restore with target shardings, or device_put) instead of `model`."""
     single = LLM(model, **OPTS)
     ref = generate(single, prompts)
-    res = {"ref": ref, "ref_kv_bytes": single.engine.kv.num_bytes,
-           "ref_weights_bytes": single.stats()["weights_bytes"]}
+    res = {
+        "ref": ref,
+        "ref_kv_bytes": single.engine.kv.num_bytes,
+        "ref_weights_bytes": single.stats()["weights_bytes"],
+    }
     for mesh in meshes:
         llm = LLM(load_name or model, mesh=mesh, **OPTS)
         res[mesh] = describe(llm, prompts, ref)
@@ -85,15 +104,20 @@ def run(model, prompts, meshes, load_name: str | None = None) -> dict:
 
 def main(which: str) -> None:
     if which == "tiny":
-        res = run(load_model("tiny"), ["Hello world", "The quick brown fox", "abc"],
-                  ["model:1", "model:2", "model:4", "data:2", "data:2,model:2"], "tiny")
+        res = run(
+            load_model("tiny"),
+            ["Hello world", "The quick brown fox", "abc"],
+            ["model:1", "model:2", "model:4", "data:2", "data:2,model:2"],
+            "tiny",
+        )
     elif which == "kv8":
         m = load_model("tiny")
         cfg = dataclasses.replace(m.config, name="tiny-kv8", num_heads=16, num_kv_heads=8)
         from models.llama import init_params
 
-        m = dataclasses.replace(m, config=cfg, params=init_params(cfg, jax.random.key(1),
-                                                                 scale=0.2))
+        m = dataclasses.replace(
+            m, config=cfg, params=init_params(cfg, jax.random.key(1), scale=0.2)
+        )
         res = run(m, ["Hello world", "abc"], ["model:8"])
     elif which == "smollm2":
         m = load_model("smollm2-135m")

@@ -24,7 +24,7 @@ LONG = 2000.0  # seconds of simulated arrivals: enough for a few-% rate toleranc
 def test_mean_rate(kind):
     cfg = ArrivalConfig(kind, rate=5.0, on_s=3.0, off_s=7.0, period_s=100.0, seed=1)
     times = arrivals.schedule(cfg, LONG, 10**9)
-    assert times == sorted(times) and 0.0 <= times[0] and times[-1] < LONG
+    assert times == sorted(times) and times[0] >= 0.0 and times[-1] < LONG
     assert len(times) / LONG == pytest.approx(5.0, rel=0.06)
 
 
@@ -42,15 +42,15 @@ def _cv2(times):
 
 def test_gamma_burstiness_is_the_squared_cv_of_gaps():
     poisson = arrivals.schedule(ArrivalConfig("poisson", rate=10.0, seed=2), LONG, 10**9)
-    bursty = arrivals.schedule(ArrivalConfig("gamma", rate=10.0, burstiness=4.0, seed=2),
-                               LONG, 10**9)
+    bursty = arrivals.schedule(
+        ArrivalConfig("gamma", rate=10.0, burstiness=4.0, seed=2), LONG, 10**9
+    )
     assert _cv2(poisson) == pytest.approx(1.0, rel=0.1)
     assert _cv2(bursty) == pytest.approx(4.0, rel=0.15)
 
 
 def test_onoff_sends_nothing_in_off_windows():
-    times = arrivals.schedule(ArrivalConfig("onoff", rate=5.0, on_s=2.0, off_s=3.0), 100.0,
-                              10**9)
+    times = arrivals.schedule(ArrivalConfig("onoff", rate=5.0, on_s=2.0, off_s=3.0), 100.0, 10**9)
     assert times and all(t % 5.0 < 2.0 for t in times)
 
 
@@ -84,8 +84,12 @@ def test_joint_lengths_correlation_and_medians():
 
 
 def test_workload_generator_mix_prefixes_tenants_and_cancels():
-    gen = WorkloadGenerator(parse_mix("short_qa:1,shared_prefix:1,multi_tenant:1"),
-                            length_scale=0.25, cancel_fraction=0.5, seed=7)
+    gen = WorkloadGenerator(
+        parse_mix("short_qa:1,shared_prefix:1,multi_tenant:1"),
+        length_scale=0.25,
+        cancel_fraction=0.5,
+        seed=7,
+    )
     specs = [gen.next(float(i)) for i in range(300)]
     classes = {s.workload for s in specs}
     assert classes == {"short_qa", "shared_prefix", "multi_tenant"}
@@ -93,7 +97,10 @@ def test_workload_generator_mix_prefixes_tenants_and_cancels():
     prefixes = {p.split("\n\n")[0] for p in shared}
     assert 1 < len(prefixes) <= 4  # a few token-identical system prompts, reused
     assert {(s.tenant, s.priority) for s in specs if s.workload == "multi_tenant"} == {
-        ("gold", 1), ("silver", 0), ("bronze", -1)}
+        ("gold", 1),
+        ("silver", 0),
+        ("bronze", -1),
+    }
     cancels = [s for s in specs if s.cancel_after_tokens is not None]
     assert 0.35 < len(cancels) / len(specs) < 0.65
     assert all(0 <= s.cancel_after_tokens < s.max_tokens for s in cancels)
@@ -118,9 +125,11 @@ def test_corpus_prompt_is_real_text_of_roughly_the_target_length():
 
 def test_trace_roundtrip_and_replay_spec_times(tmp_path):
     path = tmp_path / "t.jsonl"
-    entries = [trace.TraceEntry(0.5, 20, 8, "acme", 1, "chat"),
-               trace.TraceEntry(0.0, 0, 4, prompt="hello there"),
-               trace.TraceEntry(1.25, 10, 2, cancel_after_tokens=1)]
+    entries = [
+        trace.TraceEntry(0.5, 20, 8, "acme", 1, "chat"),
+        trace.TraceEntry(0.0, 0, 4, prompt="hello there"),
+        trace.TraceEntry(1.25, 10, 2, cancel_after_tokens=1),
+    ]
     trace.save_trace(path, entries)
     loaded = trace.load_trace(path)
     assert [e.arrival_s for e in loaded] == [0.0, 0.5, 1.25]
@@ -132,8 +141,7 @@ def test_trace_roundtrip_and_replay_spec_times(tmp_path):
 
 def test_trace_names_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"arrival_s": 0, "prompt_tokens": 3}\n{"arrival_s": -1, '
-                    '"prompt_tokens": 3}\n')
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 3}\n{"arrival_s": -1, "prompt_tokens": 3}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         trace.load_trace(path)
 
@@ -160,12 +168,25 @@ def test_open_loop_dispatch_replays_trace_arrival_times(tmp_path):
 
     async def send(spec, scheduled_s):
         sent.append(clock())
-        return RequestRecord(spec.request_id, send_s=clock(), scheduled_s=scheduled_s,
-                             end_s=clock(), outcome="success")
+        return RequestRecord(
+            spec.request_id,
+            send_s=clock(),
+            scheduled_s=scheduled_s,
+            end_s=clock(),
+            outcome="success",
+        )
 
-    records = asyncio.run(driver.dispatch_open_loop(
-        specs, send, start_s=clock(), duration_s=5.0, drain_timeout_s=1.0, clock=clock,
-        sleep=clock.sleep))
+    records = asyncio.run(
+        driver.dispatch_open_loop(
+            specs,
+            send,
+            start_s=clock(),
+            duration_s=5.0,
+            drain_timeout_s=1.0,
+            clock=clock,
+            sleep=clock.sleep,
+        )
+    )
     # The arrival at 9.0 s is past duration_s: never sent.
     assert [t - 100.0 for t in sent] == pytest.approx([0.0, 0.1, 0.1, 0.35, 2.0])
     assert len(records) == 5
@@ -173,8 +194,9 @@ def test_open_loop_dispatch_replays_trace_arrival_times(tmp_path):
 
 
 def test_open_loop_records_every_request_even_when_send_fails_or_hangs():
-    specs = trace.specs_from_trace([trace.TraceEntry(0.0, 5, 2), trace.TraceEntry(0.0, 5, 2),
-                                    trace.TraceEntry(0.0, 5, 2)])
+    specs = trace.specs_from_trace(
+        [trace.TraceEntry(0.0, 5, 2), trace.TraceEntry(0.0, 5, 2), trace.TraceEntry(0.0, 5, 2)]
+    )
 
     async def send(spec, scheduled_s):
         if spec.request_id.endswith("1"):
@@ -183,8 +205,9 @@ def test_open_loop_records_every_request_even_when_send_fails_or_hangs():
             await asyncio.sleep(3600)
         return RequestRecord(spec.request_id, end_s=0.0, outcome="success")
 
-    records = asyncio.run(driver.dispatch_open_loop(specs, send, start_s=0.0, duration_s=1.0,
-                                                    drain_timeout_s=0.05))
+    records = asyncio.run(
+        driver.dispatch_open_loop(specs, send, start_s=0.0, duration_s=1.0, drain_timeout_s=0.05)
+    )
     assert sorted(r.outcome for r in records) == ["failed", "success", "timed_out"]
     assert any("boom" in r.reason for r in records)
 
@@ -208,13 +231,17 @@ def test_absorb_messages_keeps_token_stamps_apart_from_chunks():
 
     rec = RequestRecord("r", send_s=10.0)
     ns = [5_000_000_000 + 20_000_000 * i for i in range(4)]  # server clock, 20 ms apart
-    driver._absorb_message(rec, pb.GenerateResponse(token_ids=[1, 2, 3],
-                                                    token_times_unix_ns=ns[:3]), 10.8)
-    final = pb.FinalInfo(finish_reason="length", usage=pb.Usage(prompt_tokens=7,
-                                                                completion_tokens=4),
-                         timings=pb.Timings(queue_s=0.05))
-    driver._absorb_message(rec, pb.GenerateResponse(token_ids=[4], token_times_unix_ns=ns[3:],
-                                                    final=final), 10.9)
+    driver._absorb_message(
+        rec, pb.GenerateResponse(token_ids=[1, 2, 3], token_times_unix_ns=ns[:3]), 10.8
+    )
+    final = pb.FinalInfo(
+        finish_reason="length",
+        usage=pb.Usage(prompt_tokens=7, completion_tokens=4),
+        timings=pb.Timings(queue_s=0.05),
+    )
+    driver._absorb_message(
+        rec, pb.GenerateResponse(token_ids=[4], token_times_unix_ns=ns[3:], final=final), 10.9
+    )
     assert rec.outcome == "success" and rec.num_output_tokens == 4 and rec.queue_s == 0.05
     assert m.ttft(rec) == pytest.approx(0.8)
     assert m.itl(rec) == pytest.approx([0.02] * 3)  # token level, from the server's stamps

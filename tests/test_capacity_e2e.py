@@ -22,10 +22,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def mock_server():
     """(grpc port, metrics port) of a mock server on ephemeral loopback ports."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.server", "--model=mock", "--host=127.0.0.1",
-         "--port=0", "--metrics_port=0", "--mock_step_time_s=0.01", "--max_queue_requests=8",
-         "--max_num_seqs=8"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "serving.server",
+            "--model=mock",
+            "--host=127.0.0.1",
+            "--port=0",
+            "--metrics_port=0",
+            "--mock_step_time_s=0.01",
+            "--max_queue_requests=8",
+            "--max_num_seqs=8",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
     metrics_port, deadline = None, time.monotonic() + 60
@@ -62,13 +75,30 @@ def check_report(out_dir, plots=True):
 def test_cli_run_bursty_mixed_with_cancellations(mock_server, tmp_path):
     port, metrics_port = mock_server
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "benchmarks.loadgen", f"--target=127.0.0.1:{port}",
-           f"--metrics_url=http://127.0.0.1:{metrics_port}/metrics",
-           ("--workload=short_qa:0.4,long_context:0.2,long_generation:0.1,shared_prefix:0.2,"
-           "multi_tenant:0.1"), "--length_scale=0.05", "--arrival=gamma", "--burstiness=4",
-           "--rate=12", "--duration_s=2.5", "--max_requests=40", "--cancel_fraction=0.25",
-           "--warm_window_s=1", "--price_per_device_hour=3.6", "--progress=false",
-           "--scrape_interval_s=0.25", f"--save_trace={tmp_path / 'sent.jsonl'}", f"--out={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.loadgen",
+        f"--target=127.0.0.1:{port}",
+        f"--metrics_url=http://127.0.0.1:{metrics_port}/metrics",
+        (
+            "--workload=short_qa:0.4,long_context:0.2,long_generation:0.1,shared_prefix:0.2,"
+            "multi_tenant:0.1"
+        ),
+        "--length_scale=0.05",
+        "--arrival=gamma",
+        "--burstiness=4",
+        "--rate=12",
+        "--duration_s=2.5",
+        "--max_requests=40",
+        "--cancel_fraction=0.25",
+        "--warm_window_s=1",
+        "--price_per_device_hour=3.6",
+        "--progress=false",
+        "--scrape_interval_s=0.25",
+        f"--save_trace={tmp_path / 'sent.jsonl'}",
+        f"--out={out}",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=120, capture_output=True)
     report = check_report(out)
     assert report["conditions"]["model"] == "mock"
@@ -86,11 +116,18 @@ def test_cli_run_bursty_mixed_with_cancellations(mock_server, tmp_path):
 
 def test_closed_loop_counts_add_up(mock_server, tmp_path):
     port, _ = mock_server
-    cfg = RunConfig(target=f"127.0.0.1:{port}", workload="long_generation",
-                    length_scale=0.1, duration_s=30.0, max_requests=12,
-                    arrival=arrivals.ArrivalConfig("closed", concurrency=4),
-                    slo=parse_slo_policy("ttft_s=5,tpot_s=1"), progress=False, plots=False,
-                    save_trace=str(tmp_path / "closed.jsonl"))
+    cfg = RunConfig(
+        target=f"127.0.0.1:{port}",
+        workload="long_generation",
+        length_scale=0.1,
+        duration_s=30.0,
+        max_requests=12,
+        arrival=arrivals.ArrivalConfig("closed", concurrency=4),
+        slo=parse_slo_policy("ttft_s=5,tpot_s=1"),
+        progress=False,
+        plots=False,
+        save_trace=str(tmp_path / "closed.jsonl"),
+    )
     report = run_load(cfg, tmp_path)
     check_report(tmp_path, plots=False)
     replay = trace.load_trace(tmp_path / "closed.jsonl")  # a closed loop run as a trace

@@ -16,10 +16,18 @@ def seed_timeline(send_s=10.0, ttft_s=0.8, gaps=(0.02,) * 10, tail_s=0.0, **kw):
     times = [first]
     for g in gaps:
         times.append(times[-1] + g)
-    return RequestRecord("r", send_s=send_s, first_token_s=first, chunk_times_s=list(times),
-                         chunk_tokens=[1] * len(times), token_times_s=list(times),
-                         end_s=times[-1] + tail_s, outcome="success",
-                         num_output_tokens=len(times), **kw)
+    return RequestRecord(
+        "r",
+        send_s=send_s,
+        first_token_s=first,
+        chunk_times_s=list(times),
+        chunk_tokens=[1] * len(times),
+        token_times_s=list(times),
+        end_s=times[-1] + tail_s,
+        outcome="success",
+        num_output_tokens=len(times),
+        **kw,
+    )
 
 
 def test_seed_example_last_token_at_one_second():
@@ -46,9 +54,16 @@ def test_tpot_undefined_for_one_token_and_zero_tokens():
 
 def test_tpot_uses_server_token_stamps_not_chunks():
     # Two chunks of 3 tokens; the server stamped each token 0.01 s apart (other clock).
-    rec = RequestRecord("r", send_s=0.0, first_token_s=0.5, chunk_times_s=[0.5, 0.6],
-                        chunk_tokens=[3, 3], token_times_s=[100.0 + 0.01 * i for i in range(6)],
-                        end_s=0.6, outcome="success")
+    rec = RequestRecord(
+        "r",
+        send_s=0.0,
+        first_token_s=0.5,
+        chunk_times_s=[0.5, 0.6],
+        chunk_tokens=[3, 3],
+        token_times_s=[100.0 + 0.01 * i for i in range(6)],
+        end_s=0.6,
+        outcome="success",
+    )
     assert rec.itl_source == "token"
     assert m.itl(rec) == pytest.approx([0.01] * 5)
     assert m.tpot(rec) == pytest.approx(0.01)
@@ -57,8 +72,15 @@ def test_tpot_uses_server_token_stamps_not_chunks():
 
 
 def test_itl_falls_back_to_chunk_times_without_server_stamps():
-    rec = RequestRecord("r", send_s=0.0, first_token_s=0.5, chunk_times_s=[0.5, 0.6],
-                        chunk_tokens=[2, 1], end_s=0.6, outcome="success")
+    rec = RequestRecord(
+        "r",
+        send_s=0.0,
+        first_token_s=0.5,
+        chunk_times_s=[0.5, 0.6],
+        chunk_tokens=[2, 1],
+        end_s=0.6,
+        outcome="success",
+    )
     assert rec.itl_source == "chunk"
     assert m.itl(rec) == pytest.approx([0.0, 0.1])
     assert m.tpot(rec) == pytest.approx(0.05)
@@ -77,24 +99,25 @@ def test_percentiles_match_linear_interpolation():
     assert s["count"] == 2 and s["mean"] == 2.0 and s["max"] == 3.0
 
 
-@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=50),
-       st.floats(0, 100))
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=50), st.floats(0, 100))
 def test_percentile_between_min_and_max(vals, q):
     p = m.percentile(vals, q)
-    assert min(vals) <= p <= max(vals) or math.isclose(p, min(vals)) or math.isclose(
-        p, max(vals))
+    assert min(vals) <= p <= max(vals) or math.isclose(p, min(vals)) or math.isclose(p, max(vals))
 
 
-@pytest.mark.parametrize("slo,missed", [
-    (Slo(ttft_s=0.5), ["ttft_s"]),
-    (Slo(ttft_s=0.9), []),
-    (Slo(tpot_s=0.01), ["tpot_s"]),
-    (Slo(tpot_s=0.03), []),
-    (Slo(e2e_s=0.9), ["e2e_s"]),
-    (Slo(e2e_s=1.1), []),
-    (Slo(itl_max_s=0.015), ["itl_max_s"]),
-    (Slo(ttft_s=0.5, tpot_s=0.01, e2e_s=0.9), ["ttft_s", "tpot_s", "e2e_s"]),
-])
+@pytest.mark.parametrize(
+    "slo,missed",
+    [
+        (Slo(ttft_s=0.5), ["ttft_s"]),
+        (Slo(ttft_s=0.9), []),
+        (Slo(tpot_s=0.01), ["tpot_s"]),
+        (Slo(tpot_s=0.03), []),
+        (Slo(e2e_s=0.9), ["e2e_s"]),
+        (Slo(e2e_s=1.1), []),
+        (Slo(itl_max_s=0.015), ["itl_max_s"]),
+        (Slo(ttft_s=0.5, tpot_s=0.01, e2e_s=0.9), ["ttft_s", "tpot_s", "e2e_s"]),
+    ],
+)
 def test_each_slo_gate(slo, missed):
     assert slo.misses(seed_timeline()) == missed
 
@@ -128,9 +151,19 @@ def test_parse_slo_rejects_unknown_field():
 
 
 def test_outcome_counts_add_up_and_break_down_reasons():
-    recs = [RequestRecord(str(i), outcome=o, reason=r) for i, (o, r) in enumerate(
-        [("success", "stop"), ("rejected", "queue_full"), ("rejected", "queue_full"),
-         ("rejected", "tenant_budget"), ("timed_out", ""), ("cancelled", "client_cancel")])]
+    recs = [
+        RequestRecord(str(i), outcome=o, reason=r)
+        for i, (o, r) in enumerate(
+            [
+                ("success", "stop"),
+                ("rejected", "queue_full"),
+                ("rejected", "queue_full"),
+                ("rejected", "tenant_budget"),
+                ("timed_out", ""),
+                ("cancelled", "client_cancel"),
+            ]
+        )
+    ]
     c = m.outcome_counts(recs)
     assert sum(c[k] for k in m.OUTCOMES) == len(recs)
     assert c["by_reason"]["rejected"] == {"queue_full": 2, "tenant_budget": 1}
@@ -141,5 +174,6 @@ def test_outcome_counts_add_up_and_break_down_reasons():
 
 def test_reason_key_folds_numbers():
     assert m.reason_key("wait 5.000s exceeds the deadline (2.998s left)") == (
-        "wait #s exceeds the deadline (#s left)")
+        "wait #s exceeds the deadline (#s left)"
+    )
     assert m.reason_key("") == "unspecified"

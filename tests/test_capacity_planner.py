@@ -21,8 +21,7 @@ def test_seed_kv_arithmetic():
 
 def test_memory_plan_pages_tokens_and_sequences_with_page_rounding():
     # 80 GiB - 16 GiB weights - 4 GiB workspace = 60 GiB of KV = 480 sequences of 1 GiB... /8
-    plan = planner.memory_plan(SEED_MODEL, "bfloat16", 80 * GIB, 16 * GIB, 4 * GIB,
-                               page_size=16)
+    plan = planner.memory_plan(SEED_MODEL, "bfloat16", 80 * GIB, 16 * GIB, 4 * GIB, page_size=16)
     assert plan.page_bytes == 16 * 128 * 1024
     assert plan.kv_budget_bytes == 60 * GIB
     assert plan.kv_tokens == 60 * 8192  # 60 GiB / 128 KiB
@@ -37,12 +36,15 @@ def test_memory_plan_rejects_weights_that_do_not_leave_room():
         planner.memory_plan(SEED_MODEL, "bfloat16", 16 * GIB, 15 * GIB, 2 * GIB)
 
 
-@pytest.mark.parametrize("demand,goodput,reserve,expected", [
-    (10.0, 2.0, 0.2, 6),  # 10 / 2 x 1.2 = 6 exactly, not 7
-    (10.0, 3.0, 0.0, 4),
-    (20.0, 4.5, 0.3, 6),  # 5.78 -> 6
-    (1.0, 4.0, 0.5, 1),
-])
+@pytest.mark.parametrize(
+    "demand,goodput,reserve,expected",
+    [
+        (10.0, 2.0, 0.2, 6),  # 10 / 2 x 1.2 = 6 exactly, not 7
+        (10.0, 3.0, 0.0, 4),
+        (20.0, 4.5, 0.3, 6),  # 5.78 -> 6
+        (1.0, 4.0, 0.5, 1),
+    ],
+)
 def test_replicas_formula(demand, goodput, reserve, expected):
     assert planner.replicas_needed(demand, goodput, reserve) == expected
 
@@ -58,10 +60,20 @@ def test_output_token_demand():
 
 def test_plan_budgets_max_tokens_more_than_expected_lengths():
     samples = [(100, 50), (300, 150)]  # totals 150, 450
-    out = planner.plan(SEED_MODEL, kv_dtype="bfloat16", device_memory_bytes=80 * GIB,
-                       weights_bytes=16 * GIB, workspace_bytes=4 * GIB, page_size=16,
-                       samples=samples, max_tokens=1024, seq_lens=[8192], rate_rps=10.0,
-                       goodput_per_replica_rps=2.0, reserve=0.2)
+    out = planner.plan(
+        SEED_MODEL,
+        kv_dtype="bfloat16",
+        device_memory_bytes=80 * GIB,
+        weights_bytes=16 * GIB,
+        workspace_bytes=4 * GIB,
+        page_size=16,
+        samples=samples,
+        max_tokens=1024,
+        seq_lens=[8192],
+        rate_rps=10.0,
+        goodput_per_replica_rps=2.0,
+        reserve=0.2,
+    )
     assert out["kv_bytes_per_token"] == 128 * 1024
     assert out["sequences_that_fit"] == {"8192": 60}
     assert out["lengths"]["mean_output_tokens"] == 100
@@ -76,10 +88,20 @@ def test_plan_budgets_max_tokens_more_than_expected_lengths():
 
 
 def test_render_plan_states_replicas_and_caution():
-    out = planner.plan(SEED_MODEL, kv_dtype="bfloat16", device_memory_bytes=80 * GIB,
-                       weights_bytes=16 * GIB, workspace_bytes=4 * GIB, page_size=16,
-                       samples=[(100, 50)], max_tokens=1024, seq_lens=[8192], rate_rps=20.0,
-                       goodput_per_replica_rps=4.5, reserve=0.3)
+    out = planner.plan(
+        SEED_MODEL,
+        kv_dtype="bfloat16",
+        device_memory_bytes=80 * GIB,
+        weights_bytes=16 * GIB,
+        workspace_bytes=4 * GIB,
+        page_size=16,
+        samples=[(100, 50)],
+        max_tokens=1024,
+        seq_lens=[8192],
+        rate_rps=20.0,
+        goodput_per_replica_rps=4.5,
+        reserve=0.3,
+    )
     text = planner.render_plan(out)
     assert "128 KiB of KV per token" in text
     assert "8192 tokens: 60" in text

@@ -7,36 +7,63 @@ import pytest
 from benchmarks.loadgen import report, scrape, sweep
 from benchmarks.loadgen.metrics import RequestRecord, parse_slo_policy
 
-REQUIRED_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "outcomes", "requests_sent",
-                 "throughput", "goodput_rps", "slo", "cost_per_success")
+REQUIRED_KEYS = (
+    "ttft_s",
+    "tpot_s",
+    "itl_s",
+    "e2e_s",
+    "queue_s",
+    "outcomes",
+    "requests_sent",
+    "throughput",
+    "goodput_rps",
+    "slo",
+    "cost_per_success",
+)
 
 
-def rec(i, send, ttft, n_out, gap, outcome="success", workload="short_qa", priority=0,
-        cached=0):
+def rec(i, send, ttft, n_out, gap, outcome="success", workload="short_qa", priority=0, cached=0):
     first = send + ttft
     times = [first + gap * k for k in range(n_out)]
     return RequestRecord(
-        f"r{i}", workload, "default", priority, send_s=send, scheduled_s=send,
-        first_token_s=first if n_out else None, chunk_times_s=times, chunk_tokens=[1] * n_out,
-        token_times_s=list(times), end_s=(times[-1] if times else send + ttft),
-        outcome=outcome, queue_s=0.1 if outcome == "success" else None,
-        num_prompt_tokens=100 if outcome != "rejected" else 0, num_output_tokens=n_out,
-        num_cached_tokens=cached)
+        f"r{i}",
+        workload,
+        "default",
+        priority,
+        send_s=send,
+        scheduled_s=send,
+        first_token_s=first if n_out else None,
+        chunk_times_s=times,
+        chunk_tokens=[1] * n_out,
+        token_times_s=list(times),
+        end_s=(times[-1] if times else send + ttft),
+        outcome=outcome,
+        queue_s=0.1 if outcome == "success" else None,
+        num_prompt_tokens=100 if outcome != "rejected" else 0,
+        num_output_tokens=n_out,
+        num_cached_tokens=cached,
+    )
 
 
 def sample_records():
-    return [rec(0, 0.0, 0.5, 11, 0.05),  # E2E 1.0
-            rec(1, 0.5, 3.0, 5, 0.05),  # TTFT misses 2 s
-            rec(2, 1.0, 0.2, 1, 0.0, workload="long_context", cached=50),  # one token
-            rec(3, 1.5, 0.0, 0, 0.0, outcome="rejected"),
-            rec(4, 2.0, 0.4, 3, 0.05, outcome="cancelled", priority=1),
-            rec(5, 70.0, 0.3, 11, 0.02)]  # steady state (after the 60 s cold window)
+    return [
+        rec(0, 0.0, 0.5, 11, 0.05),  # E2E 1.0
+        rec(1, 0.5, 3.0, 5, 0.05),  # TTFT misses 2 s
+        rec(2, 1.0, 0.2, 1, 0.0, workload="long_context", cached=50),  # one token
+        rec(3, 1.5, 0.0, 0, 0.0, outcome="rejected"),
+        rec(4, 2.0, 0.4, 3, 0.05, outcome="cancelled", priority=1),
+        rec(5, 70.0, 0.3, 11, 0.02),
+    ]  # steady state (after the 60 s cold window)
 
 
 def build(records=None, **kw):
-    return report.build_report(sample_records() if records is None else records, conditions={"model": "mock"},
-                               policy=parse_slo_policy("ttft_s=2,tpot_s=0.1,e2e_s=5"),
-                               cost=report.CostConfig(price_per_device_hour=3.6), **kw)
+    return report.build_report(
+        sample_records() if records is None else records,
+        conditions={"model": "mock"},
+        policy=parse_slo_policy("ttft_s=2,tpot_s=0.1,e2e_s=5"),
+        cost=report.CostConfig(price_per_device_hour=3.6),
+        **kw,
+    )
 
 
 def test_report_has_required_keys_and_consistent_counts():
@@ -63,8 +90,11 @@ def test_report_has_required_keys_and_consistent_counts():
 
 
 def test_observed_concurrency():
-    recs = [RequestRecord("a", send_s=0.0, end_s=2.0), RequestRecord("b", send_s=1.0, end_s=3.0),
-            RequestRecord("c", send_s=5.0, end_s=6.0)]
+    recs = [
+        RequestRecord("a", send_s=0.0, end_s=2.0),
+        RequestRecord("b", send_s=1.0, end_s=3.0),
+        RequestRecord("c", send_s=5.0, end_s=6.0),
+    ]
     # In flight: 1 on [0,1), 2 on [1,2), 1 on [2,3), 0 on [3,5), 1 on [5,6): area 5 over 6 s.
     assert report.observed_concurrency(recs) == {"mean": pytest.approx(5 / 6), "max": 2}
 
@@ -83,8 +113,7 @@ def test_write_report_files(tmp_path):
     records = sample_records()
     paths = report.write_report(tmp_path, build(records), records)
     names = {p.name for p in paths}
-    assert {"report.json", "report.md", "records.jsonl", "latency_cdf.png",
-            "timeline.png"} <= names
+    assert {"report.json", "report.md", "records.jsonl", "latency_cdf.png", "timeline.png"} <= names
     for p in paths:
         assert p.stat().st_size > 0
     assert json.loads((tmp_path / "report.json").read_text())["requests_sent"] == 6
@@ -99,11 +128,13 @@ def test_report_refuses_empty_run():
 
 
 def test_scrape_parse_and_pick():
-    text = ("# TYPE pagedjax_kv_cache_usage_ratio gauge\npagedjax_kv_cache_usage_ratio 0.5\n"
-            "# TYPE pagedjax_num_requests_running gauge\npagedjax_num_requests_running 3\n"
-            "# TYPE pagedjax_num_requests_waiting gauge\n"
-            'pagedjax_num_requests_waiting{tenant="a"} 2\n'
-            "# TYPE pagedjax_preemptions counter\npagedjax_preemptions_total 4\n")
+    text = (
+        "# TYPE pagedjax_kv_cache_usage_ratio gauge\npagedjax_kv_cache_usage_ratio 0.5\n"
+        "# TYPE pagedjax_num_requests_running gauge\npagedjax_num_requests_running 3\n"
+        "# TYPE pagedjax_num_requests_waiting gauge\n"
+        'pagedjax_num_requests_waiting{tenant="a"} 2\n'
+        "# TYPE pagedjax_preemptions counter\npagedjax_preemptions_total 4\n"
+    )
     sample = scrape.parse_samples(text)
     assert sample["pagedjax_num_requests_waiting{tenant=a}"] == 2.0
     series = [(1.0, sample), (2.0, {**sample, "pagedjax_preemptions_total": 6.0})]
@@ -118,22 +149,40 @@ def fake_step_report(rate, ttft_p95, success_frac, tpot=0.05):
     sent = int(rate * 10)
     ok = round(sent * success_frac)
     lat = lambda v: {"p50": v / 2, "p95": v, "p99": v * 1.2}
-    return {"ttft_s": lat(ttft_p95), "tpot_s": lat(tpot), "e2e_s": lat(ttft_p95 + 1),
-            "itl_s": lat(tpot), "queue_s": lat(0.1),
-            "throughput": {"rps": ok / 10, "output_tps": ok * 5.0},
-            "goodput_rps": ok / 10, "goodput": {"good_requests": ok},
-            "outcomes": {"success": ok, "cancelled": 0, "rejected": sent - ok, "timed_out": 0,
-                         "failed": 0},
-            "requests_sent": sent, "slo": {"default": {"ttft_s": 2.0, "tpot_s": 0.2,
-                                                       "e2e_s": 10.0}},
-            "cost_per_success": 0.01}
+    return {
+        "ttft_s": lat(ttft_p95),
+        "tpot_s": lat(tpot),
+        "e2e_s": lat(ttft_p95 + 1),
+        "itl_s": lat(tpot),
+        "queue_s": lat(0.1),
+        "throughput": {"rps": ok / 10, "output_tps": ok * 5.0},
+        "goodput_rps": ok / 10,
+        "goodput": {"good_requests": ok},
+        "outcomes": {
+            "success": ok,
+            "cancelled": 0,
+            "rejected": sent - ok,
+            "timed_out": 0,
+            "failed": 0,
+        },
+        "requests_sent": sent,
+        "slo": {"default": {"ttft_s": 2.0, "tpot_s": 0.2, "e2e_s": 10.0}},
+        "cost_per_success": 0.01,
+    }
 
 
 def test_sweep_knee_and_operating_point(tmp_path):
-    table = {1.0: (0.3, 1.0), 2.0: (0.4, 1.0), 4.0: (0.9, 1.0), 8.0: (3.0, 0.8),
-             16.0: (9.0, 0.5), 32.0: (20.0, 0.2)}
-    result = sweep.run_sweep(list(table), lambda r, d: fake_step_report(r, *table[r]),
-                             tmp_path, sweep.Gates())
+    table = {
+        1.0: (0.3, 1.0),
+        2.0: (0.4, 1.0),
+        4.0: (0.9, 1.0),
+        8.0: (3.0, 0.8),
+        16.0: (9.0, 0.5),
+        32.0: (20.0, 0.2),
+    }
+    result = sweep.run_sweep(
+        list(table), lambda r, d: fake_step_report(r, *table[r]), tmp_path, sweep.Gates()
+    )
     assert result["knee_rate"] == 4.0  # 0.9 > 2 x 0.3
     assert result["operating_rate"] == 4.0  # 8 fails TTFT p95 and error rate
     assert [s["rate"] for s in result["steps"]] == [1.0, 2.0, 4.0, 8.0, 16.0]  # stop after 2
@@ -144,8 +193,11 @@ def test_sweep_knee_and_operating_point(tmp_path):
 
 
 def test_operating_point_needs_every_lower_rate_to_pass():
-    steps = [{"rate": 1.0, "gates": {"a": True}}, {"rate": 2.0, "gates": {"a": False}},
-             {"rate": 4.0, "gates": {"a": True}}]
+    steps = [
+        {"rate": 1.0, "gates": {"a": True}},
+        {"rate": 2.0, "gates": {"a": False}},
+        {"rate": 4.0, "gates": {"a": True}},
+    ]
     assert sweep.operating_point(steps) == 1.0
     assert sweep.geometric_rates(0.5, 2.0, 4) == [0.5, 1.0, 2.0, 4.0]
 

@@ -11,8 +11,9 @@ from engine.errors import InvalidRequestError
 from engine.step import engine_step
 from models.dense_generate import generate_dense
 
-TINY_OPTS = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32,
-                 max_model_len=256)
+TINY_OPTS = dict(
+    page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
+)
 
 
 def mixed_prompts(n, seed=0, vocab=512):
@@ -21,8 +22,13 @@ def mixed_prompts(n, seed=0, vocab=512):
 
 
 def dense(llm, ids, max_tokens):
-    return generate_dense(llm.model.params, llm.model.config, ids, max_tokens,
-                          eos_token_ids=llm.tokenizer.eos_token_ids)["token_ids"]
+    return generate_dense(
+        llm.model.params,
+        llm.model.config,
+        ids,
+        max_tokens,
+        eos_token_ids=llm.tokenizer.eos_token_ids,
+    )["token_ids"]
 
 
 def assert_pool_empty(llm):
@@ -45,10 +51,9 @@ def tiny_reference(tiny_llm):
 
 def check_against_dense(llm, prompts, expected, max_tokens=12):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    for p, o, want in zip(prompts, outs, expected):
+    for o, want in zip(outs, expected):
         assert o.token_ids == want
-        assert o.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_token_ids
-                                   else "length")
+        assert o.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_token_ids else "length")
     assert_pool_empty(llm)
     return outs
 
@@ -67,8 +72,11 @@ def test_tiny_pool_forces_preemption_and_still_matches(tiny_reference):
 
 
 def test_small_prefill_chunk_matches(tiny_reference):
-    llm = LLM("tiny", num_pages=200, **{**TINY_OPTS, "prefill_chunk_size": 5,
-                                       "max_num_batched_tokens": 16})
+    llm = LLM(
+        "tiny",
+        num_pages=200,
+        **{**TINY_OPTS, "prefill_chunk_size": 5, "max_num_batched_tokens": 16},
+    )
     check_against_dense(llm, *tiny_reference)
 
 
@@ -110,21 +118,23 @@ def test_seeded_sampling_does_not_depend_on_batch(tiny_llm):
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234)
     alone = tiny_llm.generate([[1, 5, 6, 7]], params)[0].token_ids
     others = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in range(5)]
-    batch = tiny_llm.generate([[1, 9, 9]] * 2 + [[1, 5, 6, 7]] + [[1, 3]] * 3,
-                              others[:2] + [params] + others[2:5])
+    batch = tiny_llm.generate(
+        [[1, 9, 9]] * 2 + [[1, 5, 6, 7]] + [[1, 3]] * 3, others[:2] + [params] + others[2:5]
+    )
     assert batch[2].token_ids == alone
 
 
 def test_stop_conditions_and_logprobs(tiny_llm):
     prompt = [1, 10, 11, 12]
-    free = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
-                                                        ignore_eos=True))[0]
+    free = tiny_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )[0]
     stop_id = free.token_ids[3]
     k = free.token_ids.index(stop_id)  # first occurrence
-    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
-                                                     stop_token_ids=(stop_id,),
-                                                     logprobs=3))[0]
-    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:k + 1]
+    out = tiny_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop_id,), logprobs=3)
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: k + 1]
     assert len(out.logprobs) == len(out.token_ids)
     assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in out.logprobs)
     assert out.logprobs[0].top[0][0] == out.token_ids[0]  # greedy picks the top token
@@ -132,11 +142,13 @@ def test_stop_conditions_and_logprobs(tiny_llm):
 
 def test_penalties_change_greedy_output(tiny_llm):
     prompt = [1, 10, 11, 12]
-    plain = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
-                                                       ignore_eos=True))[0].token_ids
-    pen = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
-                                                     ignore_eos=True,
-                                                     frequency_penalty=2.0))[0].token_ids
+    plain = tiny_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )[0].token_ids
+    pen = tiny_llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=2.0),
+    )[0].token_ids
     assert len(set(pen)) >= len(set(plain))
     assert_pool_empty(tiny_llm)
 
@@ -156,8 +168,15 @@ def test_no_recompilation_after_warmup():
     from engine.warmup import reachable_shapes, warmup
 
     # A small config keeps the reachable set small (8 shapes) so the test compiles them all.
-    llm = LLM("tiny", num_pages=64, page_size=16, max_num_seqs=2, max_num_batched_tokens=16,
-              prefill_chunk_size=16, max_model_len=64)
+    llm = LLM(
+        "tiny",
+        num_pages=64,
+        page_size=16,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        prefill_chunk_size=16,
+        max_model_len=64,
+    )
     assert len(reachable_shapes(llm.engine.sched_config)) == 8
     warmup(llm.engine, sampling=("greedy",))
     compiled = engine_step._cache_size()
@@ -170,23 +189,43 @@ def test_no_recompilation_after_warmup():
 
 def test_stats_report_memory(tiny_llm):
     s = tiny_llm.stats()
-    for key in ("weights_bytes", "kv_bytes_total", "kv_bytes_used", "kv_pages_used",
-                "kv_pages_free", "num_running", "num_waiting", "num_preemptions",
-                "allocation_failures", "tokens_processed"):
+    for key in (
+        "weights_bytes",
+        "kv_bytes_total",
+        "kv_bytes_used",
+        "kv_pages_used",
+        "kv_pages_free",
+        "num_running",
+        "num_waiting",
+        "num_preemptions",
+        "allocation_failures",
+        "tokens_processed",
+    ):
         assert key in s
     assert s["kv_bytes_total"] == 2 * 2 * 2 * 200 * 8 * 16 * 4  # K+V, L, K heads, pages...
 
 
 @pytest.mark.slow
 def test_smollm2_paged_matches_dense(smollm2):
-    llm = LLM(smollm2, num_pages=256, max_num_seqs=8, max_num_batched_tokens=128,
-              prefill_chunk_size=64, max_model_len=512)
-    questions = ["What is the capital of France?", "Name three colors.",
-                 "Write a haiku about the sea.", "What is 2 + 2?",
-                 "Who wrote Hamlet?", "Explain gravity in one sentence."]
+    llm = LLM(
+        smollm2,
+        num_pages=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        prefill_chunk_size=64,
+        max_model_len=512,
+    )
+    questions = [
+        "What is the capital of France?",
+        "Name three colors.",
+        "Write a haiku about the sea.",
+        "What is 2 + 2?",
+        "Who wrote Hamlet?",
+        "Explain gravity in one sentence.",
+    ]
     prompts = [[{"role": "user", "content": q}] for q in questions]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     for p, o in zip(prompts, outs):
-        assert o.token_ids == dense(llm, llm.encode_prompt(p), 24)[:len(o.token_ids)]
+        assert o.token_ids == dense(llm, llm.encode_prompt(p), 24)[: len(o.token_ids)]
     assert "Paris" in outs[0].text
     assert_pool_empty(llm)

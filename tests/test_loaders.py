@@ -22,27 +22,49 @@ def write_tiny_hf_dir(path, *, hidden=64, bad_tensor=None):
     D, H, K, hd, F, V = 64, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size, 512
     rng = np.random.default_rng(0)
     t = lambda *s: rng.normal(0, 0.2, s).astype(np.float32)  # noqa: E731
-    tensors = {"model.embed_tokens.weight": t(V, D), "model.norm.weight": t(D),
-               "lm_head.weight": t(V, D)}
+    tensors = {
+        "model.embed_tokens.weight": t(V, D),
+        "model.norm.weight": t(D),
+        "lm_head.weight": t(V, D),
+    }
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": t(D), p + "post_attention_layernorm.weight": t(D),
-            p + "self_attn.q_proj.weight": t(H * hd, D), p + "self_attn.k_proj.weight": t(K * hd, D),
-            p + "self_attn.v_proj.weight": t(K * hd, D), p + "self_attn.o_proj.weight": t(D, H * hd),
-            p + "mlp.gate_proj.weight": t(F, D), p + "mlp.up_proj.weight": t(F, D),
-            p + "mlp.down_proj.weight": t(D, F)})
+        tensors.update(
+            {
+                p + "input_layernorm.weight": t(D),
+                p + "post_attention_layernorm.weight": t(D),
+                p + "self_attn.q_proj.weight": t(H * hd, D),
+                p + "self_attn.k_proj.weight": t(K * hd, D),
+                p + "self_attn.v_proj.weight": t(K * hd, D),
+                p + "self_attn.o_proj.weight": t(D, H * hd),
+                p + "mlp.gate_proj.weight": t(F, D),
+                p + "mlp.up_proj.weight": t(F, D),
+                p + "mlp.down_proj.weight": t(D, F),
+            }
+        )
     if bad_tensor:
         tensors[bad_tensor] = t(3, 3)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-                   "num_hidden_layers": cfg.num_layers, "num_attention_heads": H,
-                   "num_key_value_heads": K, "intermediate_size": F, "vocab_size": V,
-                   "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-                   "rope_theta": 10000.0, "tie_word_embeddings": False,
-                   "bos_token_id": 1, "eos_token_id": 2}, f)
+        json.dump(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": hidden,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": H,
+                "num_key_value_heads": K,
+                "intermediate_size": F,
+                "vocab_size": V,
+                "max_position_embeddings": 1024,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            f,
+        )
     tiny_tokenizer().backend.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
@@ -66,8 +88,11 @@ def test_missing_and_misshaped_hf_checkpoints(tmp_path):
     with pytest.raises(ModelLoadError, match="config.json"):
         load_hf_dir(str(tmp_path))
     bad = write_tiny_hf_dir(str(tmp_path / "bad"), bad_tensor="model.layers.1.mlp.up_proj.weight")
-    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.up_proj.weight' has shape "
-                                             r"\(3, 3\), expected \(128, 64\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'model.layers.1.mlp.up_proj.weight' has shape "
+        r"\(3, 3\), expected \(128, 64\)",
+    ):
         load_hf_dir(bad)
     wrong = write_tiny_hf_dir(str(tmp_path / "wrong"), hidden=32)
     with pytest.raises(ModelLoadError, match="expected"):

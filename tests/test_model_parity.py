@@ -32,8 +32,7 @@ SMOLLM2_MAX_ABS_LOGIT_DIFF = 2e-3
 def all_logits(params, cfg, token_ids):
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     cache = DenseKVCache.zeros(cfg, token_ids.shape[0], params.embed.dtype)
-    logits, _ = forward(params, cfg, token_ids, positions, cache,
-                        dense_attention(cfg, positions))
+    logits, _ = forward(params, cfg, token_ids, positions, cache, dense_attention(cfg, positions))
     return logits
 
 
@@ -41,7 +40,8 @@ def all_logits(params, cfg, token_ids):
 def hf_smollm2(smollm2):
     folder, name = os.path.split(smollm2.source)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32)
+        folder, gguf_file=name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -70,28 +70,45 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2, hf_smollm2):
             # An explicit attention mask: the chat prompt contains <|im_end|>, which is also
             # the pad id, and transformers would otherwise mask those tokens out.
             x = torch.tensor([ids])
-            ref = hf_smollm2.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32,
-                                      do_sample=False, eos_token_id=None,
-                                      pad_token_id=2)[0, len(ids):].tolist()
+            ref = hf_smollm2.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )[0, len(ids) :].tolist()
         assert ours == ref, (prompt, tok.decode(ours), tok.decode(ref))
 
 
 def test_dense_generate_answers_paris(smollm2):
     tok = smollm2.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    out = generate_dense(smollm2.params, smollm2.config, tok.encode(text, add_special_tokens=False),
-                         32, eos_token_ids=tok.eos_token_ids)
+    out = generate_dense(
+        smollm2.params,
+        smollm2.config,
+        tok.encode(text, add_special_tokens=False),
+        32,
+        eos_token_ids=tok.eos_token_ids,
+    )
     assert "Paris" in tok.decode(out["token_ids"])
     assert out["finish_reason"] == "stop"
 
 
 def _tiny_hf_checkpoint(tmp_path, qwen: bool):
     cfg = dataclasses.replace(from_name("tiny"), attention_bias=qwen, tie_embeddings=qwen)
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                  intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
-                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                  max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta,
-                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
     if qwen:
         hf_cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(hf_cfg)

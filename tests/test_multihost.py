@@ -31,18 +31,35 @@ def _free_port() -> int:
 def _launch(num_processes: int, mesh: str) -> list[subprocess.Popen]:
     addr = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return [subprocess.Popen(
-        [sys.executable, "-m", "engine.distributed", "--model=tiny", f"--mesh={mesh}",
-         f"--prompts={PROMPTS}", f"--max_tokens={MAX_TOKENS}", "--cpu_devices=2",
-         f"--coordinator_address={addr}", f"--num_processes={num_processes}",
-         f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "engine.distributed",
+                "--model=tiny",
+                f"--mesh={mesh}",
+                f"--prompts={PROMPTS}",
+                f"--max_tokens={MAX_TOKENS}",
+                "--cpu_devices=2",
+                f"--coordinator_address={addr}",
+                f"--num_processes={num_processes}",
+                f"--process_id={i}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
 
 
 def _tagged(stdout: str, tag: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith(tag + " ")]
     assert lines, f"no {tag} line in output"
-    return json.loads(lines[-1][len(tag) + 1:])
+    return json.loads(lines[-1][len(tag) + 1 :])
 
 
 def test_two_processes_generate_like_one(tiny_model):
@@ -53,14 +70,15 @@ def test_two_processes_generate_like_one(tiny_model):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     leader, follower = _tagged(outs[0][0], "RESULT"), _tagged(outs[1][0], "FOLLOWER")
     assert leader["processes"] == 2 and leader["devices"] == 4
     assert follower["steps"] == leader["steps"] > 0  # the follower ran every step
 
-    config = EngineConfig(model="tiny", num_pages=32, max_num_seqs=4,
-                          max_num_batched_tokens=64, max_model_len=128)
+    config = EngineConfig(
+        model="tiny", num_pages=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128
+    )
     prompts = [[int(t) for t in s.split(",")] for s in PROMPTS.split(";")]
     expected = generate_ids(EngineCore(tiny_model, config), prompts, MAX_TOKENS)
     assert leader["tokens"] == expected
@@ -71,8 +89,13 @@ def test_single_process_needs_no_initialize():
     assert StepChannel().is_leader
 
 
-@pytest.mark.parametrize("kwargs,field", [({"num_processes": 0}, "num_processes"),
-                                          ({"num_processes": 2, "process_id": 2}, "process_id")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": 2, "process_id": 2}, "process_id"),
+    ],
+)
 def test_bad_distributed_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DistributedConfig(**kwargs)

@@ -14,11 +14,17 @@ NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart
 def test_quickstart_notebook_runs(monkeypatch):
     monkeypatch.setenv("PAGEDJAX_EXAMPLE_MODEL", "tiny")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.get("outputs", []))
+    nbclient.NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},
+    ).execute()
+    text = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
     assert "What is the capital of France? ->" in text
     assert text.count(" length ttft=") + text.count(" stop ttft=") == 3
-    assert "weights_bytes" in "".join(str(o.get("data", "")) for c in nb.cells
-                                      for o in c.get("outputs", []))
+    assert "weights_bytes" in "".join(
+        str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", [])
+    )

@@ -252,8 +252,10 @@ def test_stats_dict_reports_the_counters():
 
 # ---- tenant salts and configs ----------------------------------------------------------
 def test_cache_salt_policy():
-    policy = CacheSharingPolicy(isolated_tenants=frozenset({"secret"}),
-                                shared_groups=(("public", frozenset({"acme", "globex"})),))
+    policy = CacheSharingPolicy(
+        isolated_tenants=frozenset({"secret"}),
+        shared_groups=(("public", frozenset({"acme", "globex"})),),
+    )
     assert cache_salt_for("a", policy) == cache_salt_for("a", policy) == "tenant:a"
     assert cache_salt_for("a", policy) != cache_salt_for("b", policy)
     assert cache_salt_for("acme", policy) == cache_salt_for("globex", policy)
@@ -267,14 +269,23 @@ def test_cache_policy_rejects_ambiguous_tenants():
     with pytest.raises(ValueError, match="one group only"):
         CacheSharingPolicy(shared_groups=(("g1", frozenset({"a"})), ("g2", frozenset({"a"}))))
     with pytest.raises(ValueError, match="isolated"):
-        CacheSharingPolicy(isolated_tenants=frozenset({"a"}),
-                           shared_groups=(("g", frozenset({"a"})),))
+        CacheSharingPolicy(
+            isolated_tenants=frozenset({"a"}), shared_groups=(("g", frozenset({"a"})),)
+        )
 
 
-@pytest.mark.parametrize("field,value", [
-    ("page_size", 0), ("num_pages", 1), ("max_num_seqs", 0), ("max_num_batched_tokens", 0),
-    ("prefill_chunk_size", 10_000), ("priority_aging_per_s", -1.0), ("prefix_cache_ttl_s", 0.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("page_size", 0),
+        ("num_pages", 1),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("prefill_chunk_size", 10_000),
+        ("priority_aging_per_s", -1.0),
+        ("prefix_cache_ttl_s", 0.0),
+    ],
+)
 def test_scheduler_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         SchedulerConfig(**{field: value})

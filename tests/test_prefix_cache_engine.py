@@ -24,8 +24,14 @@ from engine.api_types import EngineRequest
 from engine.core import EngineCore
 
 PS = 8
-OPTS = {"page_size": PS, "num_pages": 7, "max_num_seqs": 2, "max_num_batched_tokens": 16,
-        "prefill_chunk_size": 16, "max_model_len": 32}
+OPTS = {
+    "page_size": PS,
+    "num_pages": 7,
+    "max_num_seqs": 2,
+    "max_num_batched_tokens": 16,
+    "prefill_chunk_size": 16,
+    "max_model_len": 32,
+}
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 BASE = [1] + np.random.default_rng(7).integers(3, 512, 23).tolist()  # 24 tokens
@@ -134,8 +140,9 @@ def test_tenants_never_share_pages_but_a_tenant_shares_with_itself(llm_on):
 
 
 def test_sharing_policy_groups_and_isolated_tenants(tiny_model):
-    policy = CacheSharingPolicy(isolated_tenants={"secret"},
-                                shared_groups=(("public", {"x", "y"}),))
+    policy = CacheSharingPolicy(
+        isolated_tenants={"secret"}, shared_groups=(("public", {"x", "y"}),)
+    )
     llm = LLM(tiny_model, cache_sharing=policy, **OPTS)
     prompt = BASE[:18]
     assert greedy_one(llm, prompt, tenant="x").metrics.cached_tokens == 0
@@ -160,7 +167,8 @@ def test_revision_change_gives_no_hits_and_new_weights_answer(tiny_model, llm_of
     new = [greedy_one(llm, p) for p in prompts]
     assert new[0].metrics.cached_tokens == 0
     assert llm.stats()["prefix_cache_hit_tokens"] - hits == sum(
-        o.metrics.cached_tokens for o in new[1:])  # later hits only on new-revision pages
+        o.metrics.cached_tokens for o in new[1:]
+    )  # later hits only on new-revision pages
     fresh = LLM(new_model, prefix_caching=False, **OPTS)
     assert [o.token_ids for o in new] == [greedy_one(fresh, p).token_ids for p in prompts]
     assert [o.token_ids for o in new] != [o.token_ids for o in old]  # the weights matter
@@ -177,8 +185,9 @@ def test_ttl_expires_unused_pages(tiny_model):
 
 
 # ---- randomized: hits, evictions, preemptions, cancellations --------------------------------
-def drive(core: EngineCore, arrivals: list[tuple[int, list[int], str, int | None]]
-          ) -> tuple[dict[str, list[int]], dict[str, str], dict[str, int]]:
+def drive(
+    core: EngineCore, arrivals: list[tuple[int, list[int], str, int | None]]
+) -> tuple[dict[str, list[int]], dict[str, str], dict[str, int]]:
     """Adds request i at step arrivals[i][0] (prompt, tenant), aborts it at step
     arrivals[i][3] if given; checks the page accounting after every step."""
     tokens, reasons, cached = {}, {}, {}
@@ -219,7 +228,8 @@ def check_page_references(core: EngineCore) -> None:
 _STEM = st.tuples(st.sampled_from([0, 1]), st.one_of(st.integers(0, 20), st.integers(16, 20)))
 _REQUEST = st.tuples(
     st.integers(0, 8),  # arrival step
-    _STEM, st.integers(1, 4),  # question length
+    _STEM,
+    st.integers(1, 4),  # question length
     st.sampled_from(["t1", "t2"]),
     st.one_of(st.none(), st.integers(0, 10)),  # abort this many steps after arrival
 )
@@ -240,12 +250,16 @@ def reference_outputs(llm_off):
     return get
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(requests=st.lists(_REQUEST, min_size=3, max_size=7), repeat=st.integers(0, 2))
-def test_random_workload_matches_cache_off_and_returns_every_page(tiny_model,
-                                                                  reference_outputs,
-                                                                  requests, repeat):
+def test_random_workload_matches_cache_off_and_returns_every_page(
+    tiny_model, reference_outputs, requests, repeat
+):
     arrivals = []
     for i, (at, (base, length), q_len, tenant, abort_after) in enumerate(requests):
         prompt = _BASES[base][:length] + question(i % 3, q_len)  # i % 3: repeated questions
@@ -260,10 +274,12 @@ def test_random_workload_matches_cache_off_and_returns_every_page(tiny_model,
     for i, want in enumerate(expected):
         rid, prompt = f"r{i}", arrivals[i][1]
         if reasons[rid] == "cancelled":
-            assert tokens[rid] == want[:len(tokens[rid])]
+            assert tokens[rid] == want[: len(tokens[rid])]
         else:
-            assert (tokens[rid], reasons[rid]) == (want, "length" if len(want) == MAX_TOKENS
-                                                   and want[-1] != 2 else "stop")
+            assert (tokens[rid], reasons[rid]) == (
+                want,
+                "length" if len(want) == MAX_TOKENS and want[-1] != 2 else "stop",
+            )
         assert cached[rid] % PS == 0 and cached[rid] <= len(prompt) - 1
     s = core.stats()
     event(f"hits>0: {s['prefix_cache_hit_tokens'] > 0}")
@@ -274,16 +290,17 @@ def test_random_workload_matches_cache_off_and_returns_every_page(tiny_model,
     assert_pool_idle(core)
 
 
-def test_pressure_workload_hits_evicts_preempts_and_still_matches(tiny_model,
-                                                                  reference_outputs):
+def test_pressure_workload_hits_evicts_preempts_and_still_matches(tiny_model, reference_outputs):
     """The mix the random test draws from, pinned so that each effect surely happens."""
-    arrivals = [(0, BASE[:20] + question(0, 4), "t1", None),
-                (0, _BASES[1][:20] + question(1, 4), "t1", None),  # 2 x 4 pages > 6: preempt
-                (1, BASE[:20] + question(2, 3), "t1", 3),  # cancelled while waiting/running
-                (6, _BASES[1][:16] + question(3, 2), "t2", None),
-                (9, BASE[:20] + question(4, 2), "t1", None),
-                (14, BASE[:20] + question(0, 4), "t1", None),  # an exact repeat
-                (20, _BASES[1][:20] + question(5, 4), "t2", None)]
+    arrivals = [
+        (0, BASE[:20] + question(0, 4), "t1", None),
+        (0, _BASES[1][:20] + question(1, 4), "t1", None),  # 2 x 4 pages > 6: preempt
+        (1, BASE[:20] + question(2, 3), "t1", 3),  # cancelled while waiting/running
+        (6, _BASES[1][:16] + question(3, 2), "t2", None),
+        (9, BASE[:20] + question(4, 2), "t1", None),
+        (14, BASE[:20] + question(0, 4), "t1", None),  # an exact repeat
+        (20, _BASES[1][:20] + question(5, 4), "t2", None),
+    ]
     core = EngineCore(tiny_model, EngineConfig(model="tiny", **OPTS))
     tokens, reasons, cached = drive(core, arrivals)
     expected = reference_outputs([a[1] for a in arrivals])
@@ -306,8 +323,10 @@ def test_prefix_cache_bench_smoke(tiny_model):
     shared, ttft = result["shared"], result["ttft"]
     assert shared["outputs_identical"]
     assert shared["on"]["prefill_tokens_saved"] > 0 == shared["off"]["prefill_tokens_saved"]
-    assert (shared["on"]["tokens_computed"] + shared["on"]["prefill_tokens_saved"]
-            == shared["off"]["tokens_computed"])
+    assert (
+        shared["on"]["tokens_computed"] + shared["on"]["prefill_tokens_saved"]
+        == shared["off"]["tokens_computed"]
+    )
     assert ttft["warm_cached_tokens_median"] == PS  # 16-token prompts: one full page
     assert result["unshared"]["hit_tokens"] == 0
     text = render(result)

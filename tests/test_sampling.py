@@ -40,8 +40,8 @@ def pad_vocab(rows):
     """[n, v] -> [S, V] float32, extra tokens at -inf, extra rows zeros."""
     rows = np.atleast_2d(np.asarray(rows, np.float32))
     out = np.zeros((S, V), np.float32)
-    out[:, rows.shape[1]:] = -np.inf
-    out[:rows.shape[0], :rows.shape[1]] = rows
+    out[:, rows.shape[1] :] = -np.inf
+    out[: rows.shape[0], : rows.shape[1]] = rows
     return jnp.asarray(out)
 
 
@@ -76,8 +76,10 @@ def chi_square(tokens, probs):
 def test_greedy_rows_take_argmax_with_every_flag_set():
     logits = jnp.asarray(rng.standard_normal((S, V)).astype(np.float32) * 3)
     t = tensors([SamplingParams(temperature=0.0)] * 6)  # and S - 6 padding rows
-    for flags in [SamplingFlags(), SamplingFlags(all_greedy=True, filters=False,
-                                                 top_logprobs=False)]:
+    for flags in [
+        SamplingFlags(),
+        SamplingFlags(all_greedy=True, filters=False, top_logprobs=False),
+    ]:
         res = sample_jit(logits, t, flags=flags)
         np.testing.assert_array_equal(res.tokens, np.argmax(logits, axis=-1))
 
@@ -104,8 +106,7 @@ def test_hierarchical_draw_across_blocks_matches_softmax():
     for i, p in hot.items():
         logits[i] = np.log(p)
     probs = np.exp(logits) / np.exp(logits).sum()
-    toks = draw_many(logits, lambda s: SamplingParams(seed=s), 8 * S,
-                     SamplingFlags(filters=False))
+    toks = draw_many(logits, lambda s: SamplingParams(seed=s), 8 * S, SamplingFlags(filters=False))
     assert set(np.unique(toks)) <= set(hot)
     assert chi_square(toks, probs) < 18.5  # 4 dof, p = 0.001
 
@@ -125,13 +126,18 @@ def allowed_reference(logits, temperature, top_k, top_p, min_p):
     return set(np.flatnonzero(keep))
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2),
-                                                (8, 0.7, 0.1), (40, 0.95, 0.0)])
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p",
+    [(5, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (8, 0.7, 0.1), (40, 0.95, 0.0)],
+)
 def test_filters_never_pick_excluded_tokens(top_k, top_p, min_p):
     logits = rng.standard_normal(V).astype(np.float32) * 2
     allowed = allowed_reference(logits, 0.8, top_k, top_p, min_p)
-    toks = draw_many(logits, lambda s: SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p,
-                                                      min_p=min_p, seed=s), 4 * S)
+    toks = draw_many(
+        logits,
+        lambda s: SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=s),
+        4 * S,
+    )
     assert set(np.unique(toks)) <= allowed
     assert len(set(np.unique(toks))) >= min(3, len(allowed))  # the filter is not degenerate
 
@@ -144,16 +150,20 @@ def test_top_k_alone_samples_its_k_tokens_with_renormalized_probs():
 
 
 def test_penalties_follow_vllm_definitions_by_hand():
-    logits = jnp.array([[2.0, -1.0, 0.5, 3.0, -2.0],
-                        [1.0, 1.0, -1.0, 0.0, 4.0]])
-    counts = jnp.array([[0, 2, 0, 1, 0],
-                        [0, 0, 3, 0, 0]], jnp.int32)
-    prompt = jnp.array([[True, False, False, False, False],
-                        [False, True, False, False, False]])
+    logits = jnp.array([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, -1.0, 0.0, 4.0]])
+    counts = jnp.array([[0, 2, 0, 1, 0], [0, 0, 3, 0, 0]], jnp.int32)
+    prompt = jnp.array([[True, False, False, False, False], [False, True, False, False, False]])
     t = SamplingTensors.from_params(
-        [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
-                        seed=0),
-         SamplingParams(repetition_penalty=0.5, presence_penalty=-1.0, seed=0)], [0, 0], None, 2)
+        [
+            SamplingParams(
+                repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, seed=0
+            ),
+            SamplingParams(repetition_penalty=0.5, presence_penalty=-1.0, seed=0),
+        ],
+        [0, 0],
+        None,
+        2,
+    )
     got = np.asarray(jax.jit(apply_penalties)(logits, counts, prompt, t))
     # row 0: rep 2 on tokens {0 (prompt), 1, 3 (output)}; then -0.5*count -0.25*(count>0)
     want0 = [2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, -2.0]
@@ -179,11 +189,13 @@ def test_counts_reset_and_update_on_device():
     counts, prompt = init_counts(3, 10)
     counts = counts.at[1].set(7)  # stale state from an earlier request in slot 1
     counts, prompt = jax.jit(reset_slot_counts)(
-        counts, prompt, 1, jnp.array([4, 4, 9, 0, 0]), 3, jnp.array([5, 5, 2, 0]), 3)
+        counts, prompt, 1, jnp.array([4, 4, 9, 0, 0]), 3, jnp.array([5, 5, 2, 0]), 3
+    )
     assert np.flatnonzero(prompt[1]).tolist() == [4, 9]
     assert np.asarray(counts[1]).tolist() == [0, 0, 1, 0, 0, 2, 0, 0, 0, 0]
-    counts = jax.jit(update_counts)(counts, jnp.array([1, 0, 2]), jnp.array([2, 3, 3]),
-                                    jnp.array([True, True, False]))
+    counts = jax.jit(update_counts)(
+        counts, jnp.array([1, 0, 2]), jnp.array([2, 3, 3]), jnp.array([True, True, False])
+    )
     assert int(counts[1, 2]) == 2 and int(counts[0, 3]) == 1 and int(counts[2].sum()) == 0
 
 
@@ -213,15 +225,18 @@ def test_same_seed_same_tokens_whatever_the_slot_and_companions():
 
 def test_flags_chosen_for_the_batch_do_not_change_a_rows_token():
     logits = jnp.asarray(rng.standard_normal((S, V)).astype(np.float32) * 2)
-    plain = tensors([SamplingParams(temperature=0.9, min_p=0.01 * (i % 3), seed=i)
-                     for i in range(S)])
+    plain = tensors(
+        [SamplingParams(temperature=0.9, min_p=0.01 * (i % 3), seed=i) for i in range(S)]
+    )
     want = np.asarray(sample_jit(logits, plain).tokens)
-    np.testing.assert_array_equal(sample_jit(logits, plain, flags=SamplingFlags(
-        filters=False)).tokens, want)
+    np.testing.assert_array_equal(
+        sample_jit(logits, plain, flags=SamplingFlags(filters=False)).tokens, want
+    )
     filtered = tensors([SamplingParams(top_k=30, top_p=0.9, seed=i) for i in range(S)])
     np.testing.assert_array_equal(
         sample_jit(logits, filtered).tokens,
-        sample_jit(logits, filtered, flags=SamplingFlags(max_candidates=V)).tokens)
+        sample_jit(logits, filtered, flags=SamplingFlags(max_candidates=V)).tokens,
+    )
 
 
 def test_top_k_at_least_vocab_is_off():
@@ -232,10 +247,15 @@ def test_top_k_at_least_vocab_is_off():
 
 def test_logprobs_are_log_softmax_of_processed_logits():
     logits = jnp.asarray(rng.standard_normal((S, V)).astype(np.float32) * 2)
-    t = tensors([SamplingParams(temperature=0.0), SamplingParams(seed=1),
-                 SamplingParams(top_k=4, seed=2),
-                 SamplingParams(top_p=0.5, temperature=0.3, seed=3),
-                 SamplingParams(min_p=0.5, seed=4)])
+    t = tensors(
+        [
+            SamplingParams(temperature=0.0),
+            SamplingParams(seed=1),
+            SamplingParams(top_k=4, seed=2),
+            SamplingParams(top_p=0.5, temperature=0.3, seed=3),
+            SamplingParams(min_p=0.5, seed=4),
+        ]
+    )
     res = sample_jit(logits, t)
     logp = log_softmax(np.asarray(logits))
     rows = np.arange(S)
@@ -251,15 +271,23 @@ def test_stop_ids_are_banned_before_min_tokens():
     res = sample_jit(logits, tensors([p, p], output_lens=[1, 2], eos=(2,)))
     assert res.tokens[:2].tolist() == [1, 2]  # step 1 < 2: EOS and stop id 3 banned
     assert float(res.logprobs[0]) == pytest.approx(
-        log_softmax(np.array([0.0, 1.0, 0.5]))[1], abs=1e-6)
+        log_softmax(np.array([0.0, 1.0, 0.5]))[1], abs=1e-6
+    )
 
 
 def test_sample_compiles_once_for_fixed_shapes():
     logits = jnp.asarray(rng.standard_normal((S, V)).astype(np.float32))
     sizes = []
     for i in range(4):
-        params = [SamplingParams(temperature=0.1 * i, top_k=i, top_p=1.0 - 0.1 * i,
-                                 repetition_penalty=1.0 + i, seed=i)] * (3 + i)
+        params = [
+            SamplingParams(
+                temperature=0.1 * i,
+                top_k=i,
+                top_p=1.0 - 0.1 * i,
+                repetition_penalty=1.0 + i,
+                seed=i,
+            )
+        ] * (3 + i)
         t = tensors(params, output_lens=[i] * len(params), eos=(2,))
         jax.block_until_ready(sample_jit(logits + i, t))
         sizes.append(sample_jit._cache_size())
@@ -278,8 +306,9 @@ def test_pack_round_trips_exactly():
 
 def test_host_helpers():
     assert seed_to_key_data(2**40 + 5).tolist() == [256, 5]
-    np.testing.assert_array_equal(seed_to_key_data(12345),
-                                  jax.random.key_data(jax.random.key(12345)))
+    np.testing.assert_array_equal(
+        seed_to_key_data(12345), jax.random.key_data(jax.random.key(12345))
+    )
     assert resolve_seed(SamplingParams(seed=9)) == 9
     assert 0 <= resolve_seed(SamplingParams()) < 2**63
     with pytest.raises(ValueError, match="no seed"):
@@ -287,12 +316,14 @@ def test_host_helpers():
     with pytest.raises(ValueError, match="num_slots"):
         SamplingTensors.from_params([None] * 3, [0] * 3, None, 2)
     t = SamplingTensors.from_params([SamplingParams(stop_token_ids=(5, 2))], [0], [1], 2, (2,))
-    assert t.stop_ids[0, :3].tolist() == [2, 5, -1] and t.stop_ids.shape[1] == \
-        MAX_MIN_TOKENS_STOP_IDS
+    assert (
+        t.stop_ids[0, :3].tolist() == [2, 5, -1] and t.stop_ids.shape[1] == MAX_MIN_TOKENS_STOP_IDS
+    )
     assert t.key_data[0].tolist() == [0, 1]
     flags = SamplingFlags.for_batch([SamplingParams(temperature=0.0), None])
-    assert flags == dataclasses.replace(SamplingFlags(), filters=False, all_greedy=True,
-                                        top_logprobs=False)
+    assert flags == dataclasses.replace(
+        SamplingFlags(), filters=False, all_greedy=True, top_logprobs=False
+    )
     assert uses_penalties([None, SamplingParams(presence_penalty=0.1)])
     assert not uses_penalties([None, SamplingParams()])
 
@@ -302,6 +333,7 @@ def test_nucleus_wider_than_the_candidate_cap_is_truncated_to_the_cap():
     top = set(np.argsort(-logits, kind="stable")[:256])
     capped = draw_many(logits, functools.partial(seeded, top_p=0.99), 2 * S)
     assert set(np.unique(capped)) <= top
-    exact = draw_many(logits, functools.partial(seeded, top_p=0.99), 2 * S,
-                      SamplingFlags(max_candidates=V))
+    exact = draw_many(
+        logits, functools.partial(seeded, top_p=0.99), 2 * S, SamplingFlags(max_candidates=V)
+    )
     assert not set(np.unique(exact)) <= top

@@ -14,9 +14,17 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
-BASE = SchedulerConfig(page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=32,
-                       prefill_chunk_size=16, max_model_len=256, priority_aging_per_s=0.0,
-                       enable_prefix_caching=True, prefix_cache_ttl_s=None)
+BASE = SchedulerConfig(
+    page_size=4,
+    num_pages=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    prefill_chunk_size=16,
+    max_model_len=256,
+    priority_aging_per_s=0.0,
+    enable_prefix_caching=True,
+    prefix_cache_ttl_s=None,
+)
 
 
 def _sched(**kw) -> Scheduler:
@@ -24,11 +32,17 @@ def _sched(**kw) -> Scheduler:
     return Scheduler(cfg, PagePool.from_config(cfg))
 
 
-def _req(rid: str, num_prompt: int, max_tokens: int = 4, first_token: int | None = None,
-         **kw) -> Request:
+def _req(
+    rid: str, num_prompt: int, max_tokens: int = 4, first_token: int | None = None, **kw
+) -> Request:
     first = first_token if first_token is not None else 1000 * (hash(rid) % 1000)
-    return Request(rid, list(range(first, first + num_prompt)),
-                   SamplingParams(max_tokens=max_tokens), cache_salt="tenant:t", **kw)
+    return Request(
+        rid,
+        list(range(first, first + num_prompt)),
+        SamplingParams(max_tokens=max_tokens),
+        cache_salt="tenant:t",
+        **kw,
+    )
 
 
 def _step(s: Scheduler, now_s: float, token: int = 7):
@@ -285,8 +299,9 @@ def test_second_request_with_the_same_prefix_computes_only_the_rest(caching):
     s = _sched(enable_prefix_caching=caching)
     s.add_request(_req("a", 18, max_tokens=1, first_token=100))
     _drain(s)
-    b = Request("b", list(range(100, 118)) + [5, 6], SamplingParams(max_tokens=1),
-                cache_salt="tenant:t")
+    b = Request(
+        "b", list(range(100, 118)) + [5, 6], SamplingParams(max_tokens=1), cache_salt="tenant:t"
+    )
     s.add_request(b)
     out = s.schedule(10.0)
     expected = 16 if caching else 0
@@ -310,8 +325,9 @@ def test_other_tenant_gets_no_hit():
     s = _sched()
     s.add_request(_req("a", 18, max_tokens=1, first_token=100))
     _drain(s)
-    other = Request("b", list(range(100, 118)), SamplingParams(max_tokens=1),
-                    cache_salt="tenant:other")
+    other = Request(
+        "b", list(range(100, 118)), SamplingParams(max_tokens=1), cache_salt="tenant:other"
+    )
     s.add_request(other)
     s.schedule(10.0)
     assert other.num_cached_tokens == 0
@@ -326,8 +342,12 @@ def test_stats():
 
 # ---- hypothesis: invariants over random workloads -----------------------------------------
 _PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 1, 1, 3, 3, 2, 1])
-_PROMPT = st.builds(lambda i, n, tail: _PREFIXES[i][:n] + tail, st.integers(0, 1),
-                    st.integers(0, 8), st.lists(st.integers(1, 3), min_size=1, max_size=4))
+_PROMPT = st.builds(
+    lambda i, n, tail: _PREFIXES[i][:n] + tail,
+    st.integers(0, 1),
+    st.integers(0, 8),
+    st.lists(st.integers(1, 3), min_size=1, max_size=4),
+)
 _REQUEST = st.tuples(
     _PROMPT,  # 1 to 12 tokens, often sharing a prefix
     st.integers(1, 8),  # max_tokens
@@ -357,7 +377,7 @@ def _check_pages(s: Scheduler, kv: dict) -> None:
             owners[p] = owners.get(p, 0) + 1
         for pos in range(r.num_computed_tokens):
             page = r.page_ids[pos // ps]
-            assert kv[(page, pos % ps)] == (r.cache_salt, tuple(r.all_token_ids[:pos + 1]))
+            assert kv[(page, pos % ps)] == (r.cache_salt, tuple(r.all_token_ids[: pos + 1]))
     for r in s.waiting:
         assert r.page_ids == [] and r.num_computed_tokens == 0
     for p in range(1, pool.num_pages):
@@ -372,26 +392,42 @@ def _fake_device_step(s: Scheduler, out, kv: dict) -> None:
     for x in out.scheduled:
         r = x.request
         for pos in range(x.start, x.start + x.num_new_tokens):
-            kv[(r.page_ids[pos // ps], pos % ps)] = (r.cache_salt,
-                                                     tuple(r.all_token_ids[:pos + 1]))
+            kv[(r.page_ids[pos // ps], pos % ps)] = (
+                r.cache_salt,
+                tuple(r.all_token_ids[: pos + 1]),
+            )
 
 
 @settings(max_examples=150, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 4]), extra_pages=st.integers(0, 4),
-       max_num_seqs=st.integers(1, 4), budget=st.integers(1, 12), chunk=st.integers(1, 12),
-       caching=st.sampled_from([True, True, False]), aging=st.sampled_from([0.0, 0.5]),
-       ttl=st.sampled_from([None, 8.0]), requests=st.lists(_REQUEST, min_size=1, max_size=10),
-       ops=st.lists(_OP, min_size=1, max_size=40),
-       sampled=st.lists(st.integers(1, 6), min_size=1, max_size=7))
-def test_random_workloads_keep_the_invariants(page_size, extra_pages, max_num_seqs, budget,
-                                              chunk, caching, aging, ttl, requests, ops,
-                                              sampled):
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    extra_pages=st.integers(0, 4),
+    max_num_seqs=st.integers(1, 4),
+    budget=st.integers(1, 12),
+    chunk=st.integers(1, 12),
+    caching=st.sampled_from([True, True, False]),
+    aging=st.sampled_from([0.0, 0.5]),
+    ttl=st.sampled_from([None, 8.0]),
+    requests=st.lists(_REQUEST, min_size=1, max_size=10),
+    ops=st.lists(_OP, min_size=1, max_size=40),
+    sampled=st.lists(st.integers(1, 6), min_size=1, max_size=7),
+)
+def test_random_workloads_keep_the_invariants(
+    page_size, extra_pages, max_num_seqs, budget, chunk, caching, aging, ttl, requests, ops, sampled
+):
     # The smallest pool that holds one request of 12 + 8 tokens; extra pages on top.
     num_pages = -(-20 // page_size) + 1 + extra_pages
-    cfg = SchedulerConfig(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, prefill_chunk_size=min(chunk, budget),
-                          max_model_len=64, priority_aging_per_s=aging,
-                          enable_prefix_caching=caching, prefix_cache_ttl_s=ttl)
+    cfg = SchedulerConfig(
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        prefill_chunk_size=min(chunk, budget),
+        max_model_len=64,
+        priority_aging_per_s=aging,
+        enable_prefix_caching=caching,
+        prefix_cache_ttl_s=ttl,
+    )
     s = Scheduler(cfg, PagePool.from_config(cfg, model_keys=("rev",)))
     kv: dict = {}
     added: list[Request] = []
@@ -410,13 +446,14 @@ def test_random_workloads_keep_the_invariants(page_size, extra_pages, max_num_se
         assert len(out.scheduled) <= max_num_seqs and len(s.running) <= max_num_seqs
         assert len({x.request.request_id for x in out.scheduled}) == len(out.scheduled)
         for x in out.scheduled:
-            assert 1 <= x.num_new_tokens and (x.num_new_tokens <= cfg.prefill_chunk_size
-                                              or x.start + x.num_new_tokens == x.request.num_tokens)
+            assert x.num_new_tokens >= 1 and (
+                x.num_new_tokens <= cfg.prefill_chunk_size
+                or x.start + x.num_new_tokens == x.request.num_tokens
+            )
         for r in out.finished_requests:
             outcomes.setdefault(r.request_id, []).append(r.finish_reason)
         _fake_device_step(s, out, kv)
-        tokens = {rid: sampled[i % len(sampled)]
-                  for i, rid in enumerate(out.sampling_request_ids)}
+        tokens = {rid: sampled[i % len(sampled)] for i, rid in enumerate(out.sampling_request_ids)}
         for r in s.update_after_step(out, tokens, now[0]):
             if r.num_output_tokens >= r.sampling.max_tokens:
                 finish(r, "length")
@@ -426,9 +463,15 @@ def test_random_workloads_keep_the_invariants(page_size, extra_pages, max_num_se
 
     def add():
         prompt, max_tokens, priority, salt, has_deadline = requests[len(added)]
-        r = Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=max_tokens),
-                    priority=priority, cache_salt=salt, arrival_s=now[0],
-                    deadline_s=now[0] + 6.0 if has_deadline else None)
+        r = Request(
+            f"r{len(added)}",
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            priority=priority,
+            cache_salt=salt,
+            arrival_s=now[0],
+            deadline_s=now[0] + 6.0 if has_deadline else None,
+        )
         s.add_request(r)
         added.append(r)
 
@@ -457,8 +500,13 @@ def test_random_workloads_keep_the_invariants(page_size, extra_pages, max_num_se
     assert s.pool.num_free_pages == num_pages - 1 and not any(s.pool.ref_counts)
     s.pool.check_invariants()
     stats = s.stats()  # what this workload exercised (pytest --hypothesis-show-statistics)
-    for name in ("num_preemptions", "prefix_hit_tokens", "prefix_evictions",
-                 "prefix_expirations", "allocation_failures"):
+    for name in (
+        "num_preemptions",
+        "prefix_hit_tokens",
+        "prefix_evictions",
+        "prefix_expirations",
+        "allocation_failures",
+    ):
         event(f"{name} > 0: {stats[name] > 0}")
     for reason in s.num_finished:
         event(f"finished {reason}")
@@ -470,9 +518,10 @@ def _run_with_fake_model(cfg: SchedulerConfig, prompts: list[tuple[list[int], st
     wrong page (a bad cache hit, a page reused while still referenced) changes the output."""
     s = Scheduler(cfg, PagePool.from_config(cfg, model_keys=("rev",)))
     ps, kv = cfg.page_size, {}
-    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=m), cache_salt=salt,
-                    arrival_s=float(i))
-            for i, (p, salt, m) in enumerate(prompts)]
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(max_tokens=m), cache_salt=salt, arrival_s=float(i))
+        for i, (p, salt, m) in enumerate(prompts)
+    ]
     for r in reqs:
         s.add_request(r)
     now = 0.0
@@ -497,21 +546,37 @@ def _run_with_fake_model(cfg: SchedulerConfig, prompts: list[tuple[list[int], st
 
 
 @settings(max_examples=40, deadline=None)
-@given(prompts=st.lists(st.tuples(_PROMPT, st.sampled_from(["s1", "s2"]), st.integers(1, 8)),
-                        min_size=1, max_size=10),
-       page_size=st.sampled_from([1, 2, 4]), extra_pages=st.integers(0, 2),
-       max_num_seqs=st.integers(2, 4), budget=st.integers(1, 12))
+@given(
+    prompts=st.lists(
+        st.tuples(_PROMPT, st.sampled_from(["s1", "s2"]), st.integers(1, 8)),
+        min_size=1,
+        max_size=10,
+    ),
+    page_size=st.sampled_from([1, 2, 4]),
+    extra_pages=st.integers(0, 2),
+    max_num_seqs=st.integers(2, 4),
+    budget=st.integers(1, 12),
+)
 def test_outputs_are_the_same_with_cache_on_or_off_and_a_tiny_or_large_pool(
-        prompts, page_size, extra_pages, max_num_seqs, budget):
-    small = SchedulerConfig(page_size=page_size, num_pages=-(-20 // page_size) + 1 + extra_pages,
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            prefill_chunk_size=budget, max_model_len=64,
-                            enable_prefix_caching=True, prefix_cache_ttl_s=None)
+    prompts, page_size, extra_pages, max_num_seqs, budget
+):
+    small = SchedulerConfig(
+        page_size=page_size,
+        num_pages=-(-20 // page_size) + 1 + extra_pages,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        prefill_chunk_size=budget,
+        max_model_len=64,
+        enable_prefix_caching=True,
+        prefix_cache_ttl_s=None,
+    )
     reference, _ = _run_with_fake_model(
-        dataclasses.replace(small, num_pages=1000, enable_prefix_caching=False), prompts)
+        dataclasses.replace(small, num_pages=1000, enable_prefix_caching=False), prompts
+    )
     cached, stats = _run_with_fake_model(small, prompts)
     uncached, _ = _run_with_fake_model(
-        dataclasses.replace(small, enable_prefix_caching=False), prompts)
+        dataclasses.replace(small, enable_prefix_caching=False), prompts
+    )
     assert cached == reference and uncached == reference
     event(f"hits > 0: {stats['prefix_hit_tokens'] > 0}")
     event(f"preemptions > 0: {stats['num_preemptions'] > 0}")

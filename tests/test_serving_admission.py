@@ -1,6 +1,7 @@
 """Admission control, tenant budgets and the circuit breaker, with a fake clock and numbers
 checkable by hand."""
 
+import contextlib
 from types import SimpleNamespace
 
 import grpc
@@ -36,18 +37,26 @@ def _q(rid, tokens=10, priority=1, deadline_s=None):
 
 
 # ---- limits -------------------------------------------------------------------------------
-CFG = AdmissionConfig(max_prompt_tokens=100, max_tokens=50, max_model_len=120,
-                      max_stop_strings=2, max_stop_string_chars=5)
+CFG = AdmissionConfig(
+    max_prompt_tokens=100,
+    max_tokens=50,
+    max_model_len=120,
+    max_stop_strings=2,
+    max_stop_string_chars=5,
+)
 
 
-@pytest.mark.parametrize("prompt,sp,field", [
-    (0, SamplingParams(), "prompt"),
-    (101, SamplingParams(), "prompt"),
-    (10, SamplingParams(max_tokens=51), "max_tokens"),
-    (100, SamplingParams(max_tokens=21), "max_tokens"),  # 100 + 21 > 120
-    (10, SamplingParams(stop=("a", "b", "c")), "stop"),
-    (10, SamplingParams(stop=("abcdef",)), "stop"),
-])
+@pytest.mark.parametrize(
+    "prompt,sp,field",
+    [
+        (0, SamplingParams(), "prompt"),
+        (101, SamplingParams(), "prompt"),
+        (10, SamplingParams(max_tokens=51), "max_tokens"),
+        (100, SamplingParams(max_tokens=21), "max_tokens"),  # 100 + 21 > 120
+        (10, SamplingParams(stop=("a", "b", "c")), "stop"),
+        (10, SamplingParams(stop=("abcdef",)), "stop"),
+    ],
+)
 def test_limits_name_the_field(prompt, sp, field):
     with pytest.raises(InvalidRequestError) as info:
         check_limits(CFG, prompt, sp)
@@ -62,8 +71,10 @@ def test_limits_accept_exact_fit():
 # ---- waiting queue ------------------------------------------------------------------------
 def test_queue_full_by_count_and_tokens():
     clock = Clock()
-    q = WaitingQueue(AdmissionConfig(max_queue_requests=2, max_queue_tokens=25,
-                                     default_retry_after_ms=777), clock)
+    q = WaitingQueue(
+        AdmissionConfig(max_queue_requests=2, max_queue_tokens=25, default_retry_after_ms=777),
+        clock,
+    )
     q.offer(_q("a", 10))
     q.offer(_q("b", 10))
     with pytest.raises(Rejected) as info:
@@ -192,8 +203,9 @@ def test_remove():
 
 # ---- tenants ------------------------------------------------------------------------------
 def test_registry_keys():
-    reg = TenantRegistry.from_dict({"tenants": [{"name": "acme", "api_keys": ["k1"],
-                                                 "max_concurrency": 2}]})
+    reg = TenantRegistry.from_dict(
+        {"tenants": [{"name": "acme", "api_keys": ["k1"], "max_concurrency": 2}]}
+    )
     assert reg.authenticate("k1").name == "acme"
     with pytest.raises(UnknownApiKey):
         reg.authenticate("nope")
@@ -233,18 +245,21 @@ def test_concurrency_limit():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 50), st.integers(1, 50), st.integers(0, 50)),
-                min_size=1, max_size=20))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 50), st.integers(1, 50), st.integers(0, 50)),
+        min_size=1,
+        max_size=20,
+    )
+)
 def test_budget_never_exceeds_capacity_nor_goes_negative(requests):
     clock = Clock(0.0)
     lim = TenantLimiter(clock)
     pol = TenantPolicy("t", tokens_per_minute=200)
     held = []
     for prompt, max_tokens, used in requests:
-        try:
+        with contextlib.suppress(Rejected):
             held.append((lim.acquire(pol, prompt, max_tokens), min(used, max_tokens)))
-        except Rejected:
-            pass
         assert 0 <= lim.level(pol) <= 200
     spent = sum(r.reserved_tokens for r, _ in held)
     assert lim.level(pol) == 200 - spent  # no time passed: exact bookkeeping

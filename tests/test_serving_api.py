@@ -16,8 +16,9 @@ from serving.proto import pagedjax_pb2 as pb
 from serving.tenants import TenantRegistry
 from serving.testing import outcome_counts, running_server, wait_for
 
-ADMISSION = AdmissionConfig(max_prompt_tokens=100, max_tokens=64, max_model_len=128,
-                            max_stop_strings=2)
+ADMISSION = AdmissionConfig(
+    max_prompt_tokens=100, max_tokens=64, max_model_len=128, max_stop_strings=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +45,13 @@ def test_streaming_text_equals_mock_output(served):
 def test_final_message_carries_resolved_versions(served):
     _, client = served
     res = client.generate("abc", max_tokens=2)
-    assert res.versions == {"name": "mock", "revision": "mock-rev-1",
-                            "tokenizer_hash": "bytes-v1", "chat_template_hash": "mock-chat-v1",
-                            "engine_version": "mock-engine-0.1"}
+    assert res.versions == {
+        "name": "mock",
+        "revision": "mock-rev-1",
+        "tokenizer_hash": "bytes-v1",
+        "chat_template_hash": "mock-chat-v1",
+        "engine_version": "mock-engine-0.1",
+    }
 
 
 def test_non_streaming_is_one_message(served):
@@ -75,22 +80,25 @@ def test_token_id_prompt_stop_string_and_prefix_cache(served):
     assert (first.cached_tokens, second.cached_tokens) == (0, 8)  # page_size 4
 
 
-@pytest.mark.parametrize("fields,field", [
-    (dict(prompt="abc", temperature=-1.0), "temperature"),
-    (dict(prompt="abc", top_p=0.0), "top_p"),
-    (dict(prompt="abc", top_k=-2), "top_k"),
-    (dict(prompt="abc", logprobs=99), "logprobs"),
-    (dict(prompt="abc", max_tokens=65), "max_tokens"),  # above the limit 64
-    (dict(prompt="a" * 100, max_tokens=29), "max_tokens"),  # 100 + 29 > 128
-    (dict(prompt="a" * 101, max_tokens=1), "prompt"),
-    (dict(prompt="", max_tokens=1), "prompt"),
-    (dict(max_tokens=1), "prompt"),  # no prompt at all
-    (dict(token_ids=[97, 300], max_tokens=1), "token_ids"),
-    (dict(prompt="abc", max_tokens=4, min_tokens=5), "min_tokens"),
-    (dict(prompt="abc", stop=["x", "y", "z"]), "stop"),
-    (dict(messages=[{"role": "robot", "content": "x"}]), "role"),
-    (dict(prompt="abc", request_id="x" * 257), "request_id"),
-])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        (dict(prompt="abc", temperature=-1.0), "temperature"),
+        (dict(prompt="abc", top_p=0.0), "top_p"),
+        (dict(prompt="abc", top_k=-2), "top_k"),
+        (dict(prompt="abc", logprobs=99), "logprobs"),
+        (dict(prompt="abc", max_tokens=65), "max_tokens"),  # above the limit 64
+        (dict(prompt="a" * 100, max_tokens=29), "max_tokens"),  # 100 + 29 > 128
+        (dict(prompt="a" * 101, max_tokens=1), "prompt"),
+        (dict(prompt="", max_tokens=1), "prompt"),
+        (dict(max_tokens=1), "prompt"),  # no prompt at all
+        (dict(token_ids=[97, 300], max_tokens=1), "token_ids"),
+        (dict(prompt="abc", max_tokens=4, min_tokens=5), "min_tokens"),
+        (dict(prompt="abc", stop=["x", "y", "z"]), "stop"),
+        (dict(messages=[{"role": "robot", "content": "x"}]), "role"),
+        (dict(prompt="abc", request_id="x" * 257), "request_id"),
+    ],
+)
 def test_bad_input_is_invalid_argument_naming_field(served, fields, field):
     _, client = served
     res = client.generate(**fields)
@@ -111,8 +119,10 @@ def test_expired_deadline_is_deadline_exceeded(served):
     before = outcome_counts(server).get(("timed_out", "deadline"), 0)
     res = client.generate("abc", max_tokens=60, timeout_s=0.02)  # 60 steps of >= 1 ms
     assert res.code == "DEADLINE_EXCEEDED"
-    wait_for(lambda: outcome_counts(server).get(("timed_out", "deadline"), 0) == before + 1,
-             what="timed_out outcome")
+    wait_for(
+        lambda: outcome_counts(server).get(("timed_out", "deadline"), 0) == before + 1,
+        what="timed_out outcome",
+    )
 
 
 def test_tokenize_list_models_server_info(served):
@@ -129,13 +139,19 @@ def test_tokenize_list_models_server_info(served):
 def test_health_and_reflection(served):
     _, client = served
     health = health_pb2_grpc.HealthStub(client.channel)
-    assert health.Check(health_pb2.HealthCheckRequest()).status == \
-        health_pb2.HealthCheckResponse.SERVING
-    assert health.Check(health_pb2.HealthCheckRequest(service="pagedjax.v1.PagedJax")).status \
+    assert (
+        health.Check(health_pb2.HealthCheckRequest()).status
         == health_pb2.HealthCheckResponse.SERVING
+    )
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(service="pagedjax.v1.PagedJax")).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
     refl = reflection_pb2_grpc.ServerReflectionStub(client.channel)
-    reqs = [reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedjax.v1.PagedJax")]
+    reqs = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedjax.v1.PagedJax"),
+    ]
     responses = list(refl.ServerReflectionInfo(iter(reqs)))
     names = {s.name for s in responses[0].list_services_response.service}
     assert {"pagedjax.v1.PagedJax", "grpc.health.v1.Health"} <= names
@@ -148,23 +164,32 @@ def test_metrics_endpoint_scrapes(served):
     wait_for(lambda: server.metrics.kv_pages_free._value.get() > 0, what="stats published")
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     body = urllib.request.urlopen(url, timeout=10).read().decode()
-    for name in ("pagedjax_time_to_first_token_seconds_bucket",
-                 "pagedjax_inter_token_latency_seconds_bucket",
-                 "pagedjax_e2e_request_latency_seconds_count", "pagedjax_queue_time_seconds_sum",
-                 "pagedjax_kv_pages_free", "pagedjax_kv_usage_ratio",
-                 "pagedjax_num_requests_running", "pagedjax_generation_tokens_total",
-                 "pagedjax_prefix_cache_queries_tokens_total"):
+    for name in (
+        "pagedjax_time_to_first_token_seconds_bucket",
+        "pagedjax_inter_token_latency_seconds_bucket",
+        "pagedjax_e2e_request_latency_seconds_count",
+        "pagedjax_queue_time_seconds_sum",
+        "pagedjax_kv_pages_free",
+        "pagedjax_kv_usage_ratio",
+        "pagedjax_num_requests_running",
+        "pagedjax_generation_tokens_total",
+        "pagedjax_prefix_cache_queries_tokens_total",
+    ):
         assert name in body, name
-    assert 'pagedjax_request_outcomes_total{model="mock",outcome="success",reason=""' \
-           ',revision="mock-rev-1"}' in body
+    assert (
+        'pagedjax_request_outcomes_total{model="mock",outcome="success",reason=""'
+        ',revision="mock-rev-1"}' in body
+    )
 
 
 def test_tenants_from_api_key_and_token_budget(tmp_path):
     cfg = {"tenants": [{"name": "acme", "api_keys": ["k-acme"], "tokens_per_minute": 100}]}
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps(cfg))
-    with running_server(tenants=TenantRegistry.from_file(str(path)),
-                        api_key="k-acme") as (server, client):
+    with running_server(tenants=TenantRegistry.from_file(str(path)), api_key="k-acme") as (
+        server,
+        client,
+    ):
         target = f"127.0.0.1:{server.port}"
         with GenerateClient(target, api_key="wrong") as bad:
             assert bad.generate("abc", max_tokens=2).code == "UNAUTHENTICATED"
@@ -183,9 +208,14 @@ def test_tenants_from_api_key_and_token_budget(tmp_path):
 
 
 def test_tenant_concurrency_limit():
-    registry = TenantRegistry.from_dict({"tenants": [
-        {"name": "solo", "api_keys": ["k-solo"], "max_concurrency": 1},
-        {"name": "other", "api_keys": ["k-other"]}]})
+    registry = TenantRegistry.from_dict(
+        {
+            "tenants": [
+                {"name": "solo", "api_keys": ["k-solo"], "max_concurrency": 1},
+                {"name": "other", "api_keys": ["k-other"]},
+            ]
+        }
+    )
     with running_server(tenants=registry, api_key="k-solo") as (server, client):
         call = client.stream(build_request("abc", max_tokens=300))
         next(call)
@@ -201,8 +231,9 @@ def test_tenant_concurrency_limit():
 
 
 def test_build_request_fields():
-    req = build_request("hi", max_tokens=3, temperature=0.0, seed=7, priority="high",
-                        stop=["x"], stream=False)
+    req = build_request(
+        "hi", max_tokens=3, temperature=0.0, seed=7, priority="high", stop=["x"], stream=False
+    )
     assert req.WhichOneof("prompt") == "text" and req.max_tokens == 3
     assert req.sampling.HasField("temperature") and not req.sampling.HasField("top_p")
     assert req.priority == pb.PRIORITY_HIGH and list(req.stop) == ["x"]
@@ -218,9 +249,20 @@ def test_identity_is_configurable():
 def test_client_cli_prints_tokens_and_summary(served):
     server, _ = served
     out = subprocess.run(
-        [sys.executable, "-m", "serving.client", f"--target=127.0.0.1:{server.port}",
-         "--prompt=abc", "--max_tokens=5", "--stream"],
-        capture_output=True, text=True, timeout=60, check=True).stdout
+        [
+            sys.executable,
+            "-m",
+            "serving.client",
+            f"--target=127.0.0.1:{server.port}",
+            "--prompt=abc",
+            "--max_tokens=5",
+            "--stream",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert out.startswith("defgh\n")
     assert "[length] prompt=3 cached=0 completion=5" in out and "mock@mock-rev-1" in out
 
@@ -229,9 +271,12 @@ def test_delta_message_merges_outputs_with_logprobs():
     from engine.api_types import RequestOutput, TokenLogprob
     from serving import convert
 
-    outs = [RequestOutput("r", [5], "a", [1.0], logprobs=[TokenLogprob(5, -0.5, [(5, -0.5),
-                                                                                 (6, -1.5)])]),
-            RequestOutput("r", [7, 8], "bc", [2.0, 2.5], logprobs=None)]
+    outs = [
+        RequestOutput(
+            "r", [5], "a", [1.0], logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (6, -1.5)])]
+        ),
+        RequestOutput("r", [7, 8], "bc", [2.0, 2.5], logprobs=None),
+    ]
     msg = convert.delta_message("r", outs)
     assert list(msg.token_ids) == [5, 7, 8] and msg.text == "abc"
     assert len(msg.token_times_unix_ns) == 3

@@ -17,15 +17,23 @@ PROMPT = "hello world"
 def tiny_engine(tiny_model):
     from engine.core import EngineCore
 
-    config = EngineConfig(model="tiny", page_size=4, num_pages=64, max_num_seqs=4,
-                          max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=128,
-                          prefix_caching=False)
+    config = EngineConfig(
+        model="tiny",
+        page_size=4,
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=32,
+        max_model_len=128,
+        prefix_caching=False,
+    )
     return EngineCore(tiny_model, config)
 
 
 def _direct(engine, prompt_ids, max_tokens):
-    engine.add_request(EngineRequest("direct", prompt_ids,
-                                     SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+    engine.add_request(
+        EngineRequest("direct", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    )
     ids, text = [], ""
     while engine.has_unfinished():
         for out in engine.step():
@@ -44,12 +52,16 @@ def test_stream_equals_engine_output_and_carries_versions(tiny_engine):
         assert res.token_ids == ids and res.text == text
         assert res.completion_tokens == len(ids) and res.prompt_tokens == len(prompt_ids)
         ident = tiny_engine.identity
-        assert res.versions == {"name": ident.name, "revision": ident.revision,
-                                "tokenizer_hash": ident.tokenizer_hash,
-                                "chat_template_hash": ident.chat_template_hash,
-                                "engine_version": ident.engine_version}
-        pinned = client.generate(PROMPT, max_tokens=12, temperature=0.0, stream=False,
-                                 revision=ident.revision)
+        assert res.versions == {
+            "name": ident.name,
+            "revision": ident.revision,
+            "tokenizer_hash": ident.tokenizer_hash,
+            "chat_template_hash": ident.chat_template_hash,
+            "engine_version": ident.engine_version,
+        }
+        pinned = client.generate(
+            PROMPT, max_tokens=12, temperature=0.0, stream=False, revision=ident.revision
+        )
         assert pinned.ok and pinned.token_ids == ids
         wait_for(lambda: server.loop.last_stats.get("kv_pages_used") == 0, what="pages freed")
         assert outcome_counts(server) == {("success", ""): 2}
@@ -60,18 +72,25 @@ def test_client_cancel_frees_pages_and_others_continue(tiny_engine):
 
     admission = AdmissionConfig(max_model_len=128)
     with running_server(tiny_engine, admission=admission) as (server, client):
-        call = client.stream(build_request(PROMPT, max_tokens=100, temperature=0.0,
-                                           ignore_eos=True, stream=True))
+        call = client.stream(
+            build_request(PROMPT, max_tokens=100, temperature=0.0, ignore_eos=True, stream=True)
+        )
         next(iter(call))  # the first token arrived: the request holds KV pages now
         wait_for(lambda: server.loop.last_stats.get("kv_pages_used", 0) > 0, what="pages held")
         other = client.generate("another prompt", max_tokens=8, temperature=0.0)
         call.cancel()
-        wait_for(lambda: server.loop.last_stats.get("kv_pages_used") == 0
-                 and server.loop.last_stats.get("num_running") == 0, timeout_s=60,
-                 what="pages freed")
+        wait_for(
+            lambda: (
+                server.loop.last_stats.get("kv_pages_used") == 0
+                and server.loop.last_stats.get("num_running") == 0
+            ),
+            timeout_s=60,
+            what="pages freed",
+        )
         assert other.ok and other.completion_tokens == 8
-        wait_for(lambda: outcome_counts(server).get(("cancelled", "client")) == 1,
-                 what="cancel recorded")
+        wait_for(
+            lambda: outcome_counts(server).get(("cancelled", "client")) == 1, what="cancel recorded"
+        )
         assert outcome_counts(server)[("success", "")] == 1
 
 
@@ -79,9 +98,16 @@ def test_client_cancel_frees_pages_and_others_continue(tiny_engine):
 def test_smollm2_chat_over_grpc_matches_engine(smollm2):
     from engine.core import EngineCore
 
-    engine = EngineCore(smollm2, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128,
-                                              prefill_chunk_size=64, max_model_len=512,
-                                              num_pages=128))
+    engine = EngineCore(
+        smollm2,
+        EngineConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+            prefill_chunk_size=64,
+            max_model_len=512,
+            num_pages=128,
+        ),
+    )
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     ids, direct_text = _direct(engine, engine.tokenizer.encode(text, add_special_tokens=False), 16)

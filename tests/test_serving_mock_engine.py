@@ -30,7 +30,7 @@ def test_continuation_is_next_printable_chars():
     e.add_request(_req("b", "x}", max_tokens=4))
     outs = _run(e)
     assert "".join(o.new_text for o in outs["a"]) == "defgh"
-    assert "".join(o.new_text for o in outs["b"]) == "~ !\""  # wraps after "~"
+    assert "".join(o.new_text for o in outs["b"]) == '~ !"'  # wraps after "~"
     assert [t for o in outs["a"] for t in o.new_token_ids] == expected_continuation(ord("c"), 5)
     last = outs["a"][-1]
     assert (last.finished, last.finish_reason, last.num_output_tokens) == (True, "length", 5)

@@ -107,11 +107,18 @@ def test_rules_table_specs():
 def _worker(scenario: str, timeout_s: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     script = os.path.join(ROOT, "tests", "sharding_worker.py")
-    proc = subprocess.run([sys.executable, script, scenario], check=False, capture_output=True,
-                          text=True, timeout=timeout_s, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, script, scenario],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+        env=env,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")

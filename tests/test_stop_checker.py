@@ -6,8 +6,23 @@ from engine.sampling_params import SamplingParams
 from engine.stop_checker import RequestFinishedError, StopChecker
 
 EOS = 2
-VOCAB = {EOS: "", 10: "Hello", 11: " wor", 12: "ld", 13: "!", 14: " <", 15: "/s", 16: "top>",
-         17: " tail", 18: "xx<END>yy", 19: "<", 20: "EN", 21: "D>", 22: "abc", 23: "</"}
+VOCAB = {
+    EOS: "",
+    10: "Hello",
+    11: " wor",
+    12: "ld",
+    13: "!",
+    14: " <",
+    15: "/s",
+    16: "top>",
+    17: " tail",
+    18: "xx<END>yy",
+    19: "<",
+    20: "EN",
+    21: "D>",
+    22: "abc",
+    23: "</",
+}
 
 
 class FakeDetokenizer:
@@ -58,8 +73,7 @@ def test_stop_token_ids_respect_min_tokens():
 
 
 def test_stop_token_id_at_max_tokens_is_stop_not_length():
-    assert run(SamplingParams(max_tokens=2, stop_token_ids=(13,)), [10, 13]) == \
-        ("Hello", "stop", 2)
+    assert run(SamplingParams(max_tokens=2, stop_token_ids=(13,)), [10, 13]) == ("Hello", "stop", 2)
 
 
 def test_stop_string_spanning_three_tokens_is_never_emitted():

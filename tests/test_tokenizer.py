@@ -91,7 +91,7 @@ def tiny_vocab() -> list[str]:
 
 
 def write_tiny_gguf(path, **overrides) -> str:
-    """A GGUF holding only tokenizer metadata (and one tensor). overrides: key -> value or None to drop."""
+    """A GGUF with only tokenizer metadata (and one tensor). overrides: key -> value or None."""
     tokens = tiny_vocab()
     keys = {
         "tokenizer.ggml.model": "gpt2",

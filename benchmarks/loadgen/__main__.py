@@ -22,8 +22,9 @@ from benchmarks.loadgen.run import RunConfig, run_load
 
 F = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "gRPC HOST:PORT (loopback only)")
-flags.DEFINE_string("metrics_url", None, "Prometheus endpoint to scrape, e.g. "
-                    "http://127.0.0.1:9090/metrics")
+flags.DEFINE_string(
+    "metrics_url", None, "Prometheus endpoint to scrape, e.g. http://127.0.0.1:9090/metrics"
+)
 flags.DEFINE_string("workload", RunConfig.workload, "class:weight,... (see workloads.py)")
 flags.DEFINE_float("length_scale", 1.0, "multiplies every prompt/output length")
 flags.DEFINE_enum("arrival", "poisson", list(arrivals.KINDS), "arrival process")
@@ -61,8 +62,11 @@ flags.DEFINE_float("min_good_fraction", 0.9, "sweep gate: good / non-cancelled s
 flags.DEFINE_float("max_error_rate", 0.01, "sweep gate: (rejected+timed_out+failed) / sent")
 flags.DEFINE_string("gate_percentile", "p95", "sweep gate percentile for TTFT/TPOT/E2E")
 flags.DEFINE_list("api_keys", [], "tenant:key,... sent as x-api-key (server tenants config)")
-flags.DEFINE_bool("calibrate_prompts", True, "size prompts with the server's tokenizer "
-                  "(Tokenize RPC) instead of 1.3 tokens per word")
+flags.DEFINE_bool(
+    "calibrate_prompts",
+    True,
+    "size prompts with the server's tokenizer (Tokenize RPC) instead of 1.3 tokens per word",
+)
 flags.DEFINE_bool("progress", True, "show a progress bar")
 flags.DEFINE_string("out", "/tmp/loadgen", "output directory")
 
@@ -72,21 +76,42 @@ def config_from_flags(rate: float | None = None, step: int = 0) -> RunConfig:
     does not find the earlier steps' prompts in the server's prefix cache."""
     kind = "trace" if F.trace else F.arrival
     seed = F.seed + 1000 * step
-    arrival = arrivals.ArrivalConfig(kind, rate if rate is not None else F.rate, F.burstiness,
-                                     F.on_s, F.off_s, F.period_s, F.amplitude, F.concurrency,
-                                     seed)
+    arrival = arrivals.ArrivalConfig(
+        kind,
+        rate if rate is not None else F.rate,
+        F.burstiness,
+        F.on_s,
+        F.off_s,
+        F.period_s,
+        F.amplitude,
+        F.concurrency,
+        seed,
+    )
     return RunConfig(
-        target=F.target, metrics_url=F.metrics_url, workload=F.workload,
-        length_scale=F.length_scale, arrival=arrival, trace_path=F.trace,
-        trace_speedup=F.trace_speedup, duration_s=F.duration_s, max_requests=F.max_requests,
-        cancel_fraction=F.cancel_fraction, request_timeout_s=F.request_timeout_s,
-        drain_timeout_s=F.drain_timeout_s, ignore_eos=F.ignore_eos,
-        temperature=F.temperature, seed=seed, slo=parse_slo_policy(F.slo, F.slo_class),
-        cost=report.CostConfig(F.price_per_device_hour, F.num_devices, F.power_w,
-                               F.price_per_kwh),
-        warm_window_s=F.warm_window_s, scrape_interval_s=F.scrape_interval_s,
-        save_trace=F.save_trace, progress=F.progress, calibrate_prompts=F.calibrate_prompts,
-        api_keys=dict(kv.split(":", 1) for kv in F.api_keys))
+        target=F.target,
+        metrics_url=F.metrics_url,
+        workload=F.workload,
+        length_scale=F.length_scale,
+        arrival=arrival,
+        trace_path=F.trace,
+        trace_speedup=F.trace_speedup,
+        duration_s=F.duration_s,
+        max_requests=F.max_requests,
+        cancel_fraction=F.cancel_fraction,
+        request_timeout_s=F.request_timeout_s,
+        drain_timeout_s=F.drain_timeout_s,
+        ignore_eos=F.ignore_eos,
+        temperature=F.temperature,
+        seed=seed,
+        slo=parse_slo_policy(F.slo, F.slo_class),
+        cost=report.CostConfig(F.price_per_device_hour, F.num_devices, F.power_w, F.price_per_kwh),
+        warm_window_s=F.warm_window_s,
+        scrape_interval_s=F.scrape_interval_s,
+        save_trace=F.save_trace,
+        progress=F.progress,
+        calibrate_prompts=F.calibrate_prompts,
+        api_keys=dict(kv.split(":", 1) for kv in F.api_keys),
+    )
 
 
 def main(argv):
@@ -97,14 +122,28 @@ def main(argv):
         rates = sweep.geometric_rates(F.sweep_start, F.sweep_factor, F.sweep_steps)
     if not rates:
         rep = run_load(config_from_flags(), out)
-        print(json.dumps({k: rep[k] for k in ("requests_sent", "outcomes", "throughput",
-                                               "goodput_rps", "cost_per_success")},
-                         indent=1, default=str))
+        print(
+            json.dumps(
+                {
+                    k: rep[k]
+                    for k in (
+                        "requests_sent",
+                        "outcomes",
+                        "throughput",
+                        "goodput_rps",
+                        "cost_per_success",
+                    )
+                },
+                indent=1,
+                default=str,
+            )
+        )
         print(f"report: {out / 'report.md'}")
         return
     gates = sweep.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
     result = sweep.run_sweep(
-        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates)
+        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates
+    )
     print(sweep.sweep_markdown(result))
     print(f"sweep: {out / 'sweep.md'}")
 

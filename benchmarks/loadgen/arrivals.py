@@ -73,15 +73,17 @@ def schedule(cfg: ArrivalConfig, duration_s: float, max_requests: int) -> list[f
         return _from_gaps(lambda: rng.expovariate(rate), duration_s, max_requests)
     if cfg.kind == "gamma":
         shape = 1.0 / cfg.burstiness  # CV^2 of a gamma = 1 / shape
-        return _from_gaps(lambda: rng.gammavariate(shape, 1.0 / (rate * shape)),
-                          duration_s, max_requests)
+        return _from_gaps(
+            lambda: rng.gammavariate(shape, 1.0 / (rate * shape)), duration_s, max_requests
+        )
     if cfg.kind == "onoff":
         return _on_off(cfg, rng, duration_s, max_requests)
     return _diurnal(cfg, rng, duration_s, max_requests)
 
 
-def _on_off(cfg: ArrivalConfig, rng: random.Random, duration_s: float,
-            max_requests: int) -> list[float]:
+def _on_off(
+    cfg: ArrivalConfig, rng: random.Random, duration_s: float, max_requests: int
+) -> list[float]:
     period = cfg.on_s + cfg.off_s
     peak = cfg.rate * period / cfg.on_s
     times, t = [], 0.0
@@ -95,8 +97,9 @@ def _on_off(cfg: ArrivalConfig, rng: random.Random, duration_s: float,
     return times
 
 
-def _diurnal(cfg: ArrivalConfig, rng: random.Random, duration_s: float,
-             max_requests: int) -> list[float]:
+def _diurnal(
+    cfg: ArrivalConfig, rng: random.Random, duration_s: float, max_requests: int
+) -> list[float]:
     # Thinning (Lewis-Shedler): propose at the peak rate, keep with probability rate(t)/peak.
     peak = cfg.rate * (1.0 + cfg.amplitude)
     times, t = [], 0.0
@@ -112,7 +115,13 @@ def _diurnal(cfg: ArrivalConfig, rng: random.Random, duration_s: float,
 
 def to_dict(cfg: ArrivalConfig) -> dict:
     """The arrival pattern as the report states it (only the fields that apply)."""
-    keep = {"constant": ("rate",), "poisson": ("rate",), "gamma": ("rate", "burstiness"),
-            "onoff": ("rate", "on_s", "off_s"), "diurnal": ("rate", "period_s", "amplitude"),
-            "closed": ("concurrency",), "trace": ()}[cfg.kind]
+    keep = {
+        "constant": ("rate",),
+        "poisson": ("rate",),
+        "gamma": ("rate", "burstiness"),
+        "onoff": ("rate", "on_s", "off_s"),
+        "diurnal": ("rate", "period_s", "amplitude"),
+        "closed": ("concurrency",),
+        "trace": (),
+    }[cfg.kind]
     return {"kind": cfg.kind, "seed": cfg.seed, **{k: getattr(cfg, k) for k in keep}}

@@ -18,6 +18,7 @@ client and recorded as timed_out with reason "client_drain".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -43,21 +44,33 @@ STATUS_OUTCOME = {
 SendFn = Callable[[RequestSpec, float], Awaitable[RequestRecord]]
 
 
-def build_request(spec: RequestSpec, ignore_eos: bool, temperature: float,
-                  seed: int | None) -> pb.GenerateRequest:
+def build_request(
+    spec: RequestSpec, ignore_eos: bool, temperature: float, seed: int | None
+) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=temperature)
     if seed is not None:
         sampling.seed = seed
     return pb.GenerateRequest(
-        request_id=spec.request_id, text=spec.prompt, sampling=sampling,
-        max_tokens=spec.max_tokens, ignore_eos=ignore_eos, stream=True,
-        priority=PRIORITY.get(max(-1, min(1, spec.priority)), pb.PRIORITY_NORMAL))
+        request_id=spec.request_id,
+        text=spec.prompt,
+        sampling=sampling,
+        max_tokens=spec.max_tokens,
+        ignore_eos=ignore_eos,
+        stream=True,
+        priority=PRIORITY.get(max(-1, min(1, spec.priority)), pb.PRIORITY_NORMAL),
+    )
 
 
 def new_record(spec: RequestSpec, scheduled_s: float | None) -> RequestRecord:
-    return RequestRecord(spec.request_id, spec.workload, spec.tenant, spec.priority,
-                         scheduled_s=scheduled_s, max_tokens=spec.max_tokens,
-                         cancel_after_tokens=spec.cancel_after_tokens)
+    return RequestRecord(
+        spec.request_id,
+        spec.workload,
+        spec.tenant,
+        spec.priority,
+        scheduled_s=scheduled_s,
+        max_tokens=spec.max_tokens,
+        cancel_after_tokens=spec.cancel_after_tokens,
+    )
 
 
 def _absorb_message(rec: RequestRecord, msg: pb.GenerateResponse, now: float) -> None:
@@ -91,10 +104,18 @@ def _absorb_status(rec: RequestRecord, err: grpc.aio.AioRpcError, cancelled_by_u
     rec.outcome, rec.reason = outcome, f"{prefix}: {err.details() or ''}".strip()
 
 
-async def run_one(stub: pb_grpc.PagedJaxStub, spec: RequestSpec, *, scheduled_s: float | None,
-                  ignore_eos: bool = True, temperature: float = 0.0, seed: int | None = None,
-                  timeout_s: float | None = None, early_cancel_s: float = 0.2,
-                  api_keys: dict[str, str] | None = None) -> RequestRecord:
+async def run_one(
+    stub: pb_grpc.PagedJaxStub,
+    spec: RequestSpec,
+    *,
+    scheduled_s: float | None,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    timeout_s: float | None = None,
+    early_cancel_s: float = 0.2,
+    api_keys: dict[str, str] | None = None,
+) -> RequestRecord:
     """Sends one request, reads its stream to the end, returns what it observed.
 
     The server knows tenants by API key: `api_keys` maps the spec's tenant to the key sent as
@@ -104,8 +125,9 @@ async def run_one(stub: pb_grpc.PagedJaxStub, spec: RequestSpec, *, scheduled_s:
     key = (api_keys or {}).get(spec.tenant)
     md = (("x-api-key", key),) if key else None
     rec.send_s = time.perf_counter()
-    call = stub.Generate(build_request(spec, ignore_eos, temperature, seed), timeout=timeout_s,
-                         metadata=md)
+    call = stub.Generate(
+        build_request(spec, ignore_eos, temperature, seed), timeout=timeout_s, metadata=md
+    )
     cancelled_by_us = False
     canceller = None
     early = {"fired": False}
@@ -149,18 +171,17 @@ async def run_one(stub: pb_grpc.PagedJaxStub, spec: RequestSpec, *, scheduled_s:
     return rec
 
 
-async def _gather_with_drain(tasks: dict[asyncio.Task, RequestRecord],
-                             drain_timeout_s: float) -> list[RequestRecord]:
+async def _gather_with_drain(
+    tasks: dict[asyncio.Task, RequestRecord], drain_timeout_s: float
+) -> list[RequestRecord]:
     if tasks:
         await asyncio.wait(list(tasks), timeout=drain_timeout_s)
     records = []
     for task, placeholder in tasks.items():
         if not task.done():
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         if task.done() and not task.cancelled() and task.exception() is None:
             records.append(task.result())
         else:
@@ -174,12 +195,17 @@ async def _gather_with_drain(tasks: dict[asyncio.Task, RequestRecord],
     return records
 
 
-async def dispatch_open_loop(specs: list[RequestSpec], send: SendFn, *, start_s: float,
-                             duration_s: float, drain_timeout_s: float,
-                             clock: Callable[[], float] = time.perf_counter,
-                             sleep: Callable[[float], Awaitable] = asyncio.sleep,
-                             on_done: Callable[[RequestRecord], None] | None = None,
-                             ) -> list[RequestRecord]:
+async def dispatch_open_loop(
+    specs: list[RequestSpec],
+    send: SendFn,
+    *,
+    start_s: float,
+    duration_s: float,
+    drain_timeout_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], Awaitable] = asyncio.sleep,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
     """Starts each spec at start_s + spec.arrival_s; stops starting at start_s + duration_s."""
     tasks: dict[asyncio.Task, RequestRecord] = {}
     for spec in specs:
@@ -198,11 +224,16 @@ async def dispatch_open_loop(specs: list[RequestSpec], send: SendFn, *, start_s:
     return await _gather_with_drain(tasks, drain_timeout_s)
 
 
-async def dispatch_closed_loop(next_spec: Callable[[], RequestSpec], send: SendFn, *,
-                               concurrency: int, duration_s: float, max_requests: int,
-                               drain_timeout_s: float,
-                               on_done: Callable[[RequestRecord], None] | None = None,
-                               ) -> list[RequestRecord]:
+async def dispatch_closed_loop(
+    next_spec: Callable[[], RequestSpec],
+    send: SendFn,
+    *,
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+    drain_timeout_s: float,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
     """`concurrency` workers; each sends its next request when the previous one ends."""
     start = time.perf_counter()
     records: list[RequestRecord] = []

@@ -126,8 +126,14 @@ def summarize(values: Iterable[float | None]) -> dict:
     vals = [v for v in values if v is not None]
     if not vals:
         return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
-    return {"count": len(vals), "mean": sum(vals) / len(vals), "p50": percentile(vals, 50),
-            "p95": percentile(vals, 95), "p99": percentile(vals, 99), "max": max(vals)}
+    return {
+        "count": len(vals),
+        "mean": sum(vals) / len(vals),
+        "p50": percentile(vals, 50),
+        "p95": percentile(vals, 95),
+        "p99": percentile(vals, 99),
+        "max": max(vals),
+    }
 
 
 # ---- SLOs and goodput ------------------------------------------------------------------
@@ -147,8 +153,11 @@ class Slo:
         missed = []
         if rec.outcome != "success":
             return [f"outcome:{rec.outcome}"]
-        checks = [("ttft_s", self.ttft_s, ttft(rec)), ("tpot_s", self.tpot_s, tpot(rec)),
-                  ("e2e_s", self.e2e_s, e2e(rec))]
+        checks = [
+            ("ttft_s", self.ttft_s, ttft(rec)),
+            ("tpot_s", self.tpot_s, tpot(rec)),
+            ("e2e_s", self.e2e_s, e2e(rec)),
+        ]
         gaps = itl(rec)
         checks.append(("itl_max_s", self.itl_max_s, max(gaps) if gaps else None))
         for name, limit, value in checks:
@@ -172,8 +181,10 @@ class SloPolicy:
         return dict(self.per_class).get(workload, self.default)
 
     def to_dict(self) -> dict:
-        return {"default": dataclasses.asdict(self.default),
-                "per_class": {k: dataclasses.asdict(v) for k, v in self.per_class}}
+        return {
+            "default": dataclasses.asdict(self.default),
+            "per_class": {k: dataclasses.asdict(v) for k, v in self.per_class},
+        }
 
 
 def parse_slo(text: str, base: Slo | None = None) -> Slo:
@@ -203,9 +214,12 @@ def goodput(records: Sequence[RequestRecord], policy: SloPolicy, duration_s: flo
     if duration_s <= 0:
         raise ValueError(f"duration_s={duration_s}: must be > 0")
     good = [r for r in records if policy.for_class(r.workload).met(r)]
-    return {"good_requests": len(good), "rps": len(good) / duration_s,
-            "output_tps": sum(r.num_output_tokens for r in good) / duration_s,
-            "fraction_of_sent": len(good) / len(records) if records else None}
+    return {
+        "good_requests": len(good),
+        "rps": len(good) / duration_s,
+        "output_tps": sum(r.num_output_tokens for r in good) / duration_s,
+        "fraction_of_sent": len(good) / len(records) if records else None,
+    }
 
 
 def reason_key(reason: str) -> str:

@@ -26,10 +26,12 @@ def _cdf(ax, values, label):
 def latency_cdf(path: pathlib.Path, records: Sequence[RequestRecord], slo: dict) -> None:
     ok = [r for r in records if r.outcome == "success"]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    series = [("TTFT", [m.ttft(r) for r in ok], slo.get("ttft_s")),
-              ("TPOT", [m.tpot(r) for r in ok], slo.get("tpot_s")),
-              ("ITL (token)", [g for r in ok for g in m.itl(r)], slo.get("itl_max_s")),
-              ("E2E", [m.e2e(r) for r in ok], slo.get("e2e_s"))]
+    series = [
+        ("TTFT", [m.ttft(r) for r in ok], slo.get("ttft_s")),
+        ("TPOT", [m.tpot(r) for r in ok], slo.get("tpot_s")),
+        ("ITL (token)", [g for r in ok for g in m.itl(r)], slo.get("itl_max_s")),
+        ("E2E", [m.e2e(r) for r in ok], slo.get("e2e_s")),
+    ]
     for ax, (name, vals, limit) in zip(axes, series):
         vals = [v for v in vals if v is not None]
         _cdf(ax, vals, name)
@@ -49,11 +51,19 @@ def latency_cdf(path: pathlib.Path, records: Sequence[RequestRecord], slo: dict)
 def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict) -> None:
     t0 = min(r.send_s for r in records)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    colors = {"success": "tab:blue", "cancelled": "tab:gray", "rejected": "tab:orange",
-              "timed_out": "tab:red", "failed": "black"}
+    colors = {
+        "success": "tab:blue",
+        "cancelled": "tab:gray",
+        "rejected": "tab:orange",
+        "timed_out": "tab:red",
+        "failed": "black",
+    }
     for outcome, color in colors.items():
-        pts = [(r.send_s - t0, m.ttft(r)) for r in records
-               if r.outcome == outcome and m.ttft(r) is not None]
+        pts = [
+            (r.send_s - t0, m.ttft(r))
+            for r in records
+            if r.outcome == outcome and m.ttft(r) is not None
+        ]
         if pts:
             ax1.scatter(*zip(*pts), s=8, color=color, label=outcome)
     ax1.set_ylabel("TTFT (s) by send time")
@@ -78,23 +88,29 @@ def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict)
     plt.close(fig)
 
 
-def run_plots(out: pathlib.Path, report: dict, records: Sequence[RequestRecord]
-              ) -> list[pathlib.Path]:
+def run_plots(
+    out: pathlib.Path, report: dict, records: Sequence[RequestRecord]
+) -> list[pathlib.Path]:
     paths = [out / "latency_cdf.png", out / "timeline.png"]
     latency_cdf(paths[0], records, report["slo"]["default"])
     timeline(paths[1], records, report.get("server_metrics", {}))
     return paths
 
 
-def latency_vs_rate(path: pathlib.Path, steps: list[dict], knee: float | None,
-                    operating: float | None, slo: dict) -> None:
+def latency_vs_rate(
+    path: pathlib.Path, steps: list[dict], knee: float | None, operating: float | None, slo: dict
+) -> None:
     """p50/p95 TTFT, TPOT, E2E against offered rate, throughput and goodput below."""
     rates = [s["rate"] for s in steps]
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for ax, key in zip(axes.flat, ("ttft_s", "tpot_s", "e2e_s")):
         for p, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^:")):
-            ax.plot(rates, [s[key][p] if s[key][p] is not None else float("nan")
-                            for s in steps], style, label=p)
+            ax.plot(
+                rates,
+                [s[key][p] if s[key][p] is not None else float("nan") for s in steps],
+                style,
+                label=p,
+            )
         if slo.get(key):
             ax.axhline(slo[key], color="red", linestyle="--", label="SLO")
         ax.set_ylabel(f"{key[:-2].upper()} (s)")

@@ -1,8 +1,8 @@
 """One load run end to end: conditions from ServerInfo, requests, scraping, report.
 
-    RunConfig --> specs (workload mix + arrival schedule, or a trace)
-              --> asyncio loop: open- or closed-loop dispatch over one grpc.aio channel
-              --> records + scraped server metrics --> build_report --> write_report
+RunConfig --> specs (workload mix + arrival schedule, or a trace)
+          --> asyncio loop: open- or closed-loop dispatch over one grpc.aio channel
+          --> records + scraped server metrics --> build_report --> write_report
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from serving.proto import pagedjax_pb2_grpc as pb_grpc
 class RunConfig:
     target: str = "127.0.0.1:50051"
     metrics_url: str | None = None  # e.g. http://127.0.0.1:9090/metrics; None: no scraping
-    workload: str = "short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1," \
-                    "multi_tenant:0.1"
+    workload: str = (
+        "short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1,multi_tenant:0.1"
+    )
     length_scale: float = 1.0
     arrival: arrivals.ArrivalConfig = dataclasses.field(default_factory=arrivals.ArrivalConfig)
     trace_path: str | None = None
@@ -75,11 +76,16 @@ def server_conditions(target: str) -> dict:
             return {"server_info_error": f"{e.code().name}: {e.details()}"}
     d = MessageToDict(info, preserving_proto_field_name=True)
     versions = d.get("model", {}).get("versions", {})
-    return {"model": versions.get("name"), "revision": versions.get("revision"),
-            "tokenizer_hash": versions.get("tokenizer_hash"),
-            "engine_version": versions.get("engine_version"),
-            "kv_capacity_tokens": d.get("kv_capacity_tokens"), "limits": d.get("limits", {}),
-            "engine_config": d.get("engine_config", {}), "stats_at_start": d.get("stats", {})}
+    return {
+        "model": versions.get("name"),
+        "revision": versions.get("revision"),
+        "tokenizer_hash": versions.get("tokenizer_hash"),
+        "engine_version": versions.get("engine_version"),
+        "kv_capacity_tokens": d.get("kv_capacity_tokens"),
+        "limits": d.get("limits", {}),
+        "engine_config": d.get("engine_config", {}),
+        "stats_at_start": d.get("stats", {}),
+    }
 
 
 def measure_tokens_per_word(target: str, corpus: Corpus, num_words: int = 2000) -> float | None:
@@ -87,8 +93,7 @@ def measure_tokens_per_word(target: str, corpus: Corpus, num_words: int = 2000) 
     text = " ".join(corpus.words[:num_words])
     with grpc.insecure_channel(target) as channel:
         try:
-            resp = pb_grpc.PagedJaxStub(channel).Tokenize(pb.TokenizeRequest(text=text),
-                                                          timeout=30)
+            resp = pb_grpc.PagedJaxStub(channel).Tokenize(pb.TokenizeRequest(text=text), timeout=30)
         except grpc.RpcError:
             return None
     return len(resp.token_ids) / len(text.split()) if resp.token_ids else None
@@ -99,10 +104,18 @@ def make_specs(cfg: RunConfig, corpus: Corpus):
     if cfg.trace_path:
         entries = trace.load_trace(cfg.trace_path)[: cfg.max_requests]
         specs = trace.specs_from_trace(entries, cfg.trace_speedup, cfg.seed, corpus)
-        return specs, None, {"trace": cfg.trace_path, "speedup": cfg.trace_speedup,
-                             "entries": len(entries)}
-    gen = WorkloadGenerator(parse_mix(cfg.workload), corpus, length_scale=cfg.length_scale,
-                            cancel_fraction=cfg.cancel_fraction, seed=cfg.seed)
+        return (
+            specs,
+            None,
+            {"trace": cfg.trace_path, "speedup": cfg.trace_speedup, "entries": len(entries)},
+        )
+    gen = WorkloadGenerator(
+        parse_mix(cfg.workload),
+        corpus,
+        length_scale=cfg.length_scale,
+        cancel_fraction=cfg.cancel_fraction,
+        seed=cfg.seed,
+    )
     mix = mix_to_dict(gen.mix, cfg.length_scale)
     times = arrivals.schedule(cfg.arrival, cfg.duration_s, cfg.max_requests)
     if times is None:
@@ -115,10 +128,16 @@ async def _drive(cfg: RunConfig, specs, gen, bar, sent: list) -> list:
         stub = pb_grpc.PagedJaxStub(channel)
 
         async def send(spec, scheduled_s):
-            return await driver.run_one(stub, spec, scheduled_s=scheduled_s,
-                                        ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
-                                        seed=cfg.seed, timeout_s=cfg.request_timeout_s,
-                                        api_keys=cfg.api_keys)
+            return await driver.run_one(
+                stub,
+                spec,
+                scheduled_s=scheduled_s,
+                ignore_eos=cfg.ignore_eos,
+                temperature=cfg.temperature,
+                seed=cfg.seed,
+                timeout_s=cfg.request_timeout_s,
+                api_keys=cfg.api_keys,
+            )
 
         def next_spec():
             sent.append(gen.next())
@@ -127,12 +146,22 @@ async def _drive(cfg: RunConfig, specs, gen, bar, sent: list) -> list:
         on_done = lambda rec: bar.update(1)
         if specs is not None:
             return await driver.dispatch_open_loop(
-                specs, send, start_s=time.perf_counter(), duration_s=cfg.duration_s,
-                drain_timeout_s=cfg.drain_timeout_s, on_done=on_done)
+                specs,
+                send,
+                start_s=time.perf_counter(),
+                duration_s=cfg.duration_s,
+                drain_timeout_s=cfg.drain_timeout_s,
+                on_done=on_done,
+            )
         return await driver.dispatch_closed_loop(
-            next_spec, send, concurrency=cfg.arrival.concurrency, duration_s=cfg.duration_s,
-            max_requests=cfg.max_requests, drain_timeout_s=cfg.drain_timeout_s,
-            on_done=on_done)
+            next_spec,
+            send,
+            concurrency=cfg.arrival.concurrency,
+            duration_s=cfg.duration_s,
+            max_requests=cfg.max_requests,
+            drain_timeout_s=cfg.drain_timeout_s,
+            on_done=on_done,
+        )
 
 
 def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
@@ -152,27 +181,46 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
         records = asyncio.run(_drive(cfg, specs, gen, bar, sent))
     if scraper:
         scraper.stop()
-    conditions.update({
-        "target": cfg.target, "workload_mix": workload,
-        "arrival": arrivals.to_dict(cfg.arrival) if not cfg.trace_path else {"kind": "trace"},
-        "duration_s": cfg.duration_s, "max_requests": cfg.max_requests,
-        "cancel_fraction": cfg.cancel_fraction, "request_timeout_s": cfg.request_timeout_s,
-        "prompt_tokens_per_word": corpus.tokens_per_word,
-        "sampling": {"temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
-                     "seed": cfg.seed, "max_tokens": "sampled output length per request"},
-        "concurrency": (cfg.arrival.concurrency if cfg.arrival.kind == "closed"
-                        else "open loop (unbounded)"),
-        "server_info_at_end": server_conditions(cfg.target).get("stats_at_start", {}),
-    })
+    conditions.update(
+        {
+            "target": cfg.target,
+            "workload_mix": workload,
+            "arrival": arrivals.to_dict(cfg.arrival) if not cfg.trace_path else {"kind": "trace"},
+            "duration_s": cfg.duration_s,
+            "max_requests": cfg.max_requests,
+            "cancel_fraction": cfg.cancel_fraction,
+            "request_timeout_s": cfg.request_timeout_s,
+            "prompt_tokens_per_word": corpus.tokens_per_word,
+            "sampling": {
+                "temperature": cfg.temperature,
+                "ignore_eos": cfg.ignore_eos,
+                "seed": cfg.seed,
+                "max_tokens": "sampled output length per request",
+            },
+            "concurrency": (
+                cfg.arrival.concurrency if cfg.arrival.kind == "closed" else "open loop (unbounded)"
+            ),
+            "server_info_at_end": server_conditions(cfg.target).get("stats_at_start", {}),
+        }
+    )
     scrape = summarize_scrape(scraper.series, t_start) if scraper else {}
     if scraper:
         scrape["scrape_errors"] = scraper.errors
-    rep = report.build_report(records, conditions=conditions, policy=cfg.slo, cost=cfg.cost,
-                              scrape=scrape, warm_window_s=cfg.warm_window_s)
+    rep = report.build_report(
+        records,
+        conditions=conditions,
+        policy=cfg.slo,
+        cost=cfg.cost,
+        scrape=scrape,
+        warm_window_s=cfg.warm_window_s,
+    )
     report.write_report(out_dir, rep, records, plots=cfg.plots)
     if cfg.save_trace:
         by_id = {s.request_id: s for s in sent}
-        entries = [trace.entry_from_spec(by_id[r.request_id], r.send_s - t_start)
-                   for r in records if r.request_id in by_id]
+        entries = [
+            trace.entry_from_spec(by_id[r.request_id], r.send_s - t_start)
+            for r in records
+            if r.request_id in by_id
+        ]
         trace.save_trace(cfg.save_trace, sorted(entries, key=lambda e: e.arrival_s))
     return rep

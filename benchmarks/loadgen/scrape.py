@@ -24,8 +24,10 @@ KNOWN = {
     "waiting": (r"num_requests_waiting$", r"waiting|queue_(depth|size|len)"),
     "preemptions": (r"preemptions_total$", r"preempt"),
     "prefix_hit_tokens": (r"prefix_cache_hits_tokens_total$", r"prefix.*hit.*tokens"),
-    "prefix_query_tokens": (r"prefix_cache_queries_tokens_total$",
-                            r"prefix.*(query|queries|lookup).*tokens"),
+    "prefix_query_tokens": (
+        r"prefix_cache_queries_tokens_total$",
+        r"prefix.*(query|queries|lookup).*tokens",
+    ),
 }
 
 
@@ -86,8 +88,9 @@ def pick(series: list[tuple[float, dict[str, float]]], patterns: tuple[str, ...]
     return None
 
 
-def timeseries(series: list[tuple[float, dict[str, float]]], key: str,
-               t0: float) -> list[tuple[float, float]]:
+def timeseries(
+    series: list[tuple[float, dict[str, float]]], key: str, t0: float
+) -> list[tuple[float, float]]:
     return [(t - t0, s[key]) for t, s in series if key in s]
 
 
@@ -101,13 +104,21 @@ def summarize_scrape(series: list[tuple[float, dict[str, float]]], t0: float) ->
             continue
         points = timeseries(series, key, t0)
         values = [v for _, v in points]
-        found[name] = {"series_key": key, "points": points, "max": max(values),
-                       "mean": sum(values) / len(values),
-                       "delta": values[-1] - values[0]}
+        found[name] = {
+            "series_key": key,
+            "points": points,
+            "max": max(values),
+            "mean": sum(values) / len(values),
+            "delta": values[-1] - values[0],
+        }
     hit_rate = None
     if "prefix_hit_tokens" in found and "prefix_query_tokens" in found:
         q = found["prefix_query_tokens"]["delta"]
         hit_rate = found["prefix_hit_tokens"]["delta"] / q if q > 0 else None
-    return {"found": found, "missing": missing, "samples": len(series),
-            "prefix_cache_hit_rate": hit_rate,
-            "preemptions": found.get("preemptions", {}).get("delta")}
+    return {
+        "found": found,
+        "missing": missing,
+        "samples": len(series),
+        "prefix_cache_hit_rate": hit_rate,
+        "preemptions": found.get("preemptions", {}).get("delta"),
+    }

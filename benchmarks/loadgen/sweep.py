@@ -35,10 +35,24 @@ class Gates:
 
 def step_summary(rate: float, report: dict) -> dict:
     """The part of a run's report the sweep needs."""
-    keys = ("ttft_s", "tpot_s", "e2e_s", "itl_s", "queue_s", "throughput", "goodput_rps",
-            "outcomes", "requests_sent", "slo", "cost_per_success")
-    return {"rate": rate, "good_requests": report["goodput"]["good_requests"],
-            **{k: report[k] for k in keys}}
+    keys = (
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+        "itl_s",
+        "queue_s",
+        "throughput",
+        "goodput_rps",
+        "outcomes",
+        "requests_sent",
+        "slo",
+        "cost_per_success",
+    )
+    return {
+        "rate": rate,
+        "good_requests": report["goodput"]["good_requests"],
+        **{k: report[k] for k in keys},
+    }
 
 
 def check_gates(step: dict, gates: Gates) -> dict[str, bool]:
@@ -56,8 +70,7 @@ def check_gates(step: dict, gates: Gates) -> dict[str, bool]:
     sent = step["requests_sent"]
     not_cancelled = sent - o["cancelled"]
     good = step["good_requests"]
-    checks["good_fraction"] = (not_cancelled > 0
-                               and good / not_cancelled >= gates.min_good_fraction)
+    checks["good_fraction"] = not_cancelled > 0 and good / not_cancelled >= gates.min_good_fraction
     errors = o["rejected"] + o["timed_out"] + o["failed"]
     checks["error_rate"] = sent > 0 and errors / sent <= gates.max_error_rate
     return checks
@@ -89,14 +102,20 @@ def operating_point(steps: list[dict]) -> float | None:
 
 def geometric_rates(start: float, factor: float, max_steps: int) -> list[float]:
     if start <= 0 or factor <= 1 or max_steps < 1:
-        raise ValueError(f"sweep start={start} factor={factor} steps={max_steps}: need "
-                         "start > 0, factor > 1, steps >= 1")
+        raise ValueError(
+            f"sweep start={start} factor={factor} steps={max_steps}: need "
+            "start > 0, factor > 1, steps >= 1"
+        )
     return [round(start * factor**i, 4) for i in range(max_steps)]
 
 
-def run_sweep(rates: list[float], run_at: Callable[[float, pathlib.Path], dict],
-              out_dir: pathlib.Path, gates: Gates = Gates(), stop_after_failures: int = 2,
-              ) -> dict:
+def run_sweep(
+    rates: list[float],
+    run_at: Callable[[float, pathlib.Path], dict],
+    out_dir: pathlib.Path,
+    gates: Gates = Gates(),
+    stop_after_failures: int = 2,
+) -> dict:
     """Runs `run_at(rate, step_dir) -> report` per rate; writes sweep.json/.md/.png."""
     from benchmarks.loadgen import plots
 
@@ -110,28 +129,45 @@ def run_sweep(rates: list[float], run_at: Callable[[float, pathlib.Path], dict],
         failures = 0 if all(step["gates"].values()) else failures + 1
         if failures >= stop_after_failures:
             break
-    result = {"gates": dataclasses.asdict(gates), "steps": steps,
-              "knee_rate": find_knee(steps, gates),
-              "operating_rate": operating_point(steps)}
+    result = {
+        "gates": dataclasses.asdict(gates),
+        "steps": steps,
+        "knee_rate": find_knee(steps, gates),
+        "operating_rate": operating_point(steps),
+    }
     op = [s for s in steps if s["rate"] == result["operating_rate"]]
     result["operating_goodput_rps"] = op[0]["goodput_rps"] if op else None
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(result, indent=2, default=str))
     (out_dir / "sweep.md").write_text(sweep_markdown(result))
-    plots.latency_vs_rate(out_dir / "latency_vs_rate.png", steps, result["knee_rate"],
-                          result["operating_rate"], steps[0]["slo"]["default"] if steps else {})
+    plots.latency_vs_rate(
+        out_dir / "latency_vs_rate.png",
+        steps,
+        result["knee_rate"],
+        result["operating_rate"],
+        steps[0]["slo"]["default"] if steps else {},
+    )
     return result
 
 
 def sweep_markdown(result: dict) -> str:
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"
-    lines = ["# Rate sweep", "",
-             (f"- knee: **{result['knee_rate']}** req/s; operating point (highest rate where "
-              f"every gate passed): **{result['operating_rate']}** req/s, goodput "
-              f"{result['operating_goodput_rps']} req/s"),
-             f"- gates: `{json.dumps(result['gates'])}`", "",
-             ("| rate | sent | ok | goodput req/s | out tok/s | TTFT p50/p95 ms | "
-              "TPOT p50/p95 ms | E2E p95 ms | gates |"), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Rate sweep",
+        "",
+        (
+            f"- knee: **{result['knee_rate']}** req/s; operating point (highest rate where "
+            f"every gate passed): **{result['operating_rate']}** req/s, goodput "
+            f"{result['operating_goodput_rps']} req/s"
+        ),
+        f"- gates: `{json.dumps(result['gates'])}`",
+        "",
+        (
+            "| rate | sent | ok | goodput req/s | out tok/s | TTFT p50/p95 ms | "
+            "TPOT p50/p95 ms | E2E p95 ms | gates |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in result["steps"]:
         failed = [k for k, v in s["gates"].items() if not v]
         lines.append(
@@ -139,6 +175,7 @@ def sweep_markdown(result: dict) -> str:
             f"{s['goodput_rps']:.3f} | {s['throughput']['output_tps']:.1f} | "
             f"{ms(s['ttft_s']['p50'])}/{ms(s['ttft_s']['p95'])} | "
             f"{ms(s['tpot_s']['p50'])}/{ms(s['tpot_s']['p95'])} | {ms(s['e2e_s']['p95'])} | "
-            f"{'pass' if not failed else 'FAIL ' + ','.join(failed)} |")
+            f"{'pass' if not failed else 'FAIL ' + ','.join(failed)} |"
+        )
     lines += ["", "Plot: `latency_vs_rate.png`.", ""]
     return "\n".join(lines)

@@ -63,8 +63,9 @@ def save_trace(path: str | pathlib.Path, entries: list[TraceEntry]) -> None:
         f.writelines(json.dumps(dataclasses.asdict(e)) + "\n" for e in entries)
 
 
-def specs_from_trace(entries: list[TraceEntry], speedup: float = 1.0, seed: int = 0,
-                     corpus: Corpus | None = None) -> list[RequestSpec]:
+def specs_from_trace(
+    entries: list[TraceEntry], speedup: float = 1.0, seed: int = 0, corpus: Corpus | None = None
+) -> list[RequestSpec]:
     """RequestSpecs whose arrival times are the trace's, divided by `speedup`."""
     if speedup <= 0:
         raise ValueError(f"speedup={speedup}: must be > 0")
@@ -74,13 +75,31 @@ def specs_from_trace(entries: list[TraceEntry], speedup: float = 1.0, seed: int 
     specs = []
     for i, e in enumerate(entries):
         prompt = e.prompt if e.prompt is not None else corpus.text(e.prompt_tokens, rng)
-        specs.append(RequestSpec(f"tr-{run_tag}-{i:06d}", e.workload, prompt, e.prompt_tokens,
-                                 e.output_tokens, e.tenant, e.priority, e.cancel_after_tokens,
-                                 e.arrival_s / speedup))
+        specs.append(
+            RequestSpec(
+                f"tr-{run_tag}-{i:06d}",
+                e.workload,
+                prompt,
+                e.prompt_tokens,
+                e.output_tokens,
+                e.tenant,
+                e.priority,
+                e.cancel_after_tokens,
+                e.arrival_s / speedup,
+            )
+        )
     return specs
 
 
 def entry_from_spec(spec: RequestSpec, arrival_s: float) -> TraceEntry:
     """What a run sent, as a replayable trace entry (prompt text kept)."""
-    return TraceEntry(arrival_s, spec.prompt_tokens_target, spec.max_tokens, spec.tenant,
-                      spec.priority, spec.workload, spec.prompt, spec.cancel_after_tokens)
+    return TraceEntry(
+        arrival_s,
+        spec.prompt_tokens_target,
+        spec.max_tokens,
+        spec.tenant,
+        spec.priority,
+        spec.workload,
+        spec.prompt,
+        spec.cancel_after_tokens,
+    )

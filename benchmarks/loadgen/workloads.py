@@ -11,7 +11,7 @@ that, not the target.
     long_context         1536               32           long prefill, short answer
     long_generation        64              512           holds KV for a long time
     shared_prefix     512 + 48               64           4 fixed system prompts (prefix cache)
-    multi_tenant           96               96           tenants gold/silver/bronze, priority +1/0/-1
+    multi_tenant           96               96           tenants gold/silver/bronze, prio +1/0/-1
 
 `length_scale` multiplies every length (a small CPU run uses 0.1-0.25). Priority is -1 (low),
 0 (normal) or +1 (high), sent as the API's PRIORITY_LOW / NORMAL / HIGH.
@@ -77,11 +77,14 @@ PRESETS: dict[str, WorkloadClass] = {
     "short_qa": WorkloadClass("short_qa", LengthDist(64, 64, 0.6, 0.6, 0.2)),
     "long_context": WorkloadClass("long_context", LengthDist(1536, 32, 0.4, 0.5, 0.0)),
     "long_generation": WorkloadClass("long_generation", LengthDist(64, 512, 0.5, 0.4, 0.0)),
-    "shared_prefix": WorkloadClass("shared_prefix", LengthDist(48, 64, 0.5, 0.5, 0.0),
-                                   shared_prefix_tokens=512, num_prefixes=4),
-    "multi_tenant": WorkloadClass("multi_tenant", LengthDist(96, 96, 0.6, 0.6, 0.3),
-                                  tenants=(("gold", 1, 0.2), ("silver", 0, 0.3),
-                                           ("bronze", -1, 0.5))),
+    "shared_prefix": WorkloadClass(
+        "shared_prefix", LengthDist(48, 64, 0.5, 0.5, 0.0), shared_prefix_tokens=512, num_prefixes=4
+    ),
+    "multi_tenant": WorkloadClass(
+        "multi_tenant",
+        LengthDist(96, 96, 0.6, 0.6, 0.3),
+        tenants=(("gold", 1, 0.2), ("silver", 0, 0.3), ("bronze", -1, 0.5)),
+    ),
 }
 
 
@@ -159,9 +162,16 @@ class WorkloadGenerator:
         prefix_rng = random.Random(self.seed + 1)
         # Fixed per run, so requests of a prefix id share token-identical prefixes.
         self.prefixes = {
-            c.name: [self.corpus.text(max(1, round(c.shared_prefix_tokens * self.length_scale)),
-                                      prefix_rng) + "\n\n" for _ in range(c.num_prefixes)]
-            for c, _ in self.mix if c.shared_prefix_tokens}
+            c.name: [
+                self.corpus.text(
+                    max(1, round(c.shared_prefix_tokens * self.length_scale)), prefix_rng
+                )
+                + "\n\n"
+                for _ in range(c.num_prefixes)
+            ]
+            for c, _ in self.mix
+            if c.shared_prefix_tokens
+        }
         self.count = 0
 
     def next(self, arrival_s: float | None = None) -> RequestSpec:
@@ -180,17 +190,32 @@ class WorkloadGenerator:
         if rng.random() < self.cancel_fraction:
             cancel = rng.randrange(n_out)  # a random point in the answer; 0 = before a token
         self.count += 1
-        return RequestSpec(f"lg-{self.run_tag}-{self.count:06d}", cls.name, prompt, n_in, n_out,
-                           tenant, priority, cancel, arrival_s)
+        return RequestSpec(
+            f"lg-{self.run_tag}-{self.count:06d}",
+            cls.name,
+            prompt,
+            n_in,
+            n_out,
+            tenant,
+            priority,
+            cancel,
+            arrival_s,
+        )
 
 
 def mix_to_dict(mix: list[tuple[WorkloadClass, float]], length_scale: float) -> dict:
     """The mix as the report states it: weights and each class's length distribution."""
     total = sum(w for _, w in mix)
-    return {c.name: {"weight": w / total, "length_scale": length_scale,
-                     "lengths": dataclasses.asdict(c.lengths),
-                     "mean_in_tokens": c.lengths.mean_in(length_scale)
-                     + c.shared_prefix_tokens * length_scale,
-                     "mean_out_tokens": c.lengths.mean_out(length_scale),
-                     "shared_prefix_tokens": c.shared_prefix_tokens, "tenants": c.tenants}
-            for c, w in mix}
+    return {
+        c.name: {
+            "weight": w / total,
+            "length_scale": length_scale,
+            "lengths": dataclasses.asdict(c.lengths),
+            "mean_in_tokens": c.lengths.mean_in(length_scale)
+            + c.shared_prefix_tokens * length_scale,
+            "mean_out_tokens": c.lengths.mean_out(length_scale),
+            "shared_prefix_tokens": c.shared_prefix_tokens,
+            "tenants": c.tenants,
+        }
+        for c, w in mix
+    }

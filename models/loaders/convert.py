@@ -6,7 +6,7 @@ Every loader produces a getter `get(hf_name) -> np.ndarray` in PyTorch's [out, i
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,15 +25,27 @@ def _checked(get: Getter, name: str, shape: tuple[int, ...], source: str) -> np.
         raise ModelLoadError(f"{source}: tensor {name!r} is missing") from None
     if tuple(arr.shape) != shape:
         raise ModelLoadError(
-            f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
+            f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}"
+        )
     return arr
 
 
-def params_from_hf_tensors(get: Getter, cfg: ModelConfig, source: str, dtype=jnp.float32,
-                           has: Callable[[str], bool] = lambda name: True) -> Params:
+def params_from_hf_tensors(
+    get: Getter,
+    cfg: ModelConfig,
+    source: str,
+    dtype=jnp.float32,
+    has: Callable[[str], bool] = lambda name: True,
+) -> Params:
     """Builds Params from HF-named tensors. `source` names the file(s) in errors."""
-    D, H, K, hd, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.ffn_size, cfg.vocab_size)
+    D, H, K, hd, F, V = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.ffn_size,
+        cfg.vocab_size,
+    )
     np_dtype = np.float32
 
     def t(name, shape):
@@ -60,5 +72,9 @@ def params_from_hf_tensors(get: Getter, cfg: ModelConfig, source: str, dtype=jnp
     lm_head = None
     if not cfg.tie_embeddings:
         lm_head = jnp.asarray(t("lm_head.weight", (V, D)).T, dtype)
-    return Params(embed=jnp.asarray(embed, dtype), layers=LayerWeights(**stacked),
-                  final_norm=jnp.asarray(t("model.norm.weight", (D,)), dtype), lm_head=lm_head)
+    return Params(
+        embed=jnp.asarray(embed, dtype),
+        layers=LayerWeights(**stacked),
+        final_norm=jnp.asarray(t("model.norm.weight", (D,)), dtype),
+        lm_head=lm_head,
+    )

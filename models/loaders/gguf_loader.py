@@ -36,8 +36,11 @@ _NAME_MAP = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight",
-              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def open_gguf(path: str):
@@ -66,9 +69,11 @@ def config_from_gguf(reader, path: str, name: str | None = None) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF file {path!r}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     g = lambda key, default=None, required=True: field(  # noqa: E731
-        reader, f"{arch}.{key}", default, path=path, required=required)
+        reader, f"{arch}.{key}", default, path=path, required=required
+    )
     num_heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     vocab = g("vocab_size", None, required=False)
@@ -81,10 +86,13 @@ def config_from_gguf(reader, path: str, name: str | None = None) -> ModelConfig:
     eos = field(reader, "tokenizer.ggml.eos_token_id", 2)
     return ModelConfig(
         name=name or os.path.splitext(os.path.basename(path))[0],
-        num_layers=int(g("block_count")), hidden_size=hidden, num_heads=num_heads,
+        num_layers=int(g("block_count")),
+        hidden_size=hidden,
+        num_heads=num_heads,
         num_kv_heads=int(g("attention.head_count_kv", num_heads, required=False)),
         head_dim=int(g("attention.key_length", hidden // num_heads, required=False)),
-        ffn_size=int(g("feed_forward_length")), vocab_size=int(vocab),
+        ffn_size=int(g("feed_forward_length")),
+        vocab_size=int(vocab),
         max_seq_len=int(g("context_length", 4096, required=False)),
         rope_theta=float(g("rope.freq_base", 10000.0, required=False)),
         rope_scaling=scaling,
@@ -103,8 +111,9 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype=jnp.float32, name: str | None = None, reader=None
-              ) -> tuple[ModelConfig, Params, object]:
+def load_gguf(
+    path: str, dtype=jnp.float32, name: str | None = None, reader=None
+) -> tuple[ModelConfig, Params, object]:
     """Returns (config, params, reader). Pass an open `reader` to avoid parsing twice."""
     import gguf.quants
 
@@ -114,8 +123,11 @@ def load_gguf(path: str, dtype=jnp.float32, name: str | None = None, reader=None
     by_hf_name = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
-        hf = f"model.layers.{m.group(1)}.{_NAME_MAP.get(m.group(2), m.group(2))}" if m else \
-            _TOP_LEVEL.get(t.name, t.name)
+        hf = (
+            f"model.layers.{m.group(1)}.{_NAME_MAP.get(m.group(2), m.group(2))}"
+            if m
+            else _TOP_LEVEL.get(t.name, t.name)
+        )
         by_hf_name[hf] = t
 
     def get(hf_name: str) -> np.ndarray:
@@ -125,7 +137,8 @@ def load_gguf(path: str, dtype=jnp.float32, name: str | None = None, reader=None
         except Exception as e:
             raise ModelLoadError(
                 f"GGUF file {path!r}: tensor {t.name!r} of type {t.tensor_type.name} "
-                f"could not be dequantized: {e}") from e
+                f"could not be dequantized: {e}"
+            ) from e
         w = np.asarray(w, np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
         if arch in _PERMUTED_ARCHITECTURES:
             if hf_name.endswith("q_proj.weight"):

@@ -30,18 +30,29 @@ def config_from_hf(directory: str, name: str | None = None) -> ModelConfig:
     c = _read_json(path)
     archs = c.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(f"{path!r}: architectures {archs} not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                "intermediate_size", "vocab_size"):
+        raise ModelLoadError(
+            f"{path!r}: architectures {archs} not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
         if key not in c:
             raise ModelLoadError(f"{path!r}: key {key!r} is missing")
     rs = c.get("rope_scaling") or c.get("rope_parameters")
     scaling = None
     if rs and rs.get("rope_type", rs.get("type")) == "llama3":
-        scaling = RopeScaling("llama3", float(rs["factor"]), float(rs["low_freq_factor"]),
-                              float(rs["high_freq_factor"]),
-                              int(rs["original_max_position_embeddings"]))
+        scaling = RopeScaling(
+            "llama3",
+            float(rs["factor"]),
+            float(rs["low_freq_factor"]),
+            float(rs["high_freq_factor"]),
+            int(rs["original_max_position_embeddings"]),
+        )
     elif rs and rs.get("rope_type", rs.get("type")) == "linear":
         scaling = RopeScaling("linear", float(rs["factor"]))
     theta = c.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
@@ -50,15 +61,21 @@ def config_from_hf(directory: str, name: str | None = None) -> ModelConfig:
     heads = c["num_attention_heads"]
     return ModelConfig(
         name=name or os.path.basename(os.path.normpath(directory)),
-        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_heads=heads,
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        ffn_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-        max_seq_len=c.get("max_position_embeddings", 4096), rope_theta=float(theta),
-        rope_scaling=scaling, norm_eps=c.get("rms_norm_eps", 1e-5),
+        ffn_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        max_seq_len=c.get("max_position_embeddings", 4096),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        norm_eps=c.get("rms_norm_eps", 1e-5),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=bool(c.get("attention_bias", is_qwen)),
-        sliding_window=c.get("sliding_window") if c.get("use_sliding_window", not is_qwen)
+        sliding_window=c.get("sliding_window")
+        if c.get("use_sliding_window", not is_qwen)
         else None,
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
@@ -81,8 +98,9 @@ def safetensors_files(directory: str) -> list[str]:
     return paths
 
 
-def load_hf_dir(directory: str, dtype=jnp.float32, name: str | None = None
-                ) -> tuple[ModelConfig, Params, list[str]]:
+def load_hf_dir(
+    directory: str, dtype=jnp.float32, name: str | None = None
+) -> tuple[ModelConfig, Params, list[str]]:
     """Returns (config, params, weight file paths)."""
     from safetensors import safe_open
 
@@ -95,7 +113,7 @@ def load_hf_dir(directory: str, dtype=jnp.float32, name: str | None = None
         except Exception as e:
             raise ModelLoadError(f"{p!r} is truncated or not a safetensors file: {e}") from e
         handles.append(h)
-        for key in h.keys():
+        for key in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
             where[key] = h
 
     def get(hf_name: str):

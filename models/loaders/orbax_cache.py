@@ -14,8 +14,9 @@ from models.llama import Params
 
 
 def cache_dir() -> str:
-    return os.environ.get("PAGEDJAX_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "pagedjax", "orbax"))
+    return os.environ.get(
+        "PAGEDJAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagedjax", "orbax")
+    )
 
 
 def checkpoint_path(revision: str, dtype_name: str) -> str:
@@ -37,6 +38,7 @@ def restore_params(path: str, abstract: Params, shardings=None) -> Params:
 
     if shardings is not None:
         abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(os.path.abspath(path), abstract)
