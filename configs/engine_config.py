@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from configs.kv_memory import kv_bytes_per_token
+from configs.kv_memory import DTYPE_BYTES, kv_bytes_per_token
 from configs.model_config import ModelConfig
+from configs.quant_config import QuantConfig
 
 
 def _check(field: str, value, ok: bool, limit: str) -> None:
@@ -89,6 +90,9 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "float32"  # weights and activations (float32 on CPU, see FACTS.md)
     kv_dtype: str = "float32"  # "float32" | "bfloat16" | "int8"
+    # Weights: "none" | "int8" (weight-only) | "w8a8" (int8 activations too); models/quant.py
+    quantization: str = "none"
+    quantize_lm_head: bool = False  # with int8/w8a8: the LM head too (default: float)
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_bytes: int = 512 * 2**20  # used when num_pages is None
@@ -106,6 +110,13 @@ class EngineConfig:
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
+        _check(
+            "kv_dtype",
+            self.kv_dtype,
+            self.kv_dtype in DTYPE_BYTES,
+            f"one of {sorted(DTYPE_BYTES)}",
+        )
+        self.quant_config  # noqa: B018 (validates quantization and quantize_lm_head)
         _check(
             "cache_sharing",
             self.cache_sharing,
@@ -128,6 +139,10 @@ class EngineConfig:
         # The remaining fields are checked by SchedulerConfig; build one now so a bad value
         # fails at construction, not at engine start.
         self._scheduler_config(num_pages=2, max_model_len=self.max_model_len or 2)
+
+    @property
+    def quant_config(self) -> QuantConfig:
+        return QuantConfig(self.quantization, self.quantize_lm_head)
 
     def num_pages_for(self, model_cfg: ModelConfig) -> int:
         """Pages in the pool (null page included) for this model."""

@@ -1,6 +1,8 @@
 """KV-cache memory arithmetic (the seeds' formula).
 
     KV bytes per token    = 2 (K and V) x layers x KV heads x head_dim x bytes per element
+                            (+ 2 x layers x KV heads x 4 for int8: one float32 scale per
+                            token per KV head for K and for V, as PagedKVCache stores them)
     KV bytes per sequence = KV bytes per token x cached tokens
 
 Worked example from the seeds: 32 layers x 8 KV heads x 128 dims x 2 bytes = 128 KiB per
@@ -14,6 +16,7 @@ import math
 from configs.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+INT8_SCALE_BYTES = 4  # float32 absmax/127 per token per KV head (pallas_kernels.reference)
 
 
 def dtype_bytes(dtype: str | int) -> int:
@@ -33,14 +36,10 @@ def kv_bytes_per_token(
     `kv_head_replication` > 1 models tensor-parallel degrees above the KV-head count, where
     each KV head is stored on several devices (the seeds list it as a KV multiplier).
     """
-    return (
-        2
-        * cfg.num_layers
-        * cfg.num_kv_heads
-        * cfg.head_dim
-        * dtype_bytes(dtype)
-        * kv_head_replication
-    )
+    per_head = cfg.head_dim * dtype_bytes(dtype)
+    if dtype == "int8":  # the scales are part of the cache (a bare byte count has none)
+        per_head += INT8_SCALE_BYTES
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head * kv_head_replication
 
 
 def kv_bytes_per_sequence(

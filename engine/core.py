@@ -44,6 +44,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.step import engine_step
 from engine.stop_checker import StopChecker
+from models.registry import engine_model
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ def request_metrics(req: Request) -> RequestMetrics:
 
 class EngineCore:
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
-        """`model`: a models.registry.LoadedModel."""
+        """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
+        it is float; its identity then names the quantization and the KV dtype)."""
+        model = engine_model(model, config)
         self.model = model
         self.config = config
         self.cfg = model.config
@@ -164,6 +167,7 @@ class EngineCore:
             )
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
+        model = engine_model(model, self.config)
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.params = model.params
         self.pool.clear_cache(

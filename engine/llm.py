@@ -2,6 +2,7 @@
 
     from engine import LLM, SamplingParams
     llm = LLM("smollm2-135m")                      # or a GGUF path / HF directory / "tiny"
+    llm = LLM("smollm2-135m", quantization="int8", kv_dtype="int8")   # int8 weights + KV
     outs = llm.generate(["Hello", [{"role": "user", "content": "Hi!"}]],
                         SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].metrics.ttft_s
@@ -57,12 +58,15 @@ class LLM:
         # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
         # that build several engines over one set of weights).
         # With a mesh, each param shard goes straight to its devices.
+        # `quantization="int8"` (or "w8a8") loads the weights quantized (models/quant.py).
+        name = model if isinstance(model, str) else model.identity.name
+        self.config = EngineConfig(model=name, **engine_options)
         shardings_for = None if mesh is None else loader_shardings(mesh)
         self.model = (
-            load_model(model, shardings_for=shardings_for) if isinstance(model, str) else model
+            load_model(model, shardings_for=shardings_for, quantization=self.config.quant_config)
+            if isinstance(model, str)
+            else model
         )
-        name = model if isinstance(model, str) else self.model.identity.name
-        self.config = EngineConfig(model=name, **engine_options)
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()

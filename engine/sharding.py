@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.model_config import ModelConfig
 from models.llama import LayerWeights, Params
+from models.quant import quant_config_of, quantized_param_shapes, quantized_shardings, repeat_heads
 
 DATA, MODEL = "data", "model"
 _ALIASES = {"data": DATA, "dp": DATA, "model": MODEL, "tp": MODEL}
@@ -166,7 +167,7 @@ def replicate_kv_heads(params: Params, r: int) -> Params:
     copy of its original KV head h // (H/K): (h // (H/(K r))) // r == h // (H/K)."""
     if r == 1:
         return params
-    rep = lambda a, axis: None if a is None else jax.numpy.repeat(a, r, axis=axis)
+    rep = lambda a, axis: repeat_heads(a, r, axis)  # noqa: E731 (int8 weights: q and scale)
     w = params.layers
     layers = dataclasses.replace(
         w, wk=rep(w.wk, 2), wv=rep(w.wv, 2), bk=rep(w.bk, 1), bv=rep(w.bv, 1)
@@ -192,10 +193,12 @@ def _named(mesh: Mesh, axes, shape) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
+def param_shardings(cfg: ModelConfig, mesh: Mesh, quant=None) -> Params:
     """NamedShardings matching `models.llama.param_shapes(cfg)` (None where a param is None).
     For a checkpoint-shaped cfg whose K the model axis does not divide, wk/wv come out
-    replicated (they are repeated and resharded by `shard_params` afterwards)."""
+    replicated (they are repeated and resharded by `shard_params` afterwards). With a
+    `quant` config (configs.quant_config), int8 weights get Int8Weight(q, scale) shardings:
+    each scale split like its weight's output axes (models.quant.quantized_shardings)."""
     from models.llama import param_shapes
 
     shapes = param_shapes(cfg)
@@ -208,12 +211,16 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
         for f, axes in _LAYER_AXES.items()
     }
     V, D = cfg.vocab_size, cfg.hidden_size
-    return Params(
+    float_shardings = Params(
         embed=_named(mesh, ("vocab", "embed"), (V, D)),
         layers=LayerWeights(**layers),
         final_norm=_named(mesh, ("embed",), (D,)),
         lm_head=None if shapes.lm_head is None else _named(mesh, ("embed", "vocab"), (D, V)),
     )
+    if quant is None or not quant.enabled:
+        return float_shardings
+    abstract = quantized_param_shapes(shapes, quant)
+    return quantized_shardings(float_shardings, abstract, quant)
 
 
 def loader_shardings(mesh: str | Mesh):
@@ -240,10 +247,11 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelCon
     Host numpy leaves go straight to their shards; already-placed leaves are resharded."""
     m = model_axis_size(mesh)
     run_cfg = sharded_config(cfg, m)
-    params = put_global(params, param_shardings(cfg, mesh))
+    quant = quant_config_of(params)
+    params = put_global(params, param_shardings(cfg, mesh, quant))
     r = kv_replication(cfg, m)
     if r > 1:
-        out = param_shardings(run_cfg, mesh)
+        out = param_shardings(run_cfg, mesh, quant)
         params = jax.jit(replicate_kv_heads, static_argnums=1, out_shardings=out)(params, r)
     return run_cfg, params
 

@@ -9,6 +9,14 @@ model carries content hashes of all three, and the server returns them with ever
     identity.revision            # "sha256:<hex>" of the weights file(s) bytes
     identity.tokenizer_hash      # sha256 of the serialized tokenizer definition
     identity.chat_template_hash  # sha256 of the template text ("" when the model has none)
+
+Quantization is part of what answers, so it is part of the revision: a model with int8
+weights or a non-float32 KV cache has the revision
+    "sha256:<hex>;quantization=int8-w-perchannel,kv=int8"
+(`with_quantization`; the weights' descriptor comes from configs.quant_config, the KV part
+from the engine's kv_dtype), while the float model with a float32 KV cache keeps the bare
+content hash. Every response carries the revision and the prefix cache keys on it, so
+neither a comparison nor a cached page ever mixes a quantized and an unquantized model.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ class ModelIdentity:
     tokenizer_hash: str  # Tokenizer.sha256
     chat_template_hash: str  # ChatTemplate.sha256, "" without a template
     engine_version: str  # pagedjax's installed version
+    quantization: str = "none"  # weights: configs.quant_config descriptor
+    kv_dtype: str = "float32"  # the KV cache's element type (set by the engine)
 
     @classmethod
     def resolve(
@@ -52,6 +62,36 @@ class ModelIdentity:
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
+
+    @property
+    def content_revision(self) -> str:
+        """The weights files' hash alone (the revision without its quantization part)."""
+        return self.revision.split(REVISION_SEPARATOR, 1)[0]
+
+    def with_quantization(
+        self, quantization: str | None = None, kv_dtype: str | None = None
+    ) -> ModelIdentity:
+        """This identity with the weights' quantization descriptor and/or the KV dtype
+        replaced, and the revision rewritten to name both (bare when both are default)."""
+        quantization = self.quantization if quantization is None else quantization
+        kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
+        return dataclasses.replace(
+            self,
+            revision=quantized_revision(self.content_revision, quantization, kv_dtype),
+            quantization=quantization,
+            kv_dtype=kv_dtype,
+        )
+
+
+REVISION_SEPARATOR = ";"
+
+
+def quantized_revision(content_revision: str, quantization: str, kv_dtype: str) -> str:
+    """`"sha256:<hex>;quantization=<descriptor>,kv=<dtype>"`, or the bare content revision
+    for float weights with a float32 KV cache."""
+    if quantization == "none" and kv_dtype == "float32":
+        return content_revision
+    return f"{content_revision}{REVISION_SEPARATOR}quantization={quantization},kv={kv_dtype}"
 
 
 def file_content_hash(paths: Sequence[str | os.PathLike] | str | os.PathLike) -> str:

@@ -12,6 +12,8 @@ Data flow of one forward call over a flat batch of T tokens (any mix of sequence
 `attention` is the one seam between the model and the KV cache: the dense oracle passes a
 contiguous cache (`models.dense_generate`), the engine passes the paged one
 (`engine.step`). Running the layers under `jax.lax.scan` keeps compile time flat in depth.
+Every weight matmul goes through `models.quant.linear`, so a projection may be a float array
+or an int8 `Int8Weight` (quantized models, see models/quant.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
+from models.quant import linear
 
 Array = jax.Array
 
@@ -173,19 +176,19 @@ def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions:
     x, cache = carry  # x [T, D]
     w, layer = xs  # w: one layer's LayerWeights (leading L axis removed)
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q = jnp.einsum("TD,DNH->TNH", h, w.wq)  # [T, H, hd]
-    k = jnp.einsum("TD,DKH->TKH", h, w.wk)  # [T, K, hd]
-    v = jnp.einsum("TD,DKH->TKH", h, w.wv)  # [T, K, hd]
+    q = linear(h, w.wq, "TD,DNH->TNH")  # [T, H, hd]
+    k = linear(h, w.wk, "TD,DKH->TKH")  # [T, K, hd]
+    v = linear(h, w.wv, "TD,DKH->TKH")  # [T, K, hd]
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
-    x = x + jnp.einsum("TNH,NHD->TD", attn, w.wo)
+    x = x + linear(attn, w.wo, "TNH,NHD->TD")
     h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
-    gate = jnp.einsum("TD,DF->TF", h, w.w_gate)
-    up = jnp.einsum("TD,DF->TF", h, w.w_up)
-    x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, w.w_down)
+    gate = linear(h, w.w_gate, "TD,DF->TF")
+    up = linear(h, w.w_up, "TD,DF->TF")
+    x = x + linear(jax.nn.silu(gate) * up, w.w_down, "TF,FD->TD")
     return (x, cache), None
 
 
@@ -212,5 +215,5 @@ def forward(
         x = x[logits_indices]  # [R, D]
     x = rms_norm(x, params.final_norm, cfg.norm_eps)
     head = params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
-    logits = jnp.einsum("RD,DV->RV", x, head, preferred_element_type=jnp.float32)
+    logits = linear(x, head, "RD,DV->RV", out_dtype=jnp.float32)
     return logits, cache

@@ -5,7 +5,9 @@
 
 `--model` takes a preset name or a path to a GGUF file or a Hugging Face directory. The
 model's chat template is applied unless `--raw`. `--engine=paged` (default) runs the paged
-engine; `--engine=dense` runs the dense oracle loop.
+engine; `--engine=dense` runs the dense oracle loop. `--quantization=int8` (or `w8a8`) loads
+int8 weights, `--kv_dtype=int8` an int8 KV cache (paged engine); the printed revision names
+both.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("raw", False, "Use the prompt as is, without the chat template.")
 flags.DEFINE_enum("engine", "paged", ["paged", "dense"], "Paged engine or dense oracle loop.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'model:4' or 'data:2,model:4'.")
+flags.DEFINE_string("quantization", "none", "Weights: none | int8 | w8a8 (models/quant.py).")
+flags.DEFINE_string("kv_dtype", "float32", "KV cache: float32 | bfloat16 | int8 (paged engine).")
 
 
 def _prompt_ids(tokenizer) -> list[int]:
@@ -44,9 +48,10 @@ def _generate_dense() -> str:
     from models.registry import load_model
 
     t0 = time.perf_counter()
-    model = load_model(FLAGS.model)
+    model = load_model(FLAGS.model, quantization=FLAGS.quantization)
     print(
-        f"[loaded {model.identity.name} rev {model.identity.revision[:12]} in "
+        f"[loaded {model.identity.name} rev {model.identity.revision[:19]} "
+        f"(quantization={model.identity.quantization}) in "
         f"{time.perf_counter() - t0:.1f}s: {model.load_times_s}]",
         file=sys.stderr,
     )
@@ -72,10 +77,13 @@ def _generate_paged() -> str:
     from engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(FLAGS.model, mesh=FLAGS.mesh)
-    ident = llm.model.identity
+    llm = LLM(
+        FLAGS.model, mesh=FLAGS.mesh, quantization=FLAGS.quantization, kv_dtype=FLAGS.kv_dtype
+    )
+    ident = llm.engine.identity
     print(
-        f"[loaded {ident.name} rev {ident.revision[:19]} in {time.perf_counter() - t0:.1f}s: "
+        f"[loaded {ident.name} rev {ident.revision[:19]} (quantization={ident.quantization}, "
+        f"kv={ident.kv_dtype}) in {time.perf_counter() - t0:.1f}s: "
         + ", ".join(f"{k}={v:.2f}s" for k, v in llm.model.load_times_s.items())
         + "]",
         file=sys.stderr,

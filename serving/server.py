@@ -170,6 +170,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk_size", 256, "prefill chunk")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     flags.DEFINE_string(
+        "quantization", "none", "weights: none | int8 (weight-only) | w8a8 (int8 activations)"
+    )
+    flags.DEFINE_string("kv_dtype", "float32", "KV cache: float32 | bfloat16 | int8")
+    flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
@@ -207,6 +211,8 @@ def engine_options_from_flags() -> dict:
         "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
         "prefill_chunk_size": FLAGS.prefill_chunk_size,
         "prefix_caching": FLAGS.prefix_caching,
+        "quantization": FLAGS.quantization,
+        "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
     }
 
@@ -217,10 +223,15 @@ def build_engine(
     """'mock' -> MockEngine; anything else -> the real EngineCore, imported lazily (JAX).
 
     `options`: page_size, num_pages, max_num_seqs, max_num_batched_tokens,
-    prefill_chunk_size, prefix_caching, mesh (see engine_options_from_flags)."""
+    prefill_chunk_size, prefix_caching, quantization, kv_dtype, mesh (see
+    engine_options_from_flags)."""
     options = dict(options)
     if model == "mock":
         from serving.mock_engine import MockEngine
+
+        for opt, default in (("quantization", "none"), ("kv_dtype", "float32")):
+            if options.get(opt, default) != default:
+                raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
 
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],
@@ -241,7 +252,11 @@ def build_engine(
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
     # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
-    loaded = load_model(model, shardings_for=loader_shardings(mesh) if mesh else None)
+    loaded = load_model(
+        model,
+        shardings_for=loader_shardings(mesh) if mesh else None,
+        quantization=config.quant_config,
+    )
     core = create_engine(loaded, config, mesh=mesh)
     if warmup_max_shapes:
         from engine.warmup import warmup

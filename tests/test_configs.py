@@ -17,7 +17,8 @@ def test_page_rounding_and_int8():
     per_token = 2 * 30 * 3 * 64 * 2
     assert kv_bytes_per_token(cfg, "bfloat16") == per_token
     assert kv_bytes_per_sequence(cfg, 17, "bfloat16", page_size=16) == 32 * per_token
-    assert kv_bytes_per_token(cfg, "int8") == per_token // 2
+    # int8 stores one float32 scale per token per KV head for K and V beside the values.
+    assert kv_bytes_per_token(cfg, "int8") == per_token // 2 + 2 * 30 * 3 * 4
 
 
 def test_presets_are_hashable_and_derive_head_dim():

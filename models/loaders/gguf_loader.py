@@ -4,20 +4,28 @@ Metadata becomes a `ModelConfig`; tensors are dequantized to float32 by `gguf.qu
 (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, F32 and every other type that package knows), renamed to
 the Hugging Face names, and llama.cpp's Q/K row permutation (its converter interleaves the
 two RoPE halves of each head) is undone, so the model uses the `rotate_half` RoPE.
+
+Quantized loading (`quant=QuantConfig("int8")`): see `load_gguf` and `q8_0_to_per_channel`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections import Counter
 
 import jax.numpy as jnp
 import numpy as np
 
 from configs.model_config import ModelConfig, RopeScaling
+from configs.quant_config import QuantConfig
 from models.errors import ModelLoadError
 from models.llama import Params
 from models.loaders.convert import params_from_hf_tensors
+from models.quant import INT8_MAX, quantize_rows_np
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")  # qwen2's converter does not permute Q/K
@@ -111,10 +119,44 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+Q8_0_BLOCK = 32  # weights per Q8_0 block: one float16 scale d, then 32 int8 values
+Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK
+
+
+def q8_0_to_per_channel(data: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's raw blocks -> (q [rows, cols] int8, scale [rows] float32), one scale
+    per row (output channel) instead of one per 32-block.
+
+    Q8_0 stores w = d_b * q (q int8, d_b float16 per 32 weights). One row's blocks have
+    different d_b, so a per-channel form needs re-quantization: s = max_b |d_b| * max|q| / 127
+    over the row, q' = round(q * d_b / s). The block(s) that set s keep their int8 values
+    exactly; every other value moves by at most s/2 (the rounding of a per-channel grid, the
+    same bound as quantizing the float weight directly). The float tensor from
+    `gguf.quants.dequantize` is never built; the rescale works on one tensor at a time."""
+    blocks = np.ascontiguousarray(data, np.uint8).reshape(rows, cols // Q8_0_BLOCK, -1)
+    if blocks.shape[-1] != Q8_0_BLOCK_BYTES:
+        raise ValueError(f"Q8_0 block of {blocks.shape[-1]} bytes, expected {Q8_0_BLOCK_BYTES}")
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
+    qs = blocks[..., 2:].copy().view(np.int8)  # [rows, nb, 32]
+    amax = (np.abs(d[..., 0]) * np.abs(qs).max(axis=-1)).max(axis=-1)  # [rows]
+    scale = np.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
+    q = np.rint(qs * (d / scale[:, None, None]))  # [rows, nb, 32], |q| <= 127 by construction
+    return np.clip(q, -INT8_MAX, INT8_MAX).astype(np.int8).reshape(rows, cols), scale
+
+
 def load_gguf(
-    path: str, dtype=jnp.float32, name: str | None = None, reader=None
+    path: str,
+    dtype=jnp.float32,
+    name: str | None = None,
+    reader=None,
+    quant: QuantConfig | None = None,
 ) -> tuple[ModelConfig, Params, object]:
-    """Returns (config, params, reader). Pass an open `reader` to avoid parsing twice."""
+    """Returns (config, params, reader). Pass an open `reader` to avoid parsing twice.
+
+    With an int8 `quant`: Q8_0 tensors go straight to per-channel int8
+    (`q8_0_to_per_channel`); every other type is dequantized and re-quantized per row; F32
+    and F16 are quantized from their values. The log line says how many tensors took which
+    path, by source type."""
     import gguf.quants
 
     reader = reader or open_gguf(path)
@@ -130,6 +172,14 @@ def load_gguf(
         )
         by_hf_name[hf] = t
 
+    def unpermute(hf_name: str, w: np.ndarray) -> np.ndarray:
+        if arch in _PERMUTED_ARCHITECTURES:
+            if hf_name.endswith("q_proj.weight"):
+                return _unpermute(w, cfg.num_heads)
+            if hf_name.endswith("k_proj.weight"):
+                return _unpermute(w, cfg.num_kv_heads)
+        return w
+
     def get(hf_name: str) -> np.ndarray:
         t = by_hf_name[hf_name]
         try:
@@ -140,12 +190,35 @@ def load_gguf(
                 f"could not be dequantized: {e}"
             ) from e
         w = np.asarray(w, np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if arch in _PERMUTED_ARCHITECTURES:
-            if hf_name.endswith("q_proj.weight"):
-                w = _unpermute(w, cfg.num_heads)
-            elif hf_name.endswith("k_proj.weight"):
-                w = _unpermute(w, cfg.num_kv_heads)
-        return w
+        return unpermute(hf_name, w)
 
-    params = params_from_hf_tensors(get, cfg, f"GGUF file {path!r}", dtype)
+    paths: Counter = Counter()
+
+    def get_int8(hf_name: str) -> tuple[np.ndarray, np.ndarray]:
+        t = by_hf_name[hf_name]
+        rows, cols = tuple(reversed([int(d) for d in t.shape]))
+        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            q, scale = q8_0_to_per_channel(t.data, rows, cols)
+            paths["Q8_0 -> int8 direct (32-block scales -> per-channel)"] += 1
+        else:
+            q, scale = quantize_rows_np(get(hf_name))
+            paths[f"{t.tensor_type.name} -> dequantized -> int8"] += 1
+        # A row permutation commutes with per-row quantization: permute q and scale alike.
+        return unpermute(hf_name, q), unpermute(hf_name, scale)
+
+    params = params_from_hf_tensors(
+        get, cfg, f"GGUF file {path!r}", dtype, quant=quant, get_int8=get_int8
+    )
+    if paths:
+        log.info(
+            "%s: %s int8 weights: %s",
+            path,
+            quant.descriptor,
+            ", ".join(f"{n} tensors {k}" for k, n in sorted(paths.items())),
+        )
     return cfg, params, reader
+
+
+def tensor_types(reader) -> dict[str, int]:
+    """How many tensors of each GGUF type the file holds (the report's artifact section)."""
+    return dict(Counter(t.tensor_type.name for t in reader.tensors))

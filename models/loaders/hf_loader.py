@@ -99,9 +99,10 @@ def safetensors_files(directory: str) -> list[str]:
 
 
 def load_hf_dir(
-    directory: str, dtype=jnp.float32, name: str | None = None
+    directory: str, dtype=jnp.float32, name: str | None = None, quant=None
 ) -> tuple[ModelConfig, Params, list[str]]:
-    """Returns (config, params, weight file paths)."""
+    """Returns (config, params, weight file paths). An int8 `quant` (configs.quant_config)
+    quantizes each projection from its float tensor as it is read."""
     from safetensors import safe_open
 
     cfg = config_from_hf(directory, name)
@@ -121,5 +122,5 @@ def load_hf_dir(
             raise KeyError(hf_name)
         return where[hf_name].get_tensor(hf_name)
 
-    params = params_from_hf_tensors(get, cfg, f"checkpoint {directory!r}", dtype)
+    params = params_from_hf_tensors(get, cfg, f"checkpoint {directory!r}", dtype, quant=quant)
     return cfg, params, paths
