@@ -55,7 +55,7 @@ def _kernel(x_ref, q_ref, scale_ref, o_ref, *, bm, bn, bk, num_k_blocks):
     def body(k, acc):
         x = x_ref[rows, pl.ds(k * bk, bk)].astype(jnp.float32)  # [bm, bk]
         w = q_ref[pl.ds(k * bk, bk), cols].astype(jnp.float32)  # [bk, bn] dequantized tile
-        return acc + pl.dot(x, w)
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, num_k_blocks, body, jnp.zeros((bm, bn), jnp.float32))
     scale = scale_ref[cols]  # [bn]

@@ -197,12 +197,11 @@ def load_gguf(
     def get_int8(hf_name: str) -> tuple[np.ndarray, np.ndarray]:
         t = by_hf_name[hf_name]
         rows, cols = tuple(reversed([int(d) for d in t.shape]))
-        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-            q, scale = q8_0_to_per_channel(t.data, rows, cols)
-            paths["Q8_0 -> int8 direct (32-block scales -> per-channel)"] += 1
-        else:
-            q, scale = quantize_rows_np(get(hf_name))
+        if t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
             paths[f"{t.tensor_type.name} -> dequantized -> int8"] += 1
+            return quantize_rows_np(get(hf_name))  # get() has undone the Q/K permutation
+        q, scale = q8_0_to_per_channel(t.data, rows, cols)
+        paths["Q8_0 -> int8 direct (32-block scales -> per-channel)"] += 1
         # A row permutation commutes with per-row quantization: permute q and scale alike.
         return unpermute(hf_name, q), unpermute(hf_name, scale)
 
