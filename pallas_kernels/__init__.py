@@ -27,6 +27,9 @@ chosen Pallas kernel in interpret mode (that is how the tests run kernels on CPU
 Files: reference.py (jnp oracle + KV write), validation.py (ValueErrors), layout.py (query
 blocks and tiles shared by the kernels), gpu_kernels.py / gpu_decode.py / gpu_common.py,
 tpu_kernels.py, testing.py (NaN-filled test cases and a naive dense attention).
+
+Also here, beside the attention ops: the weight-only int8 matmul of quantized models
+(int8_matmul.py: reference, W8A8 and dispatch; int8_matmul_gpu.py, int8_matmul_tpu.py).
 """
 
 from __future__ import annotations

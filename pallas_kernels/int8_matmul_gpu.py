@@ -18,7 +18,7 @@ with zeros (an odd-shaped weight then pays a padded copy per call: fine for test
 loaders' shapes never need it). Rows (tokens) are padded to the row block.
 
 NOTE: not yet run on a GPU (none was available): correctness comes from interpret mode on
-CPU and the CUDA lowering check in tests/test_int8_matmul.py.
+CPU and the CUDA lowering check in tests/test_quant.py.
 """
 
 from __future__ import annotations

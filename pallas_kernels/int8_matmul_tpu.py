@@ -16,7 +16,7 @@ K = 576 = 4.5 x 128 gives one [bm, 576] x [576, bn] step), so weights are never 
 only dims above MAX_WHOLE_DIM would be zero-padded (a copy per call).
 
 NOTE: not yet run on a TPU (none was available): correctness comes from TPU interpret mode
-on CPU and the Mosaic lowering check in tests/test_int8_matmul.py.
+on CPU and the Mosaic lowering check in tests/test_quant.py.
 """
 
 from __future__ import annotations
