@@ -11,16 +11,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def render_plots(report: dict, out: pathlib.Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 4))
-    edges = [-8 + 9 * i / 40 for i in range(41)]
-    for name, q in report["quality"].items():
-        if name != "float32":
-            ax.stairs(q["kl_histogram"], edges, label=name)
-    ax.set_xlabel("log10 KL(float32 || variant) per token, nats")
-    ax.set_ylabel("tokens")
-    ax.legend()
-    fig.savefig(out / "kl_histogram.png", dpi=90)
-    plt.close(fig)
+    if "quality" in report:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        edges = [-8 + 9 * i / 40 for i in range(41)]
+        for name, q in report["quality"].items():
+            if name != "float32":
+                ax.stairs(q["kl_histogram"], edges, label=name)
+        ax.set_xlabel("log10 KL(float32 || variant) per token, nats")
+        ax.set_ylabel("tokens")
+        ax.legend()
+        fig.savefig(out / "kl_histogram.png", dpi=90)
+        plt.close(fig)
     if "speed" not in report:
         return
     speed = report["speed"]
@@ -80,12 +81,12 @@ def render_markdown(r: dict) -> str:
                 q["perplexity"],
                 q["perplexity_change_pct"],
             ]
-            for n, q in r["quality"].items()
+            for n, q in r.get("quality", {}).items()
         ],
     )
     md += ["![KL histogram](kl_histogram.png)", "", "## 2. Behaviour (paged engine, greedy)", ""]
     rows = []
-    for n, b in r["behaviour"].items():
+    for n, b in r.get("behaviour", {}).items():
         for k, p in b["prompts"].items():
             rows.append(
                 [
@@ -113,7 +114,7 @@ def render_markdown(r: dict) -> str:
         rows,
     )
     md += ["Continuations (first 160 characters):", ""]
-    for n, b in r["behaviour"].items():
+    for n, b in r.get("behaviour", {}).items():
         for k, p in b["prompts"].items():
             text = p["text"][:160].replace("\n", " ").replace("|", "/")
             md.append(f"- {n} / {k}: `{text}`")

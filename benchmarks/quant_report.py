@@ -263,18 +263,22 @@ def run(args) -> dict:
         "sizes": {k: getattr(args, k) for k in vars(args) if k not in ("out",)},
         "loadavg_start": [round(x, 1) for x in os.getloadavg()],
     }
-    windows = quant_quality.corpus_windows(tok, args.windows, args.window_tokens)
-    variants = {n: (m[2], m[1] == "int8") for n, m in models.items()}
-    report["quality"] = quant_quality.quality(variants, cfg, windows)
-    prompts = behaviour_prompts(tok, args.long_context_tokens)
-    report["behaviour"] = behaviour(models, cfg, prompts, args.max_new_tokens)
+    sections = set(args.sections.split(","))
+    if "quality" in sections:
+        windows = quant_quality.corpus_windows(tok, args.windows, args.window_tokens)
+        variants = {n: (m[2], m[1] == "int8") for n, m in models.items()}
+        report["quality"] = quant_quality.quality(variants, cfg, windows)
+    if "behaviour" in sections:
+        prompts = behaviour_prompts(tok, args.long_context_tokens)
+        report["behaviour"] = behaviour(models, cfg, prompts, args.max_new_tokens)
     report["memory"] = memory(models, cfg, args.kv_budget_bytes, args.device_bytes, args.seq_tokens)
     report["kv_bytes_per_token_allocated"] = {
         kv: measured_kv_bytes_per_token(cfg, kv) for kv in ("float32", "int8")
     }
     report["artifact"] = artifact(models, base.source, loader_log)
-    if args.speed:
-        report["speed"] = speed(models, args)
+    if "speed" in sections:
+        speed_names = ["float32"] + [n for n in args.speed_configs.split(",") if n in models]
+        report["speed"] = speed({n: models[n] for n in dict.fromkeys(speed_names)}, args)
         from benchmarks import quant_formulations
 
         report["formulations"] = quant_formulations.measure(
@@ -321,7 +325,7 @@ def speed(models: dict, args) -> dict:
 
 def check_targets(report: dict) -> dict:
     out = {}
-    q = report["quality"]
+    q = report.get("quality", {})
     for label, (variant, key, op, limit) in TARGETS.items():
         if variant in q:
             v = q[variant][key]
@@ -342,6 +346,22 @@ def check_targets(report: dict) -> dict:
     return out
 
 
+def combine(paths: list[str]) -> dict:
+    """One report from runs of different sections (same model and variants): the measured
+    sections of each, the first run's memory/artifact, targets checked again."""
+    parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    report = dict(parts[0])
+    for part in parts[1:]:
+        for key in ("quality", "behaviour", "speed", "formulations"):
+            if key in part:
+                report[key] = part[key]
+    report["sizes"] = {**parts[0]["sizes"], "combined_from": paths}
+    report["loadavg_end"] = max((p["loadavg_end"] for p in parts), key=lambda x: x[0])
+    report["wall_s"] = max(p["wall_s"] for p in parts)
+    report["targets"] = check_targets(report)
+    return report
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -351,7 +371,16 @@ def parse_args(argv=None):
     p.add_argument("--window_tokens", type=int, default=512)
     p.add_argument("--max_new_tokens", type=int, default=48, help="behaviour continuations")
     p.add_argument("--long_context_tokens", type=int, default=3000)
-    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--sections",
+        default="quality,behaviour,speed",
+        help="which measured sections to run (memory and artifact always); runs of different "
+        "sections can be merged with --combine",
+    )
+    p.add_argument("--speed_configs", default=",".join(VARIANTS), help="variants to time")
+    p.add_argument(
+        "--combine", default="", help="comma list of report.json files to merge into --out"
+    )
     p.add_argument("--speed_batch", type=int, default=64)
     p.add_argument("--prefill_tokens", type=int, default=1024)
     p.add_argument("--decode_tokens", type=int, default=24)
@@ -367,7 +396,7 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.WARNING)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = run(args)
+    report = combine(args.combine.split(",")) if args.combine else run(args)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     render_plots(report, out)
     (out / "report.md").write_text(render_markdown(report))

@@ -59,8 +59,8 @@ QUANTIZED_LAYER_WEIGHTS: dict[str, int] = {
 )
 @dataclasses.dataclass
 class Int8Weight:
-    q: Array  # [*in, *out] int8
-    scale: Array  # [*out] float32
+    q: Array  # [L, *in, *out] int8 (stacked layer weights) or [*in, *out] (LM head)
+    scale: Array  # [L, *out] or [*out] float32
     activations: str = "float"  # "float" (weight-only) | "int8" (W8A8)
 
     @property
@@ -72,7 +72,7 @@ class Int8Weight:
         return int(self.q.size) + 4 * int(self.scale.size)
 
     def dequantize(self, num_lead_axes: int = 1) -> Array:
-        """The float weight q * scale (tests and the quality report only). The contracted
+        """The float weight q * scale (tests and checks; the model never builds it). The contracted
         axes are the q.ndim - scale.ndim axes after `num_lead_axes` (1: stacked layers)."""
         n_in = self.q.ndim - self.scale.ndim
         lead = self.scale.shape[:num_lead_axes]
