@@ -14,6 +14,7 @@ write, and the validation errors of the public functions (shared by every impl).
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,7 +148,8 @@ def test_ragged_matches_naive(impl, page_size, group, head_dim, dtype, int8, bat
             **sizes,
         )
         out = _ragged(impl, case, sm_scale=head_dim**-0.5, max_query_len=max_query_len)
-        assert out.shape == case.q.shape and out.dtype == dtype
+        chex.assert_shape(out, case.q.shape)
+        chex.assert_type(out, dtype)
         _check(out, naive_attention(case, sm_scale=head_dim**-0.5), dtype, impl)
         assert np.all(np.asarray(out)[sum(q_lens) :] == 0)  # padding rows are zeros
 
