@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given
@@ -101,6 +102,28 @@ def test_rules_table_specs():
     assert spec(("vocab", "embed"), (510, 64)) == P()  # vocab the axis does not divide
     assert spec(("layers", "embed"), (2, 64)) == P()  # norms replicated
     assert spec(("batch",), (6,)) == P("data")
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2-135m", "qwen2.5-0.5b"])
+def test_every_param_declares_one_known_logical_axis_per_dim(name):
+    """The axes declared on the params fields (models/llama.py) match param_shapes' ranks
+    and are all in the rules table; the shardings derived from them keep the tree."""
+    from models.llama import param_axes, param_shapes
+
+    shapes = param_shapes(from_name(name))
+    checked = 0
+    for tree in (shapes, shapes.layers):
+        for field in dataclasses.fields(tree):
+            x = getattr(tree, field.name)
+            if x is None or dataclasses.is_dataclass(x):
+                continue
+            axes = param_axes(field)
+            assert len(axes) == len(x.shape), (field.name, axes, x.shape)
+            assert set(axes) <= set(sharding.LOGICAL_RULES), (field.name, axes)
+            checked += 1
+    assert checked == len(jax.tree.leaves(shapes))  # every param, biases and lm_head if any
+    shardings = sharding.param_shardings(from_name(name), sharding.make_mesh("model:1"))
+    assert jax.tree.structure(shardings) == jax.tree.structure(shapes)
 
 
 # ---- 8 virtual CPU devices, in a subprocess -------------------------------------------------
