@@ -40,7 +40,6 @@ Design notes:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import random
 from collections.abc import Sequence
@@ -112,23 +111,7 @@ def resolve_seed(params: SamplingParams, rng: random.Random | None = None) -> in
     return (rng or random.SystemRandom()).getrandbits(63)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "key_data",
-        "step",
-        "min_tokens",
-        "stop_ids",
-    ],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass  # every field is an array (a pytree leaf)
 @dataclasses.dataclass
 class SamplingTensors:
     """Per-slot sampling parameters, one row per batch slot. Padding rows are greedy."""
@@ -225,11 +208,7 @@ def _fill_row(
 K = MAX_LOGPROBS
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SampleResult:
     tokens: Array  # [S] i32
