@@ -26,7 +26,7 @@ test: install
 
 # The inner loop (about a minute of CPU): every package, without the three slow kinds of test
 # (markers in pyproject.toml). `make test` and CI run everything.
-FAST := not slow and not interpret and not subprocess
+FAST := not slow and not interpret and not subprocess and not compile
 test-fast: install
 	$(VPY) -m pytest -q -m "$(FAST)" tests
 

@@ -2,9 +2,12 @@
 
 import math
 
+import pytest
+
 from benchmarks import kernels_bench
 
 
+@pytest.mark.compile
 def test_benchmark_main_runs_at_smoke_size(capsys):
     rows = kernels_bench.main(["--sizes=smoke", "--iters=1"])
     assert {(r["kind"], r["impl"]) for r in rows} == {("decode", "ours"), ("mixed", "ours")}
