@@ -154,6 +154,14 @@ class SamplingTensors:
         return cls(**rows)
 
 
+# The SamplingTensors rows copied straight from SamplingParams (same name, one value per row).
+_ROWS_FROM_PARAMS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingTensors)
+    if f.name in {g.name for g in dataclasses.fields(SamplingParams)}
+)
+
+
 def _greedy_rows(num_slots: int) -> dict[str, np.ndarray]:
     S = num_slots
     f32 = lambda fill: np.full(S, fill, np.float32)
@@ -186,16 +194,7 @@ def _fill_row(
             f"row {i} samples (temperature={p.temperature}) but has no seed: "
             "draw one with resolve_seed() when the request arrives"
         )
-    for name in (
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "min_tokens",
-    ):
+    for name in _ROWS_FROM_PARAMS:
         rows[name][i] = getattr(p, name)
     rows["key_data"][i] = seed_to_key_data(seed or 0)
     rows["step"][i] = output_len
