@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from benchmarks import quant_quality, quant_speed
-from benchmarks.quant_render import render_markdown, render_plots
+from benchmarks.extras import require
 from configs.engine_config import EngineConfig
 from configs.kv_memory import kv_bytes_per_token
 from configs.quant_config import QuantConfig
@@ -393,6 +393,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    require("bench", "matplotlib")  # the plots; checked before a long run, not after it
+    from benchmarks.quant_render import render_markdown, render_plots
+
     logging.basicConfig(level=logging.WARNING)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

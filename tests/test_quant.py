@@ -47,6 +47,7 @@ def _dequantized_matmul(x, q, scale):
 
 
 # ---- kernels -------------------------------------------------------------------------------
+@pytest.mark.interpret
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_pallas_kernels_match_reference_in_interpret_mode(impl, m, k, n):
@@ -80,6 +81,7 @@ def test_int8_matmul_rejects_bad_inputs():
         int8_matmul(x, q, scale[:3])
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize(
     "platform,impl,marker", [("cuda", "gpu", "triton"), ("tpu", "tpu", "tpu_custom_call")]
 )
@@ -142,6 +144,7 @@ def test_int8_params_flow_through_jit_and_scan_and_stay_close(tiny_model):
 OPTS = {"num_pages": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("scheme,kv_dtype", [("int8", "float32"), ("w8a8", "int8")])
 def test_engine_greedy_equals_dense_loop_with_the_same_quantized_params(
     tiny_model, scheme, kv_dtype

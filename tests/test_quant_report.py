@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import quant_report
 
 
+@pytest.mark.compile  # six engine configurations and the formulation timings
 def test_quant_report_small_on_tiny(tmp_path):
     out = tmp_path / "report"
     report = quant_report.main(

@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.subprocess
 def test_int8_weights_and_scales_shard_with_their_output_channels():
     script = os.path.join(ROOT, "tests", "quant_sharding_worker.py")
     proc = subprocess.run(
