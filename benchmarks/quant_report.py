@@ -38,6 +38,7 @@ from configs.engine_config import EngineConfig
 from configs.kv_memory import kv_bytes_per_token
 from configs.quant_config import QuantConfig
 from engine import LLM, SamplingParams
+from models.identity import REVISION_SEPARATOR, quantized_revision
 from models.quant import QUANTIZED_LAYER_WEIGHTS, layer_weight_bytes, param_bytes
 from models.registry import load_model
 
@@ -56,6 +57,11 @@ TARGETS = {  # issue 12, SmolLM2-135M
     "kv-int8 mean KL < 0.01 nats": ("kv-int8", "mean_kl_nats", "<", 0.01),
 }
 PAGE_SIZE = 16
+SECTION_SIZES = {  # the arguments that size each measured section (for --combine)
+    "quality": ("windows", "window_tokens"),
+    "behaviour": ("max_new_tokens", "long_context_tokens"),
+    "speed": ("speed_configs", "speed_batch", "prefill_tokens", "decode_tokens", "speed_repeats"),
+}
 
 
 # ---- behaviour prompts ----------------------------------------------------------------------
@@ -215,7 +221,9 @@ def artifact(models: dict, source: str, loader_log: list[str]) -> dict:
             "int8 x int8 dot with int32 accumulation",
         },
         "kv_int8": "int8 per token per KV head, float32 absmax/127 scale for K and for V",
-        "revisions": {n: m[0].identity.revision for n, m in models.items()},
+        "revisions": {  # as an engine with the variant's KV dtype names it
+            n: m[0].identity.with_quantization(kv_dtype=m[1]).revision for n, m in models.items()
+        },
     }
 
 
@@ -351,15 +359,28 @@ def combine(paths: list[str]) -> dict:
     sections of each, the first run's memory/artifact, targets checked again."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     report = dict(parts[0])
-    for part in parts[1:]:
-        for key in ("quality", "behaviour", "speed", "formulations"):
+    sizes = dict(parts[0]["sizes"])
+    for part in parts:
+        for key, size_keys in SECTION_SIZES.items():
             if key in part:
                 report[key] = part[key]
-    report["sizes"] = {**parts[0]["sizes"], "combined_from": paths}
+                sizes.update({k: part["sizes"][k] for k in size_keys})
+        if "formulations" in part:
+            report["formulations"] = part["formulations"]
+    report["sizes"] = {**sizes, "combined_from": paths}
+    report["artifact"]["revisions"] = {  # runs from before revisions named the KV dtype
+        n: _with_kv(rev, VARIANTS[n][1]) for n, rev in report["artifact"]["revisions"].items()
+    }
     report["loadavg_end"] = max((p["loadavg_end"] for p in parts), key=lambda x: x[0])
     report["wall_s"] = max(p["wall_s"] for p in parts)
     report["targets"] = check_targets(report)
     return report
+
+
+def _with_kv(revision: str, kv_dtype: str) -> str:
+    content, _, rest = revision.partition(REVISION_SEPARATOR)
+    weights = rest.split(",")[0].removeprefix("quantization=") if rest else "none"
+    return quantized_revision(content, weights, kv_dtype)
 
 
 def parse_args(argv=None):
