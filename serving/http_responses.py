@@ -75,13 +75,18 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> list[dict]:
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprob], text_offset: int) -> dict:
     """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs (one
-    token -> logprob dict per position), text_offset (from `text_offset` on)."""
+    token text -> logprob dict per position), text_offset (from `text_offset` on).
+    NOTE: the format keys alternatives by text, so two ids with the same text (e.g. partial
+    UTF-8 bytes, both U+FFFD) are one entry; chat logprobs keep every alternative."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in lps:
         token, _ = _token(tokenizer, lp.token_id)
         out["tokens"].append(token)
         out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({_token(tokenizer, t)[0]: p for t, p in lp.top})
+        top: dict[str, float] = {}
+        for tid, logprob in lp.top:  # best first; tokens with the same text keep the best
+            top.setdefault(_token(tokenizer, tid)[0], logprob)
+        out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(token)
     return out
