@@ -178,6 +178,8 @@ class HttpApi:
         prompts = [body.messages] if chat else schemas.completion_prompts(body.prompt)
         try:
             schemas.check_choices(body.n, len(prompts))
+            if body.stream_options is not None and not body.stream:
+                raise InvalidRequestError("stream_options", "set", "only with stream=true")
         except InvalidRequestError as e:
             raise invalid(e) from e
         return prompts

@@ -2,6 +2,10 @@
 nobody here wrote) and raw httpx, against a real server (MockEngine) on localhost."""
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -455,3 +459,59 @@ def test_expected_continuation_reference_still_holds(served):
     _, _, sdk = served
     r = sdk.completions.create(model="mock", prompt="~", max_tokens=3)
     assert r.choices[0].text == bytes(expected_continuation(ord("~"), 3)).decode()
+
+
+def test_draining_server_refuses_new_requests_with_503(served):
+    server, _, sdk = served
+    server.generator.draining = True
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            sdk.completions.create(model="mock", prompt="a", max_tokens=1)
+        assert e.value.status_code == 503 and e.value.body["code"] == "draining"
+        assert httpx.get(_url(server, "/ready")).json() == {"ready": False, "reason": "draining"}
+    finally:
+        server.generator.draining = False
+
+
+def test_stream_options_without_stream_is_refused(served):
+    _, _, sdk = served
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(
+            model="mock", prompt="a", max_tokens=1, stream_options={"include_usage": True}
+        )
+    assert e.value.body["param"] == "stream_options"
+
+
+def test_server_program_serves_http_on_the_flag_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving.server",
+            "--model=mock",
+            "--host=127.0.0.1",
+            "--port=0",
+            "--metrics_port=-1",
+            f"--http_port={port}",
+        ],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert lines[0].startswith("serving on ") and lines[1] == f"http on {port}\n"
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "mock", "prompt": "abc", "max_tokens": 3},
+        )
+        assert r.json()["choices"][0]["text"] == "def"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
