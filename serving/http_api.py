@@ -108,11 +108,10 @@ def _bearer(request: Request) -> str | None:
 
 
 class HttpApi:
-    def __init__(self, generator: Generator, metrics, engine_config: dict | None = None):
+    def __init__(self, generator: Generator, metrics):
         self.generator, self.metrics = generator, metrics
         self.identity = generator.identity
         self.tokenizer = generator.engine.tokenizer
-        self.engine_config = engine_config or {}
         self.app = self._build_app()
 
     # ---- the app -------------------------------------------------------------------------------
@@ -155,7 +154,8 @@ class HttpApi:
             return refusal_response(e)
         wake = asyncio.Event()
         try:
-            choices = self._submit_all(request, body, prompts, request_id, arrival_s, wake)
+            calls = self._calls(request, body, chat, prompts, request_id, wake)
+            choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return refusal_response(e)
         headers = resp.identity_headers(self.identity)
@@ -184,7 +184,7 @@ class HttpApi:
             raise invalid(e) from e
         return prompts
 
-    def _calls(self, request, body, prompts, request_id, wake) -> list[GenerateCall]:
+    def _calls(self, request, body, chat, prompts, request_id, wake) -> list[GenerateCall]:
         loop = asyncio.get_running_loop()
         vocab = self.generator.vocab_size
 
@@ -193,7 +193,7 @@ class HttpApi:
                 loop.call_soon_threadsafe(wake.set)
 
         def prompt_fn(p):
-            if isinstance(p, list) and p and isinstance(p[0], schemas.ChatMessage):
+            if chat:
                 return lambda: schemas.chat_prompt_ids(self.tokenizer, p)
             return lambda: schemas.prompt_ids(self.tokenizer, p, vocab)
 
@@ -214,11 +214,11 @@ class HttpApi:
                 )
         return calls
 
-    def _submit_all(self, request, body, prompts, request_id, arrival_s, wake):
+    def _submit_all(self, calls: list[GenerateCall], arrival_s: float) -> list:
         """One engine request per choice. If choice k is refused, the choices already
         admitted are cancelled (outcome cancelled{sibling_refused}) and k's refusal raised."""
         choices = []
-        for k, call in enumerate(self._calls(request, body, prompts, request_id, wake)):
+        for k, call in enumerate(calls):
             if k:
                 self.metrics.generate_calls.inc()
             try:

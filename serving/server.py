@@ -137,7 +137,7 @@ class PagedJaxServer:
             from serving.http_api import HttpApi
             from serving.http_server import HttpServer
 
-            self.http_api = HttpApi(self.generator, self.metrics, config.engine_config)
+            self.http_api = HttpApi(self.generator, self.metrics)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
 

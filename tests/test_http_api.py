@@ -515,3 +515,10 @@ def test_server_program_serves_http_on_the_flag_port():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_empty_messages_are_refused_naming_messages(served):
+    _, _, sdk = served
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model="mock", messages=[], max_tokens=1)
+    assert e.value.body["param"] == "messages" and "at least one message" in e.value.message
