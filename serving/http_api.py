@@ -318,12 +318,15 @@ class HttpApi:
         offsets = {c.index: 0 for c in choices}
         try:
             async for c, text, lps, times in self._deltas(choices, wake):
+                c.num_tokens += len(times)
                 if not (text or lps or c.summary or (times and body.return_token_times)):
                     continue  # e.g. text held back while it may still become a stop string
                 chunk = resp.envelope(kind, request_id, self.identity, created)
                 chunk["choices"] = [self._stream_choice(body, chat, c, text, lps, offsets)]
                 if body.include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = (
+                        resp.running_usage(choices, body.n) if body.continuous_usage else None
+                    )
                 if body.return_token_times:
                     chunk["pagedjax"] = {"token_times_unix_ns": [convert.unix_ns(t) for t in times]}
                 last = all(x.summary is not None for x in choices)

@@ -109,6 +109,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     summary: FinalSummary | None = None
     sent_role: bool = False  # chat streaming: the first delta carries the role
+    num_tokens: int = 0  # streamed so far
 
 
 def delta_of(items: list[RequestOutput]) -> tuple[str, list[TokenLogprob], list[float]]:
@@ -129,6 +130,17 @@ def usage(summaries: list[FinalSummary], num_prompts: int, n: int) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def running_usage(choices: list[ChoiceState], n: int) -> dict:
+    """Usage so far of a streamed request (vLLM's continuous_usage_stats)."""
+    prompt = sum(c.request.num_prompt_tokens for c in choices[::n])
+    completion = sum(c.num_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 

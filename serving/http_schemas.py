@@ -13,6 +13,7 @@ Supported fields (OpenAI's, then vLLM's extras):
     of token-id lists), max_tokens, max_completion_tokens (chat), temperature, top_p, n, seed,
     stop, presence_penalty, frequency_penalty, logprobs + top_logprobs (chat: bool + 0..20),
     logprobs (completions: 0..20), stream, stream_options.include_usage, user;
+    stream_options.continuous_usage_stats (vLLM's: usage so far in every chunk),
     top_k (-1 or 0 disables), min_p, repetition_penalty, min_tokens, ignore_eos,
     stop_token_ids, priority (vLLM's: lower is served earlier; <0 high, 0 normal, >0 low),
     revision (a pin: 409 when another revision is loaded; also header x-pagedjax-revision),
@@ -40,6 +41,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class TextPart(_Strict):
@@ -85,6 +87,10 @@ class _GenerationFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

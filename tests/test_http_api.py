@@ -522,3 +522,23 @@ def test_empty_messages_are_refused_naming_messages(served):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.chat.completions.create(model="mock", messages=[], max_tokens=1)
     assert e.value.body["param"] == "messages" and "at least one message" in e.value.message
+
+
+def test_continuous_usage_stats_count_tokens_so_far(served):
+    _, _, sdk = served
+    chunks = list(
+        sdk.completions.create(
+            model="mock",
+            prompt="abc",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert so_far == sorted(so_far) and so_far[-1] == 6
+    text = ""
+    for c in chunks[:-1]:
+        text += c.choices[0].text
+        assert c.usage.completion_tokens == len(text)  # the mock: one byte per token
+        assert c.usage.prompt_tokens == 3
