@@ -5,9 +5,10 @@ metrics, client, mock engine.
     server.py              PagedJaxServer: assembles everything; `python -m serving.server`
     generation.py          transport-neutral Generator: admission order, refusals, outcomes
     service.py             the gRPC handlers (GenerateCall from protobuf -> Generator)
-    http_api.py            the OpenAI-compatible HTTP API (FastAPI): routes, SSE relay
+    http_api.py            the OpenAI-compatible HTTP API (FastAPI): generation, SSE relay
+    http_endpoints.py      its other endpoints: models, tokenize, health, ready, metrics
     http_schemas.py        its request schemas (pydantic, unknown fields refused)
-    http_responses.py      its response bodies, logprobs, usage, error object, identity
+    http_responses.py      its bodies, logprobs, usage, error object + statuses, identity
     http_server.py         uvicorn on its own thread in the same process
     engine_loop.py         the engine thread; THE map of threads and queues (its docstring)
     admission.py           limits, the bounded WaitingQueue (priority + aging), drain rate

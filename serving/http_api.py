@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), beside gRPC in the same server process.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    POST /tokenize  POST /detokenize   GET /health  GET /ready  GET /metrics
+    POST /v1/chat/completions   POST /v1/completions   (this module)
+    GET /v1/models  POST /tokenize  POST /detokenize  GET /health /ready /metrics
+                                                       (http_endpoints.py)
 
 One request contract, two transports: a generation request is parsed (http_schemas.py),
 turned into one GenerateCall per choice (n choices x prompts; each its own engine request,
@@ -19,9 +20,10 @@ budgets, breaker, waiting queue, engine thread, metrics and one outcome per engi
     client disconnect -> Generator.client_gone for every unfinished choice (pages freed by
     the next engine step)
 
-Statuses (grpc.StatusCode in the ledger) map to HTTP: INVALID_ARGUMENT 400, UNAUTHENTICATED
-401, unknown model 404, revision pin 409, RESOURCE_EXHAUSTED 429 and UNAVAILABLE 503 (both
-with `Retry-After` seconds and `retry-after-ms`), DEADLINE_EXCEEDED 504, INTERNAL 500.
+Statuses (grpc.StatusCode in the ledger) map to HTTP (http_responses.py): INVALID_ARGUMENT
+400, UNAUTHENTICATED 401, unknown model 404, revision pin 409, RESOURCE_EXHAUSTED 429 and
+UNAVAILABLE 503 (both with `Retry-After` seconds and `retry-after-ms`), DEADLINE_EXCEEDED
+504, INTERNAL 500.
 Calls: every generation POST counts once in pagedjax_generate_calls_total, plus once per
 further choice submitted, so at rest the outcome counters still sum to it.
 """
@@ -35,9 +37,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import grpc
-import prometheus_client
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -53,23 +52,11 @@ from serving.generation import (
     invalid,
     is_done,
 )
+from serving.http_endpoints import InfoEndpoints
 from serving.request_state import Terminal
 
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
-
-# status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.INTERNAL: (500, "internal_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.ABORTED: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
 
 
 class StreamEnded(Exception):
@@ -78,33 +65,6 @@ class StreamEnded(Exception):
     def __init__(self, terminal: Terminal):
         self.terminal = terminal
         super().__init__(terminal.details)
-
-
-def error_response(
-    status: grpc.StatusCode,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    retry_after_ms: int | None = None,
-) -> JSONResponse:
-    http_status, type_ = HTTP_STATUS.get(status, (500, "internal_error"))
-    if status == grpc.StatusCode.FAILED_PRECONDITION and param == "model":
-        http_status, type_, code = 404, "not_found_error", "model_not_found"
-    body = resp.error_body(message, type_, param, code)
-    return JSONResponse(body, http_status, headers=resp.retry_headers(retry_after_ms))
-
-
-def refusal_response(e: Refusal) -> JSONResponse:
-    return error_response(
-        e.status, e.details, param=e.param, code=e.reason, retry_after_ms=e.retry_after_ms
-    )
-
-
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 class HttpApi:
@@ -119,18 +79,8 @@ class HttpApi:
         app = FastAPI(title="pagedjax", docs_url=None, redoc_url=None, openapi_url=None)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
-        app.get("/v1/models")(self.models)
-        app.post("/tokenize")(self.tokenize)
-        app.post("/detokenize")(self.detokenize)
-        app.get("/health")(self.health)
-        app.get("/ready")(self.ready)
-        app.get("/metrics")(self.prometheus)
+        InfoEndpoints(self.generator, self.metrics).register(app)
         return app
-
-    def api_key(self, request: Request) -> str | None:
-        """The bearer token; ignored when no API keys are configured (the OpenAI SDK always
-        sends one, so anonymous use must not fail on it)."""
-        return _bearer(request) if self.generator.tenants.api_keys else None
 
     # ---- generation ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -145,33 +95,24 @@ class HttpApi:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = "?"
         try:
-            tenant = self.generator.authenticate(self.api_key(request)).name
-            body = self._parse(model_cls, await request.body())
+            tenant = self.generator.authenticate(resp.api_key(self.generator.tenants, request)).name
+            body = schemas.parse_body(model_cls, await request.body())
             prompts = self._prompts(body, chat)
         except Refusal as e:
             e.tenant = tenant
             self.generator.record_refusal(request_id, e, arrival_s)
-            return refusal_response(e)
+            return resp.refusal_response(e)
         wake = asyncio.Event()
         try:
             calls = self._calls(request, body, chat, prompts, request_id, wake)
             choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
-            return refusal_response(e)
+            return resp.refusal_response(e)
         headers = resp.identity_headers(self.identity)
         if body.stream:
             stream = self._sse(body, chat, request_id, choices, len(prompts), wake)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         return await self._complete(request, body, chat, request_id, choices, len(prompts), wake)
-
-    def _parse(self, model_cls, raw: bytes):
-        try:
-            return model_cls.model_validate_json(raw or b"{}")
-        except pydantic.ValidationError as e:
-            message, param = schemas.validation_message(e)
-            raise Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", message, param=param
-            ) from e
 
     def _prompts(self, body, chat: bool) -> list:
         """What each prompt's choices will be built from (messages or one prompt)."""
@@ -203,7 +144,7 @@ class HttpApi:
                 calls.append(
                     GenerateCall(
                         request_id=f"{request_id}-{p_index * body.n + i}",
-                        api_key=self.api_key(request),
+                        api_key=resp.api_key(self.generator.tenants, request),
                         prompt_ids=prompt_fn(p),
                         sampling=lambda d, i=i: schemas.sampling_params(body, d, choice=i),
                         model=body.model,
@@ -274,7 +215,7 @@ class HttpApi:
         except StreamEnded as e:
             self._cancel_unfinished(choices, "sibling_failed")
             t = e.terminal
-            return error_response(t.code, t.details, retry_after_ms=t.retry_after_ms)
+            return resp.error_response(t.code, t.details, retry_after_ms=t.retry_after_ms)
         finally:
             watcher.cancel()
         if gone.is_set():
@@ -347,7 +288,7 @@ class HttpApi:
         except StreamEnded as e:
             self._cancel_unfinished(choices, "sibling_failed")
             t = e.terminal
-            err = error_response(t.code, t.details, retry_after_ms=t.retry_after_ms)
+            err = resp.error_response(t.code, t.details, retry_after_ms=t.retry_after_ms)
             yield f"data: {err.body.decode()}\n\n"
         finally:  # runs on disconnect too (the generator is cancelled / closed)
             self._cancel_unfinished(choices)
@@ -374,88 +315,6 @@ class HttpApi:
             offsets[c.index] += len(text)
         choice["finish_reason"] = finish
         return choice
-
-    # ---- the other endpoints -------------------------------------------------------------------
-    async def models(self, request: Request) -> Response:
-        try:
-            self.generator.authenticate(self.api_key(request))
-        except Refusal as e:
-            return refusal_response(e)
-        model = {
-            "id": self.identity.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pagedjax",
-            "root": self.identity.name,
-            "max_model_len": self.generator.limits.admission.max_model_len,
-            "pagedjax": {"versions": convert.versions_dict(self.identity)},
-        }
-        return JSONResponse({"object": "list", "data": [model]})
-
-    async def tokenize(self, request: Request) -> Response:
-        try:
-            self.generator.authenticate(self.api_key(request))
-            body = self._parse(schemas.TokenizeRequest, await request.body())
-            self.generator.check_model(body.model, "")
-            ids = self._tokenize(body)
-        except Refusal as e:
-            return refusal_response(e)
-        return JSONResponse(
-            {
-                "count": len(ids),
-                "max_model_len": self.generator.limits.admission.max_model_len,
-                "tokens": ids,
-            }
-        )
-
-    def _tokenize(self, body: schemas.TokenizeRequest) -> list[int]:
-        if (body.prompt is None) == (body.messages is None):
-            raise invalid(
-                InvalidRequestError("prompt", None, "set exactly one of prompt, messages")
-            )
-        try:
-            if body.messages is not None:
-                dicts = [{"role": m.role, "content": m.text()} for m in body.messages]
-                return convert.chat_token_ids(self.tokenizer, dicts, body.add_generation_prompt)
-            if body.add_special_tokens:
-                return list(self.tokenizer.encode(body.prompt))
-            return list(self.tokenizer.encode(body.prompt, add_special_tokens=False))
-        except InvalidRequestError as e:
-            raise invalid(e) from e
-        except ValueError as e:  # e.g. no chat template
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
-
-    async def detokenize(self, request: Request) -> Response:
-        try:
-            self.generator.authenticate(self.api_key(request))
-            body = self._parse(schemas.DetokenizeRequest, await request.body())
-            self.generator.check_model(body.model, "")
-            schemas.prompt_ids(self.tokenizer, body.tokens, self.generator.vocab_size)
-        except InvalidRequestError as e:
-            return refusal_response(invalid(InvalidRequestError("tokens", e.value, e.limit)))
-        except Refusal as e:
-            return refusal_response(e)
-        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
-
-    async def health(self) -> Response:
-        state = self.generator.breaker.state
-        return JSONResponse({"status": state}, 503 if state == "open" else 200)
-
-    async def ready(self) -> Response:
-        g = self.generator
-        reason = (
-            "draining"
-            if g.draining
-            else "warming_up"
-            if not g.ready.is_set()
-            else "circuit_open"
-            if g.breaker.state == "open"
-            else None
-        )
-        return JSONResponse({"ready": reason is None, "reason": reason}, 200 if not reason else 503)
-
-    async def prometheus(self) -> Response:
-        return Response(self.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
 
 def _event(chunk: dict) -> str:

@@ -1,5 +1,6 @@
 """Response bodies of the OpenAI-compatible HTTP API: completions, chat completions, their
-streamed chunks, logprobs, usage, the error object, and the model identity in headers.
+streamed chunks, logprobs, usage, the error object (and the status mapping), the model
+identity in headers; and the bearer token -> API key rule.
 
 Identity: `system_fingerprint` is "pagedjax-<engine_version>;rev=<revision>;tok=<tokenizer
 hash>;tpl=<chat template hash>" on every response and chunk; the same values are in the
@@ -14,9 +15,12 @@ import dataclasses
 import math
 import time
 
+import grpc
+from fastapi.responses import JSONResponse
+
 from engine.api_types import RequestOutput, TokenLogprob
 from serving import convert
-from serving.generation import FinalSummary
+from serving.generation import FinalSummary, Refusal
 
 IDENTITY_HEADERS = {
     "name": "x-pagedjax-model",
@@ -52,6 +56,50 @@ def retry_headers(retry_after_ms: int | None) -> dict[str, str]:
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.INTERNAL: (500, "internal_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.ABORTED: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def error_response(
+    status: grpc.StatusCode,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    retry_after_ms: int | None = None,
+) -> JSONResponse:
+    http_status, type_ = HTTP_STATUS.get(status, (500, "internal_error"))
+    if status == grpc.StatusCode.FAILED_PRECONDITION and param == "model":
+        http_status, type_, code = 404, "not_found_error", "model_not_found"
+    body = error_body(message, type_, param, code)
+    return JSONResponse(body, http_status, headers=retry_headers(retry_after_ms))
+
+
+def refusal_response(e: Refusal) -> JSONResponse:
+    return error_response(
+        e.status, e.details, param=e.param, code=e.reason, retry_after_ms=e.retry_after_ms
+    )
+
+
+def api_key(tenants, request) -> str | None:
+    """The `Authorization: Bearer KEY` token, gRPC's x-api-key. Ignored when no API keys are
+    configured: the OpenAI SDK always sends one, so anonymous use must not fail on it."""
+    if not tenants.api_keys:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 # ---- logprobs ---------------------------------------------------------------------------------

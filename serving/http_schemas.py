@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+import grpc
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from serving import convert
+from serving.generation import Refusal
 
 MAX_CHOICES = 16  # n (times the number of prompts) per request
 
@@ -152,6 +154,17 @@ def validation_message(err: pydantic.ValidationError) -> tuple[str, str | None]:
     if e["type"] in ("json_invalid", "json_type"):
         return f"request body is not valid JSON: {e['msg']}", None
     return f"{param}={e.get('input')!r} is invalid: {e['msg']}", param
+
+
+def parse_body(model_cls: type[BaseModel], raw: bytes):
+    """The request model, or a Refusal (400) naming the first problem."""
+    try:
+        return model_cls.model_validate_json(raw or b"{}")
+    except pydantic.ValidationError as e:
+        message, param = validation_message(e)
+        raise Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", message, param=param
+        ) from e
 
 
 # ---- engine inputs --------------------------------------------------------------------------
