@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -22,6 +23,8 @@ import httpx
 from benchmarks.loadgen.driver import SUCCESS_REASONS, new_record
 from benchmarks.loadgen.metrics import RequestRecord
 from benchmarks.loadgen.workloads import RequestSpec
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
 
 STATUS_OUTCOME = {429: "rejected", 503: "rejected", 504: "timed_out"}
 ERROR_TYPE_STATUS = {"rate_limit_error": 429, "service_unavailable": 503, "timeout": 504}
