@@ -542,3 +542,29 @@ def test_continuous_usage_stats_count_tokens_so_far(served):
         text += c.choices[0].text
         assert c.usage.completion_tokens == len(text)  # the mock: one byte per token
         assert c.usage.prompt_tokens == 3
+
+
+def test_streamed_n_choices_interleave_and_match_the_non_streamed(served):
+    _, _, sdk = served
+    full = sdk.chat.completions.create(model="mock", messages=CHAT, max_tokens=7, n=2)
+    chunks = list(
+        sdk.chat.completions.create(
+            model="mock",
+            messages=CHAT,
+            max_tokens=7,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts, finish = {0: "", 1: ""}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 14 == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens == len(CHAT_PROMPT)
+    assert [t["e2e_s"] > 0 for t in chunks[-1].pagedjax["timings"]] == [True, True]
