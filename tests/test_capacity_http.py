@@ -71,6 +71,7 @@ def test_http_run_report_and_server_outcomes_agree(http_server, tmp_path):
     assert by_outcome["rejected"] == report["outcomes"]["rejected"]
 
 
+@pytest.mark.subprocess
 def test_http_closed_loop_and_cli_flag(http_server, tmp_path):
     cfg = _config(
         http_server,

@@ -482,6 +482,7 @@ def test_stream_options_without_stream_is_refused(served):
     assert e.value.body["param"] == "stream_options"
 
 
+@pytest.mark.subprocess
 def test_server_program_serves_http_on_the_flag_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

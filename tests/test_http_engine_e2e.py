@@ -54,6 +54,7 @@ def _sdk(server):
     )
 
 
+@pytest.mark.compile
 def test_http_equals_engine_with_logprobs_and_seeds(tiny_engine):
     tok = tiny_engine.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
