@@ -142,6 +142,8 @@ class PagedJaxServer:
             self.http_port = self._http.port
 
     def start(self) -> PagedJaxServer:
+        if self._warmup is None:  # ready at once, not when the engine thread gets to it
+            self.generator.ready.set()
         self.loop.start()
         if self.config.metrics_port is not None:
             self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
@@ -160,8 +162,13 @@ class PagedJaxServer:
 
     def _warm_up(self) -> None:
         """On the engine thread, before its first iteration."""
-        if self._warmup is not None:
+        if self._warmup is None:
+            return
+        try:
             self._warmup()
+        except Exception:  # stays not ready (503 warming_up); the log says why
+            log.exception("warm-up failed; the server will not become ready")
+            return
         self.generator.ready.set()
         self._set_health(self.breaker.state)
 

@@ -569,3 +569,14 @@ def test_streamed_n_choices_interleave_and_match_the_non_streamed(served):
     assert chunks[-1].usage.completion_tokens == 14 == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens == len(CHAT_PROMPT)
     assert [t["e2e_s"] > 0 for t in chunks[-1].pagedjax["timings"]] == [True, True]
+
+
+def test_failed_warm_up_leaves_the_server_not_ready(caplog):
+    def broken():
+        raise RuntimeError("compile failed")
+
+    with running_server(MockEngine(), http_port=0, warmup=broken) as (server, _):
+        wait_for(lambda: "warm-up failed" in caplog.text, what="warm-up failure logged")
+        ready = httpx.get(_url(server, "/ready"))
+        assert ready.status_code == 503 and ready.json()["reason"] == "warming_up"
+        assert server.loop.thread.is_alive()
