@@ -94,12 +94,15 @@ def refusal_response(e: Refusal) -> JSONResponse:
 
 
 def api_key(tenants, request) -> str | None:
-    """The `Authorization: Bearer KEY` token, gRPC's x-api-key. Ignored when no API keys are
-    configured: the OpenAI SDK always sends one, so anonymous use must not fail on it."""
+    """The `Authorization: Bearer KEY` token (or an `x-api-key` header, as on gRPC). Ignored
+    when no API keys are configured: the OpenAI SDK always sends one, so anonymous use must
+    not fail on it."""
     if not tenants.api_keys:
         return None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key") or None
 
 
 # ---- logprobs ---------------------------------------------------------------------------------

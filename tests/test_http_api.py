@@ -244,6 +244,13 @@ def test_api_keys_map_to_the_same_tenants_and_budgets_as_grpc():
         with pytest.raises(openai.AuthenticationError) as e:
             _sdk(server, key="k-wrong").completions.create(model="mock", prompt="a", max_tokens=1)
         assert e.value.body["code"] == "unauthenticated"
+        r = httpx.post(
+            _url(server, "/v1/completions"),
+            json={"prompt": "a", "max_tokens": 1},
+            headers={"x-api-key": "k-acme"},
+        )
+        assert r.json()["choices"][0]["text"] == "b"  # gRPC's header works too
+        assert httpx.get(_url(server, "/v1/models")).status_code == 401  # no key, no anonymous
         sdk = _sdk(server, key="k-acme")
         r = sdk.completions.create(model="mock", prompt="a", max_tokens=2)
         assert r.choices[0].text == "bc"
