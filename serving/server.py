@@ -75,6 +75,7 @@ class PagedJaxServer:
         max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
         identity = engine.identity
         self.metrics = ServerMetrics(identity.name, identity.revision)
+        self.metrics.set_cache_config(stats)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         self.waiting = WaitingQueue(admission)
         self.limiter = TenantLimiter()
