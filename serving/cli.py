@@ -35,6 +35,7 @@ def check_flags(argv) -> None:
         raise shared.UsageError("", got, f"command {got!r}: expected one of {list(COMMANDS)}")
     shared.check_model(FLAGS.model)
     shared.check_sampling(**_sampling_fields())
+    shared.check_mesh(FLAGS.mesh)
 
 
 def _sampling_fields() -> dict:
@@ -104,8 +105,8 @@ def _generate_paged() -> str:
 
 
 def main(argv):
-    check_flags(argv)
     shared.setup_logging(FLAGS.log_level)
+    check_flags(argv)
     text = _generate_dense() if FLAGS.engine == "dense" else _generate_paged()
     print(text)
 

@@ -259,8 +259,8 @@ def check_flags(argv) -> str:
 
 
 def main(argv) -> int:
-    command = check_flags(argv)
     shared.setup_logging(FLAGS.log_level)
+    command = check_flags(argv)
     shared.wait_for_server(FLAGS.target)
     with GenerateClient(FLAGS.target, FLAGS.api_key) as client:
         try:

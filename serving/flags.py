@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import re
 import socket
 import sys
 
@@ -34,7 +35,7 @@ class UsageError(ValueError):
 
     def __init__(self, flag: str, value, allowed: str):
         self.flag, self.value, self.allowed = flag, value, allowed
-        if allowed[:1] in tuple("<>=-0123456789"):  # a bare limit such as ">= 1"
+        if re.match(r"[<>=]|-?\d", allowed):  # a bare limit such as ">= 1" or "0 <= x <= 1"
             allowed = f"must be {allowed}"
         super().__init__(f"--{flag}={value}: {allowed}" if flag else allowed)
 
@@ -133,6 +134,22 @@ def check_model(model: str, mock: bool = False) -> None:
         check_model_source(model)
     except ModelLoadError as e:
         raise UsageError("", model, str(e).replace("model=", "--model=", 1)) from None
+
+
+def check_mesh(spec: str | None) -> None:
+    """A mesh spec the engine can parse, with enough devices for it (imports JAX)."""
+    if spec is None:
+        return
+    import jax
+
+    from engine.sharding import ShardingConfigError, parse_mesh_spec
+
+    try:
+        sizes = parse_mesh_spec(spec)
+    except ShardingConfigError as e:
+        raise UsageError("", spec, str(e).replace("mesh=", "--mesh=", 1)) from None
+    need, have = sizes["data"] * sizes["model"], len(jax.devices())
+    require("mesh", spec, need <= have, f"needs {need} devices, {have} available")
 
 
 def check_sampling(**fields) -> None:

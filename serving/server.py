@@ -265,6 +265,8 @@ def check_flags() -> None:
     shared.check_port("port", FLAGS.port, FLAGS.host)
     shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
     _check_file("tenants_config", FLAGS.tenants_config)
+    if FLAGS.model != "mock":
+        shared.check_mesh(FLAGS.mesh)
 
 
 def _check_file(flag: str, path: str | None) -> None:
@@ -385,8 +387,8 @@ def _setup_request_log(path: str | None) -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         raise shared.UsageError("", " ".join(argv[1:]), "the server takes no arguments, only flags")
-    check_flags()
     shared.setup_logging(FLAGS.log_level)
+    check_flags()
     _setup_request_log(FLAGS.request_log)
     options = engine_options_from_flags()
     engine = build_engine(

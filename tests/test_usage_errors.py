@@ -82,6 +82,8 @@ def test_model_paths(command, files):
         ("--top_p=0", "--top_p=0.0: must be 0 < x <= 1"),
         ("--max_tokens=abc", "--max_tokens=abc"),
         ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'"),
+        ("--mesh=model:64", "--mesh=model:64: needs 64 devices, 1 available"),
+        ("--mesh=rows:2", "bad entry 'rows:2'"),
     ],
 )
 def test_cli_sampling_flags(flag, message):

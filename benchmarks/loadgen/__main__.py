@@ -189,9 +189,9 @@ def check_flags() -> None:
 def main(argv):
     if len(argv) > 1:
         raise shared.UsageError("", " ".join(argv[1:]), "loadgen takes no arguments, only flags")
+    shared.setup_logging(F.log_level)
     check_flags()
     rates = sweep_rates()
-    shared.setup_logging(F.log_level)
     shared.wait_for_server(F.target)
     out = pathlib.Path(F.out)
     if not rates:
