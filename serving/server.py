@@ -339,12 +339,20 @@ def _warmup_with_progress(engine, max_shapes: int, num_reports: int = 8) -> None
     shapes = startup_shapes(engine.sched_config, max_shapes)
     chunk = max(1, -(-len(shapes) // num_reports))
     t0 = time.perf_counter()
-    for start in range(0, len(shapes), chunk):
-        warmup(engine, shapes[start : start + chunk])
-        done = min(start + chunk, len(shapes))
-        shared.progress(
-            f"warm-up: {done}/{len(shapes)} step shapes compiled ({time.perf_counter() - t0:.0f}s)"
-        )
+    # NOTE: warmup() logs a summary per call; the progress lines below replace them.
+    warmup_log = logging.getLogger(warmup.__module__)
+    level = warmup_log.level
+    warmup_log.setLevel(logging.ERROR)
+    try:
+        for start in range(0, len(shapes), chunk):
+            warmup(engine, shapes[start : start + chunk])
+            done = min(start + chunk, len(shapes))
+            elapsed_s = time.perf_counter() - t0
+            shared.progress(
+                f"warm-up: {done}/{len(shapes)} step shapes compiled ({elapsed_s:.0f}s)"
+            )
+    finally:
+        warmup_log.setLevel(level)
     engine.warmup_s = time.perf_counter() - t0
 
 

@@ -158,3 +158,22 @@ def test_planner_flags(flag, message):
 
 def test_planner_needs_the_plan_command():
     assert_usage_error(run(PLANNER), "expected the command 'plan'")
+
+
+def test_server_prints_warmup_progress(monkeypatch, capsys):
+    import types
+
+    import engine.warmup
+    from serving import server
+
+    compiled = []
+    monkeypatch.setattr(engine.warmup, "startup_shapes", lambda sched_config, n: list(range(n)))
+    monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
+    eng = types.SimpleNamespace(sched_config=None, warmup_s=None)
+    server._warmup_with_progress(eng, 10, num_reports=4)
+    assert compiled == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == [
+        f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)
+    ]
+    assert eng.warmup_s is not None
