@@ -288,7 +288,7 @@ def _fields() -> dict:
         "priority": FLAGS.priority,
         "stream": FLAGS.stream,
     }
-    if FLAGS.raw:
+    if FLAGS.raw or not FLAGS.chat:
         return {**fields, "prompt": FLAGS.prompt}
     system = [{"role": "system", "content": FLAGS.system}] if FLAGS.system else []
     return {**fields, "messages": [*system, {"role": "user", "content": FLAGS.prompt}]}
