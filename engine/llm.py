@@ -31,12 +31,18 @@ import dataclasses
 import itertools
 import logging
 import time
-import typing
 from collections.abc import Callable, Iterator, Sequence
 
 from configs.engine_config import EngineConfig
 from engine.api_types import CompletionOutput, EngineRequest, GenerateOutput, RequestOutput
 from engine.errors import InvalidRequestError
+from engine.llm_options import (
+    check_engine_options,
+    check_fraction,
+    describe,
+    mesh_from,
+    with_memory_fraction,
+)
 from engine.sampling_params import SamplingParams
 from engine.sharding import create_engine, loader_shardings
 
@@ -47,7 +53,6 @@ PROMPT_TYPES = (
     "a str, a list of chat messages ({'role', 'content'} dicts), a list of token ids (int), "
     "or a dict with 'prompt' or 'prompt_token_ids'"
 )
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +78,9 @@ class LLM:
         from models.source import check_model_source
 
         t0 = time.perf_counter()
-        mesh = _mesh_from(mesh, tensor_parallel_size)
-        _check_engine_options(engine_options)
-        _check_fraction(gpu_memory_utilization)
+        mesh = mesh_from(mesh, tensor_parallel_size)
+        check_engine_options(engine_options)
+        check_fraction(gpu_memory_utilization)
         # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
         # that build several engines over one set of weights).
         if isinstance(model, str):
@@ -88,7 +93,7 @@ class LLM:
             load_model(model, shardings_for=shardings_for) if isinstance(model, str) else model
         )
         if gpu_memory_utilization is not None:
-            config = _with_memory_fraction(config, gpu_memory_utilization)
+            config = with_memory_fraction(config, gpu_memory_utilization)
         self.config = config
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
@@ -123,7 +128,7 @@ class LLM:
                 return ResolvedPrompt(None, [int(t) for t in prompt])
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise InvalidRequestError(where, prompt, "must not be empty")
-        raise TypeError(f"{where}: expected {PROMPT_TYPES}; got {_describe(prompt)}")
+        raise TypeError(f"{where}: expected {PROMPT_TYPES}; got {describe(prompt)}")
 
     def _resolve_dict(self, prompt: dict, where: str) -> ResolvedPrompt:
         keys = set(prompt)
@@ -190,7 +195,7 @@ class LLM:
         else:
             raise TypeError(
                 f"messages: expected a list of {{'role', 'content'}} dicts or a list of such "
-                f"lists; got {_describe(messages)}"
+                f"lists; got {describe(messages)}"
             )
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv:
@@ -303,7 +308,7 @@ def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams
     ):
         raise TypeError(
             f"sampling_params: expected SamplingParams or a list of them; "
-            f"got {_describe(sampling_params)}"
+            f"got {describe(sampling_params)}"
         )
     if len(sampling_params) != num_prompts:
         raise ValueError(
@@ -327,88 +332,6 @@ def _check_messages(messages: Sequence[dict], where: str) -> None:
                 f"{where}[{i}]: a chat message is a dict with 'role' (str) and 'content' (str); "
                 f"got {m!r:.80}"
             )
-
-
-def _describe(value) -> str:
-    return f"{type(value).__name__} {value!r:.60}"
-
-
-def _mesh_from(mesh: str | None, tensor_parallel_size: int | None) -> str | None:
-    if tensor_parallel_size is None:
-        return mesh
-    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise InvalidRequestError("tensor_parallel_size", tensor_parallel_size, "an int >= 1")
-    if mesh is not None:
-        raise InvalidRequestError(
-            "tensor_parallel_size", tensor_parallel_size, f"give it or mesh={mesh!r}, not both"
-        )
-    return None if tensor_parallel_size == 1 else f"model:{tensor_parallel_size}"
-
-
-def _check_engine_options(options: dict) -> None:
-    """Unknown names and wrong types, before anything loads."""
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"LLM() got unknown option(s) {unknown}; engine options are {list(ENGINE_OPTIONS)}, "
-            "plus mesh, tensor_parallel_size, gpu_memory_utilization, warmup, impl"
-        )
-    hints = typing.get_type_hints(EngineConfig)
-    for name, value in options.items():
-        allowed = typing.get_args(hints[name]) or (hints[name],)
-        if value is None and type(None) in allowed:
-            continue
-        kinds = [t for t in allowed if t in _CHECKED_TYPES]
-        if kinds and not any(_CHECKED_TYPES[t](value) for t in kinds):
-            expected = " or ".join(t.__name__ for t in allowed)
-            raise TypeError(f"LLM(): {name} expected {expected}, got {_describe(value)}")
-
-
-_CHECKED_TYPES = {  # annotation -> accepts (bools are not ints here)
-    bool: lambda v: isinstance(v, bool),
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-}
-
-
-def _check_fraction(fraction) -> None:
-    if fraction is None:
-        return
-    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
-        raise TypeError(f"gpu_memory_utilization: expected a float, got {_describe(fraction)}")
-    if not 0.0 < fraction <= 1.0:
-        raise InvalidRequestError("gpu_memory_utilization", fraction, "0 < x <= 1")
-
-
-def _with_memory_fraction(config: EngineConfig, fraction: float) -> EngineConfig:
-    """kv_cache_bytes = fraction x device memory - bytes in use (weights loaded)."""
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        log.warning(
-            "gpu_memory_utilization=%s ignored: %s reports no memory limit; using "
-            "kv_cache_bytes=%d",
-            fraction,
-            jax.local_devices()[0].platform,
-            config.kv_cache_bytes,
-        )
-        return config
-    if config.num_pages is not None:
-        raise InvalidRequestError(
-            "gpu_memory_utilization", fraction, "give it or num_pages, not both"
-        )
-    budget = int(limit * fraction) - int(stats.get("bytes_in_use", 0))
-    if budget <= 0:
-        raise InvalidRequestError(
-            "gpu_memory_utilization",
-            fraction,
-            f"leaves no KV memory: {limit * fraction / 2**30:.2f} GiB allowed, "
-            f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB already in use",
-        )
-    return dataclasses.replace(config, kv_cache_bytes=budget)
 
 
 def _progress_bar(use_tqdm, total: int):
