@@ -34,6 +34,7 @@ def check_flags(argv) -> None:
         got = " ".join(argv[1:]) or "(none)"
         raise shared.UsageError("", got, f"command {got!r}: expected one of {list(COMMANDS)}")
     shared.check_model(FLAGS.model)
+    shared.require("prompt", "''", bool(FLAGS.prompt), "must not be empty")
     shared.check_sampling(**_sampling_fields())
     shared.check_mesh(FLAGS.mesh)
 

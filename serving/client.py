@@ -247,6 +247,8 @@ def check_flags(argv) -> str:
     )
     shared.check_target("target", FLAGS.target)
     shared.check_positive("request_timeout_s", FLAGS.request_timeout_s, allow_none=True)
+    if command in ("generate", "tokenize"):
+        shared.require("prompt", "''", bool(FLAGS.prompt), "must not be empty")
     if command == "generate":
         shared.check_sampling(
             max_tokens=FLAGS.max_tokens,

@@ -84,6 +84,7 @@ def test_model_paths(command, files):
         ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'"),
         ("--mesh=model:64", "--mesh=model:64: needs 64 devices, 1 available"),
         ("--mesh=rows:2", "bad entry 'rows:2'"),
+        ("--prompt=", "--prompt='': must not be empty"),
     ],
 )
 def test_cli_sampling_flags(flag, message):
