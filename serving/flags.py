@@ -177,17 +177,20 @@ def check_port(flag: str, port: int, host: str = "", *, allow_none: bool = False
         return
     bind_host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((bind_host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise UsageError(
-                    flag,
-                    port,
-                    "port already in use by another process; pick a free one"
-                    + (" or -1 for none" if allow_none else ""),
-                ) from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(
+                flag,
+                port,
+                "port already in use by another process; pick a free one"
+                + (" or -1 for none" if allow_none else ""),
+            ) from None
+        if e.errno == errno.EACCES:
+            raise UsageError(flag, port, "permission denied (ports below 1024 need root)") from None
+        # anything else (no IPv6, an address not on this machine): the real bind decides
 
 
 def check_target(flag: str, target: str) -> None:
