@@ -341,5 +341,9 @@ def main(argv):
     print(json.dumps(result, indent=1) if F.format == "json" else render_plan(result))
 
 
-if __name__ == "__main__":
+def run() -> None:
     app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
+
+
+if __name__ == "__main__":
+    run()

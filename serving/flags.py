@@ -76,10 +76,14 @@ def define_prompt() -> None:
 
 def define_sampling() -> None:
     _define_once(flags.DEFINE_integer, "max_tokens", 64, "maximum new tokens (>= 1)")
-    _define_once(flags.DEFINE_float, "temperature", 0.0, "sampling temperature; 0 = greedy")
+    define_temperature()
     _define_once(flags.DEFINE_float, "top_p", 1.0, "nucleus sampling (0 < x <= 1; 1 = off)")
     _define_once(flags.DEFINE_integer, "top_k", 0, "top-k sampling (0 or -1 = off)")
     _define_once(flags.DEFINE_integer, "seed", None, "sampling seed (default: random)")
+
+
+def define_temperature() -> None:
+    _define_once(flags.DEFINE_float, "temperature", 0.0, "sampling temperature; 0 = greedy")
 
 
 def define_target() -> None:

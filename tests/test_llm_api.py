@@ -223,3 +223,33 @@ def _replace(p: SamplingParams, **kw) -> SamplingParams:
     import dataclasses
 
     return dataclasses.replace(p, **kw)
+
+
+def test_tensor_parallel_size_is_a_model_mesh():
+    from engine.llm_options import mesh_from
+
+    assert mesh_from(None, None) is None and mesh_from("data:2", None) == "data:2"
+    assert mesh_from(None, 1) is None and mesh_from(None, 4) == "model:4"
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size=0"):
+        mesh_from(None, 0)
+
+
+def test_memory_fraction_sizes_the_kv_pool_from_device_memory(monkeypatch):
+    import types
+
+    import jax
+
+    from configs.engine_config import EngineConfig
+    from engine.llm_options import with_memory_fraction
+
+    gib = 2**30
+    device = types.SimpleNamespace(
+        platform="gpu", memory_stats=lambda: {"bytes_limit": 80 * gib, "bytes_in_use": 20 * gib}
+    )
+    monkeypatch.setattr(jax, "local_devices", lambda: [device])
+    config = with_memory_fraction(EngineConfig(model="tiny"), 0.9)
+    assert config.kv_cache_bytes == 72 * gib - 20 * gib  # 0.9 x 80 GiB - weights in use
+    with pytest.raises(InvalidRequestError, match="leaves no KV memory"):
+        with_memory_fraction(EngineConfig(model="tiny"), 0.2)
+    with pytest.raises(InvalidRequestError, match="not both"):
+        with_memory_fraction(EngineConfig(model="tiny", num_pages=64), 0.9)

@@ -178,3 +178,15 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
         f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)
     ]
     assert eng.warmup_s is not None
+
+
+def test_console_scripts_resolve():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert {"pagedjax", "pagedjax-server", "pagedjax-client", "pagedjax-loadgen"} <= set(scripts)
+    for target in scripts.values():  # one process each: every command defines its own flags
+        module, _, func = target.partition(":")
+        code = f"import {module} as m; assert callable(m.{func})"
+        assert run(["-c", code]).returncode == 0, target

@@ -27,6 +27,7 @@ F = flags.FLAGS
 shared.define_target()  # --target (loopback only here), --api_key, --request_timeout_s
 F.set_default("request_timeout_s", 120.0)
 shared.define_log_level()
+shared.define_temperature()
 flags.DEFINE_string(
     "metrics_url", None, "Prometheus endpoint to scrape, e.g. http://127.0.0.1:9090/metrics"
 )
@@ -47,7 +48,6 @@ flags.DEFINE_integer("max_requests", 1000, "stop after sending this many")
 flags.DEFINE_float("cancel_fraction", 0.0, "fraction cancelled at a random point")
 flags.DEFINE_float("drain_timeout_s", 60.0, "after the last send, wait this long, then cancel")
 flags.DEFINE_bool("ignore_eos", True, "generate exactly the sampled output length")
-flags.DEFINE_float("temperature", 0.0, "sampling temperature")
 flags.DEFINE_integer(
     "workload_seed", 0, "seeds arrivals, lengths, prompts and the requests' sampling seeds"
 )
@@ -222,5 +222,9 @@ def main(argv):
     print(f"sweep: {out / 'sweep.md'}")
 
 
-if __name__ == "__main__":
+def run() -> None:
     app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
+
+
+if __name__ == "__main__":
+    run()
