@@ -197,6 +197,16 @@ def check_port(flag: str, port: int, host: str = "", *, allow_none: bool = False
         # anything else (no IPv6, an address not on this machine): the real bind decides
 
 
+def check_host(flag: str, host: str) -> None:
+    """An address this machine can bind: an IP ('0.0.0.0', '[::]') or a name that resolves."""
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+    except (socket.gaierror, UnicodeError):
+        raise UsageError(
+            flag, host, "cannot resolve; use an address like 0.0.0.0, [::] or 127.0.0.1"
+        ) from None
+
+
 def check_target(flag: str, target: str) -> None:
     host, sep, port = target.rpartition(":")
     require(

@@ -262,6 +262,7 @@ def check_flags() -> None:
         FLAGS.default_max_tokens <= FLAGS.max_tokens_limit,
         f"<= --max_tokens_limit ({FLAGS.max_tokens_limit})",
     )
+    shared.check_host("host", FLAGS.host)
     shared.check_port("port", FLAGS.port, FLAGS.host)
     shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
     _check_file("tenants_config", FLAGS.tenants_config)

@@ -104,6 +104,7 @@ def test_server_flags_and_busy_ports(busy_port):
     assert_usage_error(run([*SERVER, f"--port={busy_port}"]), f"--port={busy_port}: port already")
     assert_usage_error(run([*SERVER, "--port=70000"]), "--port=70000: must be 0 <= port <= 65535")
     assert_usage_error(run([*SERVER, "--max_num_seqs=0"]), "--max_num_seqs=0: must be >= 1")
+    assert_usage_error(run([*SERVER, "--host=no.such.host.invalid"]), "cannot resolve")
     assert_usage_error(run([*SERVER, "--tenants_config=/nope.json"]), "no such file")
 
 
