@@ -276,8 +276,8 @@ def _check_file(flag: str, path: str | None) -> None:
     shared.require(flag, path, os.path.isfile(path), "no such file")
     try:
         TenantRegistry.from_file(path)
-    except (ValueError, KeyError, TypeError) as e:
-        raise shared.UsageError(flag, path, f"not a valid tenants file: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise shared.UsageError(flag, path, f"not a valid tenants file: {e!r}") from None
 
 
 def engine_options_from_flags() -> dict:
