@@ -339,6 +339,10 @@ def _progress_bar(use_tqdm, total: int):
         return None
     if callable(use_tqdm) and not isinstance(use_tqdm, bool):
         return use_tqdm(total=total, desc="Processed prompts", unit="req")
-    from tqdm.auto import tqdm
-
+    try:
+        from tqdm.auto import tqdm
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "use_tqdm=True needs tqdm: pip install tqdm (or the `bench` extra)", name="tqdm"
+        ) from None
     return tqdm(total=total, desc="Processed prompts", unit="req")

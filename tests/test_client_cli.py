@@ -10,6 +10,8 @@ import pytest
 
 from serving.testing import running_server
 
+pytestmark = pytest.mark.subprocess  # the client runs as a subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

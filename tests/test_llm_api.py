@@ -143,6 +143,7 @@ def test_include_stop_str_in_output(llm):
     assert (kept[0].text, kept[0].finish_reason) == (text[: start + 2], "stop")
 
 
+@pytest.mark.compile
 def test_skip_special_tokens_false_keeps_special_text(llm):
     base = SamplingParams(temperature=1.0, seed=3, n=16, max_tokens=48, ignore_eos=True)
     skipped = llm.generate([[7, 8, 9]], base)[0].outputs
@@ -212,6 +213,7 @@ def test_options_are_refused_before_loading(monkeypatch):
         LLM("/no/such/model.gguf")
 
 
+@pytest.mark.compile
 def test_cpu_ignores_memory_fraction_and_tp1_is_one_device(tiny_model, caplog):
     llm = LLM(tiny_model, tensor_parallel_size=1, gpu_memory_utilization=0.9, num_pages=64)
     assert llm.engine.mesh is None

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # each command runs as a subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = ["-m", "serving.cli", "generate"]
 SERVER = ["-m", "serving.server"]
