@@ -254,6 +254,27 @@ def wait_for_server(target: str, timeout_s: float = 5.0) -> None:
         raise UsageError("target", target, f"server is not serving (health: {name})")
 
 
+def wait_for_http_server(target: str, timeout_s: float = 5.0) -> None:
+    """GET http://TARGET/health answers 200, else UsageError naming --target."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{target}/health", timeout=timeout_s) as resp:
+            status = resp.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise UsageError(
+            "target",
+            target,
+            f"no HTTP server answers there ({reason}; is `python -m serving.server "
+            "--http_port=...` running on that port?)",
+        ) from None
+    require("target", target, status == 200, f"HTTP health check returned status {status}")
+
+
 # ---- running a command ----------------------------------------------------------------------
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with its errors (unknown flag, bad number) as one line and exit 2."""

@@ -127,6 +127,8 @@ def test_loadgen_refuses_a_dead_target(tmp_path):
     proc = run([*LOADGEN, f"--target=127.0.0.1:{port}", "--duration_s=1", f"--out={out}"])
     assert_usage_error(proc, f"--target=127.0.0.1:{port}: no server answers there")
     assert not out.exists()  # no report of a run that never happened
+    proc = run([*LOADGEN, f"--target=127.0.0.1:{port}", "--protocol=http", f"--out={out}"])
+    assert_usage_error(proc, f"--target=127.0.0.1:{port}: no HTTP server answers there")
 
 
 @pytest.mark.parametrize(
