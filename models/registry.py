@@ -29,6 +29,7 @@ from models.identity import ModelIdentity, engine_version, file_content_hash
 from models.llama import Params, init_params
 from models.loaders import orbax_cache
 from models.quant import quantize_params, quantized_param_shapes, quantized_shardings
+from models.source import check_model_source
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def load_model(
     `shardings_for(cfg) -> Params of Shardings` places the params (engine/sharding.py).
     `quantization`: "none" (default), "int8", "w8a8" or a QuantConfig (models/quant.py);
     the identity's revision names it."""
+    check_model_source(name_or_path)
     quant = QuantConfig.of(quantization)
     dtype = dtype or _default_dtype()
     times: dict[str, float] = {}
