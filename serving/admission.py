@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,9 @@ class AdmissionConfig:
     max_model_len: int = 8192  # prompt + max_tokens must fit; the server takes the engine's
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_prompt_bytes: int = 262_144  # UTF-8 bytes of text / chat content, checked before tokenizing
+    max_chat_messages: int = 1024
     max_queue_requests: int = 256
     max_queue_tokens: int = 2_000_000  # sum of prompt + max_tokens over queued requests
     queue_timeout_s: float = 60.0

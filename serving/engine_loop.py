@@ -12,7 +12,8 @@ Threads and queues (JetStream orchestrator style):
       v
     engine thread (EngineLoop.run), each iteration:
       1. apply aborts: drop from WaitingQueue, or engine.abort_request (pages freed next step)
-      2. expire queued requests past their deadline or the queue timeout
+      2. expire queued requests past their deadline or the queue timeout (also done every
+         20 ms by the queue-reaper thread, and a cancelled call leaves the queue at once)
       3. feed the engine from WaitingQueue while fewer than `max_inflight` are in it
       4. engine.step() -> per-step deltas, routed to each request's StreamBuffer
          (push never blocks; a full buffer cancels that request: slow consumer);
@@ -42,7 +43,7 @@ from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from serving.admission import WaitingQueue
 from serving.breaker import CircuitBreaker
-from serving.request_state import ActiveRequest, RequestLedger, Terminal
+from serving.request_state import ActiveRequest, RequestLedger, SlowConsumerPolicy, Terminal
 
 log = logging.getLogger("pagedjax.serving")
 
@@ -71,6 +72,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_breaker_change=None,
         on_tick=None,
+        slow_consumer: SlowConsumerPolicy | None = None,
     ):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
@@ -86,7 +88,10 @@ class EngineLoop:
         self._on_breaker_change = on_breaker_change  # called with the new state's name
         self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
         self._breaker_state = "closed"
+        self.slow_consumer = slow_consumer or SlowConsumerPolicy()
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+        self.reap_interval_s = 0.02
+        self._reaper = threading.Thread(target=self._reap_queue, name="queue-reaper", daemon=True)
 
     # ---- called from handler threads ------------------------------------------------------
     def register(self, r: ActiveRequest) -> None:
@@ -102,16 +107,39 @@ class EngineLoop:
             return request_id in self._active
 
     def abort(self, request_id: str) -> None:
+        """Cancel a request whose outcome the caller recorded. A queued one leaves the queue
+        now (it must not hold a slot until the engine's next step); one in the engine is
+        aborted by the engine thread."""
+        if self.waiting.remove(request_id) is not None:
+            self._drop_queued(request_id, "cancelled while queued")
+            return
         self._aborts.put(request_id)
         self.wake.set()
 
+    def _drop_queued(self, request_id: str, details: str) -> None:
+        r = self._lookup(request_id)
+        if r is not None:  # its outcome was recorded by whoever aborted it
+            r.stream.close(Terminal(grpc.StatusCode.CANCELLED, details))
+        self.unregister(request_id)
+
     def start(self) -> None:
         self.thread.start()
+        self._reaper.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self.wake.set()
         self.thread.join(timeout_s)
+        self._reaper.join(timeout_s)
+
+    def _reap_queue(self) -> None:
+        """Expire queued requests as their time comes, not at the engine's next step (which
+        can take seconds): expired entries must not fill the queue."""
+        while not self._stop.wait(self.reap_interval_s):
+            try:
+                self._expire_queued()
+            except Exception:
+                log.exception("queue reaper failed")
 
     # ---- the engine thread ----------------------------------------------------------------
     def run(self) -> None:
@@ -147,10 +175,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self.waiting.remove(request_id) is not None:
-                r = self._lookup(request_id)
-                if r is not None:  # its outcome was recorded by whoever aborted it
-                    r.stream.close(Terminal(grpc.StatusCode.CANCELLED, "cancelled while queued"))
-                self.unregister(request_id)
+                self._drop_queued(request_id, "cancelled while queued")
             elif request_id in self._in_engine:
                 self.engine.abort_request(request_id)
 
@@ -263,15 +288,22 @@ class EngineLoop:
         r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         if out.finished:
             self._finish(r, out)
-        elif r.outcome is None and not r.stream.push(out):
+            return
+        if r.outcome is not None:
+            return
+        why = (
+            None
+            if r.stream.push(out)
+            else f"stream buffer overflowed ({r.stream.limit} undelivered messages)"
+        ) or self.slow_consumer.violation(r, time.monotonic())
+        if why is not None:
             self.engine.abort_request(r.request_id)
             self._end(
                 r,
                 "cancelled",
                 "slow_consumer",
                 grpc.StatusCode.ABORTED,
-                f"stream buffer overflowed ({r.stream.limit} undelivered messages): "
-                "client reads too slowly; request cancelled",
+                f"client reads too slowly: {why}; request cancelled",
             )
 
     def _finish(self, r: ActiveRequest, out: RequestOutput) -> None:
@@ -281,7 +313,8 @@ class EngineLoop:
         r.timings = r.compute_timings(time.monotonic())
         outcome, reason, status = _FINISH.get(out.finish_reason, _FINISH["failed"])
         details = out.error or f"finish_reason={out.finish_reason}"
-        self.ledger.settle(r, outcome, reason, status, "" if outcome == "success" else details)
+        if outcome != "success":  # success is settled by the handler once the final is sent
+            self.ledger.settle(r, outcome, reason, status, details)
         r.stream.push(out)
         if status != grpc.StatusCode.OK:
             r.stream.close(Terminal(status, details))

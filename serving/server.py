@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -28,10 +30,11 @@ from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.dispatch import DispatchLedger
 from serving.engine_loop import EngineLoop
+from serving.guard import RequestGuard
 from serving.metrics import ServerMetrics, start_metrics_http
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
-from serving.request_state import RequestLedger
+from serving.request_state import RequestLedger, SlowConsumerPolicy
 from serving.service import PagedJaxService, ServiceLimits
 from serving.tenants import TenantLimiter, TenantRegistry
 
@@ -44,6 +47,8 @@ GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 class ServerConfig:
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
+    slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
+    max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -90,13 +95,22 @@ class PagedJaxServer:
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
             on_tick=self.dispatch.reap,
+            slow_consumer=config.slow_consumer,
         )
         self.loop.last_stats = stats
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
+        tenants = tenants or TenantRegistry()
+        self.guard = RequestGuard(
+            tenants,
+            f"/{SERVICE_NAME}/",
+            config.max_request_bytes,
+            GENERATE_METHOD,
+            on_generate_refused=self._record_refused_call,
+        )
         self.service = PagedJaxService(
             engine,
             self.limits,
-            tenants or TenantRegistry(),
+            tenants,
             self.limiter,
             self.waiting,
             self.breaker,
@@ -107,7 +121,8 @@ class PagedJaxServer:
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
-            interceptors=(self.dispatch,),
+            interceptors=(self.dispatch, self.guard),  # dispatch counts, then guard checks
+            options=grpc_options(config.max_request_bytes),
         )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         self.health = health.HealthServicer()
@@ -115,9 +130,15 @@ class PagedJaxServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
         )
-        self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = bind_port(self.grpc_server, config.host, config.port)
         self.metrics_port: int | None = None
         self._metrics_http = None
+
+    def _record_refused_call(self, reason: str, status: grpc.StatusCode, details: str) -> None:
+        """A Generate call refused by the guard (before parsing): its one outcome."""
+        self.ledger.reject(
+            f"refused-{uuid.uuid4().hex}", "?", reason, status, details, time.monotonic()
+        )
 
     def start(self) -> PagedJaxServer:
         self.loop.start()
@@ -148,6 +169,32 @@ class PagedJaxServer:
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
+
+
+class PortInUseError(OSError):
+    """The gRPC port could not be bound (another process holds it)."""
+
+
+def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
+    # NOTE: gRPC sets SO_REUSEPORT by default, so a second server on a taken port would
+    # start and the kernel would split connections between the two; 0 makes bind fail.
+    # gRPC core refuses messages past twice our limit; between the two, serving/guard.py
+    # answers with a clearer INVALID_ARGUMENT.
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", 2 * max_request_bytes),
+    ]
+
+
+def bind_port(grpc_server, host: str, port: int) -> int:
+    address = f"{host}:{port}"
+    try:
+        bound = grpc_server.add_insecure_port(address)
+    except RuntimeError as e:  # recent grpcio raises; older ones return 0
+        raise PortInUseError(f"cannot bind gRPC port {address}: already in use? ({e})") from e
+    if bound == 0:
+        raise PortInUseError(f"cannot bind gRPC port {address}: already in use?")
+    return bound
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -302,9 +349,13 @@ def main(argv) -> None:
         mock_step_time_s=FLAGS.mock_step_time_s,
         max_model_len=FLAGS.max_model_len,
     )
-    server = PagedJaxServer(
-        engine, config_from_flags(options), TenantRegistry.from_file(FLAGS.tenants_config)
-    )
+    try:
+        server = PagedJaxServer(
+            engine, config_from_flags(options), TenantRegistry.from_file(FLAGS.tenants_config)
+        )
+    except PortInUseError as e:
+        log.error("%s", e)
+        sys.exit(2)
     server.start()
     print(f"serving on {server.port}", flush=True)
     try:

@@ -1,14 +1,25 @@
 """The PagedJax gRPC service: one handler thread per call (see engine_loop.py for the
-threads and queues). Generate runs admission on its own thread, in this order, and every
-refusal is recorded as that request's one outcome before the call ends:
+threads and queues). Before a handler runs, serving/guard.py has checked the API key and the
+message's size and parse on every RPC. Generate runs admission on its own thread, in this
+order, and every refusal is recorded as that request's one outcome before the call ends:
 
     x-api-key -> tenant            UNAUTHENTICATED         rejected{unauthenticated}
     model / revision pin           FAILED_PRECONDITION     rejected{model_mismatch}
+    raw sizes, enums, token ids    INVALID_ARGUMENT        rejected{invalid_argument}
+      (serving/input_limits.py, before any tokenizing)
     prompt, sampling, limits       INVALID_ARGUMENT        rejected{invalid_argument}
     deadline already passed        DEADLINE_EXCEEDED       timed_out{expired_on_arrival}
     circuit breaker                UNAVAILABLE + retry     rejected{circuit_open}
     tenant concurrency / tokens    RESOURCE_EXHAUSTED + retry  rejected{tenant_*}
     waiting queue / est. wait      RESOURCE_EXHAUSTED + retry  rejected{queue_*, deadline}
+
+Outcomes are the client's view: success is recorded only once the final message was handed
+to the transport (the handler's yield of it returned); a call that ends earlier is
+timed_out{deadline} when it ended within DEADLINE_SLACK_S of its deadline (a client deadline
+reaches the server as an HTTP/2 cancel, a little before the server's own deadline), else
+cancelled{client}. The handler notes what the transport accepted (`tokens_sent`,
+`send_started_s`) so the engine thread can apply the slow-consumer policy
+(request_state.SlowConsumerPolicy).
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import grpc
 
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
-from serving import convert
+from serving import convert, input_limits
 from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue, check_limits
 from serving.breaker import CircuitBreaker
 from serving.engine_loop import EngineLoop
@@ -34,6 +45,7 @@ from serving.tenants import TenantLimiter, TenantRegistry, UnknownApiKey
 RETRY_AFTER_KEY = "retry-after-ms"
 API_KEY = "x-api-key"
 MAX_REQUEST_ID_CHARS = 256
+DEADLINE_SLACK_S = 0.1  # a call ending this close to its deadline ended by the deadline
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
@@ -91,8 +103,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             context.abort(e.status, e.details)
-        if not context.add_callback(lambda: self._on_call_end(r)):
-            self._on_call_end(r)  # the call already ended (client gone)
+        if not context.add_callback(lambda: self._on_call_end(r, context)):
+            self._on_call_end(r, context)  # the call already ended (client gone)
         self.loop.wake.set()
         yield from self._relay(r, request.stream, context)
 
@@ -149,7 +161,15 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
 
     def _admit(self, request, request_id, tenant, context, arrival_s) -> ActiveRequest:
         self._check_model(request.model, request.revision)
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_argument",
+                f"request_id of {len(request.request_id)} characters is invalid: at most "
+                f"{MAX_REQUEST_ID_CHARS}",
+            )
         try:
+            input_limits.check_generate_input(request, self.limits.admission, self.vocab_size)
             prompt = convert.prompt_token_ids(request, self.engine.tokenizer, self.vocab_size)
             a = self.limits.admission
             # NOTE: unset max_tokens is the default, shrunk to what the context leaves.
@@ -158,13 +178,6 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             check_limits(a, len(prompt), sp)
         except InvalidRequestError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "invalid_argument",
-                f"request_id of {len(request_id)} characters is invalid: at most "
-                f"{MAX_REQUEST_ID_CHARS}",
-            )
         if self.loop.is_active(request_id):
             raise _Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -188,7 +201,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             raise _Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
             ) from e
-        priority = convert.ENGINE_PRIORITY.get(request.priority, 1)
+        priority = convert.ENGINE_PRIORITY[request.priority]  # range-checked above
         engine_request = EngineRequest(
             request_id, prompt, sp, priority=priority, tenant=tenant.name, deadline_s=deadline_s
         )
@@ -220,13 +233,16 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             ) from e
         return r
 
-    def _on_call_end(self, r: ActiveRequest) -> None:
+    def _on_call_end(self, r: ActiveRequest, context) -> None:
         """gRPC callback when the call ends for any reason: a call that ends before its
-        request did was cancelled by the client (or its deadline passed)."""
+        request did was cancelled by the client, or its deadline passed."""
         if r.outcome is not None:
             return
         deadline = r.engine_request.deadline_s
-        late = deadline is not None and time.monotonic() >= deadline
+        remaining = context.time_remaining()
+        late = (deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S) or (
+            remaining is not None and remaining <= DEADLINE_SLACK_S
+        )
         outcome, reason, status = (
             ("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
             if late
@@ -256,18 +272,30 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                         )
                     )
                 if stream and (msg.token_ids or msg.text or done):
-                    yield msg
+                    yield from self._send(r, msg, len(msg.token_ids))
                 elif not stream:
                     convert.merge_into(acc, msg)
+                    r.tokens_sent += len(msg.token_ids)  # nothing to send until the end
                 if done:
                     if not stream:
                         acc.final.CopyFrom(msg.final)
-                        yield acc
+                        yield from self._send(r, acc, 0)
+                    # the transport took the final message: only now is it a success
+                    self.ledger.settle(r, "success", "", grpc.StatusCode.OK)
                     return
             if terminal is not None:
                 self._abort(context, terminal)
             if not context.is_active():
                 return
+
+    @staticmethod
+    def _send(r: ActiveRequest, msg, num_tokens: int):
+        """Yield one message, noting how long the transport takes to accept it: gRPC resumes
+        the generator only once the message was written (flow control permitting)."""
+        r.send_started_s = time.monotonic()
+        yield msg
+        r.send_started_s = None
+        r.tokens_sent += num_tokens
 
     def _abort(self, context, terminal: Terminal):
         if terminal.retry_after_ms is not None:
@@ -277,15 +305,18 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
     # ---- the other RPCs -------------------------------------------------------------------
     def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
+            self._authenticate(context)
             self._check_model(request.model, "")
+            return self._tokenize(request)
         except _Refusal as e:
             context.abort(e.status, e.details)
-        kind = request.WhichOneof("input")
-        if kind == "chat":
-            try:
-                messages = convert.chat_messages(request.chat)
-            except InvalidRequestError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (InvalidRequestError, ValueError) as e:  # ValueError: e.g. no chat template
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        input_limits.check_tokenize_input(request, self.limits.admission)
+        if request.WhichOneof("input") == "chat":
+            messages = convert.chat_messages(request.chat)
             text = self.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt
             )
@@ -297,6 +328,12 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             ids = self.engine.tokenizer.encode(text)
         return pb.TokenizeResponse(token_ids=ids, text=text)
 
+    def _authenticate_or_abort(self, context) -> None:
+        try:
+            self._authenticate(context)
+        except _Refusal as e:
+            context.abort(e.status, e.details)
+
     def _model_info(self) -> pb.ModelInfo:
         return pb.ModelInfo(
             versions=convert.versions_message(self.identity),
@@ -304,9 +341,11 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         )
 
     def ListModels(self, request, context):
+        self._authenticate_or_abort(context)
         return pb.ListModelsResponse(models=[self._model_info()])
 
     def ServerInfo(self, request, context):
+        self._authenticate_or_abort(context)
         a = self.limits.admission
         stats = dict(self.loop.last_stats)
         limits = pb.Limits(
