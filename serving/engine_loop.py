@@ -154,6 +154,7 @@ class EngineLoop:
         self._apply_aborts()
         self._expire_queued()
         self._feed()
+        self.waiting.num_in_engine = len(self._in_engine)
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
         )
@@ -225,11 +226,14 @@ class EngineLoop:
             self.metrics.prompt_tokens.inc(len(r.engine_request.prompt_token_ids))
 
     def _step(self) -> None:
+        concurrency, start = len(self._in_engine), time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_step(exc)
             return
+        if self.waiting.capacity is not None:
+            self.waiting.capacity.observe_step(concurrency, time.monotonic() - start)
         failed = False
         for out in outputs:
             failed |= out.finish_reason == "failed"

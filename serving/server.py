@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from serving import convert
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
+from serving.capacity_model import probe
 from serving.dispatch import DispatchLedger
 from serving.engine_loop import EngineLoop
 from serving.guard import RequestGuard
@@ -49,6 +50,7 @@ class ServerConfig:
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
     slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
     max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
+    capacity_probe: bool = True  # measure step times at start-up (serving/capacity_model.py)
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -77,7 +79,8 @@ class PagedJaxServer:
         identity = engine.identity
         self.metrics = ServerMetrics(identity.name, identity.revision)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
-        self.waiting = WaitingQueue(admission)
+        capacity = probe(engine, max_inflight) if config.capacity_probe else None
+        self.waiting = WaitingQueue(admission, capacity=capacity)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
         self.dispatch = DispatchLedger(

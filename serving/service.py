@@ -223,6 +223,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                     arrival_s,
                     deadline_s,
                     payload=None,
+                    prompt_tokens=len(prompt),
+                    max_tokens=sp.max_tokens,
                 )
             )
         except Rejected as e:

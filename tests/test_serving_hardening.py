@@ -200,7 +200,10 @@ def test_expired_queue_entries_leave_when_they_expire():
     passes must leave the queue within that step, not after it."""
     engine = MockEngine(step_time_s=3.0, max_num_seqs=1)
     admission = AdmissionConfig(queue_timeout_s=0.5, max_queue_requests=8)
-    with running_server(engine, admission=admission, max_inflight=1) as (server, client):
+    with running_server(engine, admission=admission, max_inflight=1, capacity_probe=False) as (
+        server,
+        client,
+    ):
         target = f"127.0.0.1:{server.port}"
         results = []
         first = threading.Thread(target=lambda: client.generate("a", max_tokens=2))
@@ -233,7 +236,8 @@ def test_expired_queue_entries_leave_when_they_expire():
 def test_client_deadline_is_timed_out_and_client_cancel_is_cancelled():
     engine = MockEngine(step_time_s=0.005, max_model_len=8000, num_pages=4096)
     admission = AdmissionConfig(max_tokens=5000, max_model_len=8000)
-    with running_server(engine, admission=admission) as (server, client):
+    # no capacity model: it would shed these at once (they cannot finish in time)
+    with running_server(engine, admission=admission, capacity_probe=False) as (server, client):
         for i in range(3):
             res = client.generate("abc", max_tokens=4000, timeout_s=0.4, request_id=f"d{i}")
             assert res.code == "DEADLINE_EXCEEDED"
