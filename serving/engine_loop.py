@@ -88,6 +88,8 @@ class EngineLoop:
         self._on_breaker_change = on_breaker_change  # called with the new state's name
         self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
         self._breaker_state = "closed"
+        self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
+        self.on_swap = None  # called on the engine thread with the new engine
         self.slow_consumer = slow_consumer or SlowConsumerPolicy()
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
         self.reap_interval_s = 0.02
@@ -105,6 +107,24 @@ class EngineLoop:
     def is_active(self, request_id: str) -> bool:
         with self._active_lock:
             return request_id in self._active
+
+    def num_active(self) -> int:
+        """Admitted requests not yet done with the engine (queued or running)."""
+        with self._active_lock:
+            return len(self._active)
+
+    def active_requests(self) -> list[ActiveRequest]:
+        with self._active_lock:
+            return list(self._active.values())
+
+    def request_swap(self, engine) -> threading.Event:
+        """Reload: the engine thread stops feeding the current engine, steps it until its
+        requests are done, then serves from `engine` (requests queued meanwhile wait in the
+        queue). The returned event is set once the swap happened."""
+        done = threading.Event()
+        self._swap = (engine, done)
+        self.wake.set()
+        return done
 
     def abort(self, request_id: str) -> None:
         """Cancel a request whose outcome the caller recorded. A queued one leaves the queue
@@ -153,7 +173,10 @@ class EngineLoop:
     def _iterate(self) -> None:
         self._apply_aborts()
         self._expire_queued()
-        self._feed()
+        if self._swap is not None:
+            self._try_swap()
+        if self._swap is None:
+            self._feed()
         self.waiting.num_in_engine = len(self._in_engine)
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
@@ -164,6 +187,16 @@ class EngineLoop:
             self.wake.wait(self.idle_wait_s)
             self.wake.clear()
         self._publish_stats()
+
+    def _try_swap(self) -> None:
+        if self._in_engine or self.engine.has_unfinished():
+            return  # the old engine finishes what it holds first
+        engine, done = self._swap
+        log.info("engine swapped: %s -> %s", self.engine.identity, engine.identity)
+        self.engine, self._swap = engine, None
+        if self.on_swap is not None:
+            self.on_swap(engine)
+        done.set()
 
     def _lookup(self, request_id: str) -> ActiveRequest | None:
         with self._active_lock:
@@ -214,6 +247,7 @@ class EngineLoop:
                 self.unregister(item.request_id)
                 continue
             r.added_s = time.monotonic()
+            r.identity = self.engine.identity
             try:
                 self.engine.add_request(r.engine_request)
             except InvalidRequestError as e:

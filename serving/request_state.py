@@ -106,6 +106,7 @@ class ActiveRequest:
     stream: StreamBuffer
     # Written by the engine thread:
     added_s: float | None = None  # handed to the engine
+    identity: object | None = None  # the ModelIdentity of the engine that ran it
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -37,6 +37,7 @@ from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 from serving.request_state import RequestLedger, SlowConsumerPolicy
 from serving.service import PagedJaxService, ServiceLimits
+from serving.shutdown import install_signal_handlers
 from serving.tenants import TenantLimiter, TenantRegistry
 
 log = logging.getLogger("pagedjax.serving")
@@ -101,6 +102,7 @@ class PagedJaxServer:
             slow_consumer=config.slow_consumer,
         )
         self.loop.last_stats = stats
+        self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         tenants = tenants or TenantRegistry()
         self.guard = RequestGuard(
@@ -156,11 +158,34 @@ class PagedJaxServer:
     def _set_health(self, breaker_state: str) -> None:
         status = (
             health_pb2.HealthCheckResponse.NOT_SERVING
-            if breaker_state == "open"
+            if breaker_state == "open" or self.service.draining.is_set()
             else health_pb2.HealthCheckResponse.SERVING
         )
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+
+    def reload(self, engine, timeout_s: float | None = None) -> bool:
+        """Serve from `engine` (e.g. a new revision of the model) without failing a request:
+        the current engine finishes what it holds, queued and new requests go to the new one.
+        Each final message names the revision that produced it. The tokenizer must be the
+        same (prompts already queued were tokenized with the current one)."""
+        old, new = self.loop.engine.identity, engine.identity
+        if getattr(old, "tokenizer_hash", None) != getattr(new, "tokenizer_hash", None):
+            raise ValueError(
+                f"reload: tokenizer_hash {new.tokenizer_hash!r} differs from the loaded "
+                f"{old.tokenizer_hash!r}; restart the server to change tokenizers"
+            )
+        return self.loop.request_swap(engine).wait(timeout_s)
+
+    def _on_swap(self, engine) -> None:
+        self.ledger.versions = convert.versions_dict(engine.identity)
+
+    def begin_drain(self) -> None:
+        """Refuse new Generate calls (UNAVAILABLE) and report NOT_SERVING; admitted requests
+        go on (serving/shutdown.py finishes the job)."""
+        self.service.draining.set()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
@@ -247,6 +272,15 @@ def define_flags() -> None:
     flags.DEFINE_integer("breaker_failures", 3, "consecutive failed steps that open the breaker")
     flags.DEFINE_float("breaker_cooldown_s", 5.0, "")
     flags.DEFINE_integer("max_workers", None, "gRPC handler threads")
+    # reliability (issue 17)
+    flags.DEFINE_float("drain_timeout_s", 30.0, "SIGTERM: seconds admitted requests get to finish")
+    flags.DEFINE_integer("max_request_bytes", 1 << 20, "largest request message accepted")
+    flags.DEFINE_integer(
+        "max_prompt_bytes", 262_144, "UTF-8 bytes of prompt text, checked before tokenizing"
+    )
+    flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
+    flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
+    flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
 
 
 def engine_options_from_flags() -> dict:
@@ -312,8 +346,12 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         max_queue_tokens=FLAGS.max_queue_tokens,
         queue_timeout_s=FLAGS.queue_timeout_s,
         aging_s=FLAGS.aging_s,
+        max_prompt_bytes=FLAGS.max_prompt_bytes,
     )
     return ServerConfig(
+        max_request_bytes=FLAGS.max_request_bytes,
+        slow_consumer=SlowConsumerPolicy(FLAGS.max_tokens_ahead, FLAGS.stream_stall_timeout_s),
+        capacity_probe=FLAGS.capacity_probe,
         admission=admission,
         stream_buffer_messages=FLAGS.stream_buffer_messages,
         max_inflight=FLAGS.max_inflight,
@@ -359,12 +397,20 @@ def main(argv) -> None:
     except PortInUseError as e:
         log.error("%s", e)
         sys.exit(2)
+
+    def rebuild():
+        return build_engine(
+            FLAGS.model,
+            {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+            mock_step_time_s=FLAGS.mock_step_time_s,
+            max_model_len=FLAGS.max_model_len,
+        )
+
+    stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()
     print(f"serving on {server.port}", flush=True)
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        server.stop()
+    stopped.wait()  # SIGTERM / SIGINT: drained and stopped (serving/shutdown.py)
+    log.info("server stopped")
 
 
 def run() -> None:

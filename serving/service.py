@@ -4,6 +4,7 @@ message's size and parse on every RPC. Generate runs admission on its own thread
 order, and every refusal is recorded as that request's one outcome before the call ends:
 
     x-api-key -> tenant            UNAUTHENTICATED         rejected{unauthenticated}
+    server draining (SIGTERM)      UNAVAILABLE + retry     rejected{draining}
     model / revision pin           FAILED_PRECONDITION     rejected{model_mismatch}
     raw sizes, enums, token ids    INVALID_ARGUMENT        rejected{invalid_argument}
       (serving/input_limits.py, before any tokenizing)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 import uuid
 
@@ -43,6 +45,7 @@ from serving.request_state import ActiveRequest, RequestLedger, StreamBuffer, Te
 from serving.tenants import TenantLimiter, TenantRegistry, UnknownApiKey
 
 RETRY_AFTER_KEY = "retry-after-ms"
+SHUTDOWN_RETRY_AFTER_MS = 5_000  # a restarted or sibling replica should be up by then
 API_KEY = "x-api-key"
 MAX_REQUEST_ID_CHARS = 256
 DEADLINE_SLACK_S = 0.1  # a call ending this close to its deadline ended by the deadline
@@ -84,11 +87,20 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         ledger: RequestLedger,
         engine_config: dict,
     ):
-        self.engine, self.limits, self.tenants, self.limiter = engine, limits, tenants, limiter
+        self.limits, self.tenants, self.limiter = limits, tenants, limiter
         self.waiting, self.breaker, self.loop, self.ledger = waiting, breaker, loop, ledger
-        self.identity = engine.identity
         self.engine_config = engine_config
         self.vocab_size = getattr(engine.tokenizer, "vocab_size", None)
+        self.draining = threading.Event()  # set by serving/shutdown.py
+
+    @property
+    def engine(self):
+        """The engine now loaded (a reload swaps it: EngineLoop.request_swap)."""
+        return self.loop.engine
+
+    @property
+    def identity(self):
+        return self.loop.engine.identity
 
     # ---- Generate -------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -160,6 +172,13 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         return arrival_s + remaining
 
     def _admit(self, request, request_id, tenant, context, arrival_s) -> ActiveRequest:
+        if self.draining.is_set():
+            raise _Refusal(
+                grpc.StatusCode.UNAVAILABLE,
+                "draining",
+                "server is shutting down; retry on another replica or after a restart",
+                SHUTDOWN_RETRY_AFTER_MS,
+            )
         self._check_model(request.model, request.revision)
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise _Refusal(
@@ -270,7 +289,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                             r.num_cached_tokens,
                             r.num_output_tokens,
                             r.timings or {},
-                            self.identity,
+                            r.identity or self.identity,
                         )
                     )
                 if stream and (msg.token_ids or msg.text or done):
