@@ -56,6 +56,9 @@ class AdmissionConfig:
     min_retry_after_ms: int = 10
     max_retry_after_ms: int = 60_000
     default_retry_after_ms: int = 1_000  # when no drain rate has been measured yet
+    # A request is admitted only if estimated completion x this fits its deadline: estimates
+    # err, and a timed-out request wasted its whole run.
+    deadline_margin: float = 1.2
 
     def __post_init__(self):
         assert self.max_queue_requests >= 0, self.max_queue_requests
@@ -229,8 +232,9 @@ class WaitingQueue:
         est = self._estimate(item, rates)
         if est is None:
             return
-        if item.deadline_s is not None and now + est.completion_s > item.deadline_s:
-            late_s = now + est.completion_s - item.deadline_s
+        completion_s = est.completion_s * self.cfg.deadline_margin
+        if item.deadline_s is not None and now + completion_s > item.deadline_s:
+            late_s = now + completion_s - item.deadline_s
             raise Rejected(
                 "deadline",
                 self._clamp(1000 * late_s),

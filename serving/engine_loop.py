@@ -89,6 +89,7 @@ class EngineLoop:
         self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
         self._breaker_state = "closed"
         self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
+        self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
         self.on_swap = None  # called on the engine thread with the new engine
         self.slow_consumer = slow_consumer or SlowConsumerPolicy()
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
@@ -184,6 +185,7 @@ class EngineLoop:
         if self.engine.has_unfinished():
             self._step()
         else:
+            self._last_step = None  # idle: the next step does not follow this one
             self.wake.wait(self.idle_wait_s)
             self.wake.clear()
         self._publish_stats()
@@ -261,13 +263,12 @@ class EngineLoop:
 
     def _step(self) -> None:
         concurrency, start = len(self._in_engine), time.monotonic()
+        self._observe_iteration(concurrency, start)
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_step(exc)
             return
-        if self.waiting.capacity is not None:
-            self.waiting.capacity.observe_step(concurrency, time.monotonic() - start)
         failed = False
         for out in outputs:
             failed |= out.finish_reason == "failed"
@@ -276,6 +277,16 @@ class EngineLoop:
             self.breaker.record_failure()
         else:
             self.breaker.record_success()
+
+    def _observe_iteration(self, concurrency: int, start: float) -> None:
+        """Back-to-back steps: the time from the previous step's start to this one's is what
+        a token costs each running request (the step plus this thread's routing and feeding),
+        which is what the capacity model must predict."""
+        previous, self._last_step = self._last_step, (concurrency, start)
+        if previous is not None and self.waiting.capacity is not None:
+            prev_concurrency, prev_start = previous
+            if start - prev_start < 10.0:  # not across an idle spell
+                self.waiting.capacity.observe_step(prev_concurrency, start - prev_start)
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail the requests of the failed step: those named by the engine's exception

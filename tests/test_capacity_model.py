@@ -52,7 +52,7 @@ def test_a_cold_burst_is_shed_from_the_first_request():
     prefill + 10 tokens x 0.1 s), deadline 2.5 s: a request fits while its wait is at most
     1.4 s, i.e. with at most 3 + 5 ahead of it -> exactly 9 admitted."""
     model = CapacityModel({4: 0.1}, prefill_tokens_per_s=100.0, max_inflight=4)
-    q = WaitingQueue(AdmissionConfig(), clock=lambda: 0.0, capacity=model)
+    q = WaitingQueue(AdmissionConfig(deadline_margin=1.0), clock=lambda: 0.0, capacity=model)
     admitted, shed = 0, []
     for i in range(30):
         try:

@@ -346,3 +346,27 @@ def test_every_call_in_a_hostile_mix_has_one_outcome():
         assert counts[("rejected", "invalid_argument")] == 2
         assert counts[("rejected", "unauthenticated")] == 1
         assert counts[("success", "")] == 1
+
+
+# ---- faults --------------------------------------------------------------------------------
+def test_a_failed_step_fails_only_its_requests():
+    """2 slots, 4 calls: the 2 in the failing step end INTERNAL, the 2 queued ones finish."""
+    engine = MockEngine(step_time_s=0.02, max_num_seqs=2)
+    with running_server(engine, max_inflight=2, capacity_probe=False) as (server, client):
+        results = {}
+
+        def call(i):
+            results[i] = client.generate("abc", max_tokens=20, request_id=f"f{i}")
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: engine.stats()["num_running"] == 2 and len(server.waiting) == 2)
+        engine.fail_next_steps(1)
+        for t in threads:
+            t.join(30)
+        codes = sorted(r.code for r in results.values())
+        assert codes == ["INTERNAL", "INTERNAL", "OK", "OK"], codes
+        assert all("engine step failed" in r.details for r in results.values() if not r.ok)
+        assert server.breaker.state == "closed"  # one failure is below the threshold
+        assert outcome_counts(server) == {("failed", "engine_step"): 2.0, ("success", ""): 2.0}
