@@ -66,7 +66,7 @@ FAULT_TESTS = {
 
 
 def _load() -> str:
-    return "load %.1f / %.1f / %.1f" % os.getloadavg()
+    return "load {:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
 
 
 def _pytest(args: list[str], env: dict | None = None, timeout_s: float = 3600) -> dict:

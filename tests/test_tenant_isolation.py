@@ -23,7 +23,7 @@ def test_pages_are_never_shared_across_tenants_under_concurrency():
     tenants = ["acme", "globex"]
     n = 0
     within_tenant_shared = 0
-    for wave in range(2):  # the second wave finds find earlier waves' pages in the prefix cache
+    for _wave in range(2):  # the second wave finds the first wave's pages in the prefix cache
         for tenant in tenants:
             for _ in range(2):
                 suffix = rng.integers(3, 500, 5).tolist()
