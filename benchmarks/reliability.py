@@ -69,6 +69,19 @@ def _load() -> str:
     return "load {:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
 
 
+def _hypothesis_counts(stdout: str) -> dict[str, str]:
+    """{test: "N passing examples, ..."} from pytest --hypothesis-show-statistics."""
+    counts, test = {}, None
+    for line in stdout.splitlines():
+        m = re.match(r".*::(test_\w+):", line.strip())
+        if m:
+            test = m.group(1)
+        m = re.search(r"- (\d+ passing, \d+ failing, and \d+ invalid test cases)", line)
+        if m and test and test not in counts:
+            counts[test] = m.group(1)
+    return counts
+
+
 def _pytest(args: list[str], env: dict | None = None, timeout_s: float = 3600) -> dict:
     start = time.monotonic()
     proc = subprocess.run(
@@ -81,6 +94,7 @@ def _pytest(args: list[str], env: dict | None = None, timeout_s: float = 3600) -
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error|skipped)", tail)}
     return {"returncode": proc.returncode, "summary": tail, "counts": counts,
+            "hypothesis": _hypothesis_counts(proc.stdout),
             "wall_s": time.monotonic() - start}  # fmt: skip
 
 
@@ -101,6 +115,11 @@ def section_burst(a) -> dict:
         probes=a.burst_probes,
     )
     out["load"] = _load()
+    out["config"] = (
+        f"{a.burst_n} chat calls at once, {a.burst_max_tokens} max tokens, "
+        f"{a.burst_deadline_s} s deadline, max_num_seqs {a.burst_max_num_seqs}"
+        + (f", mock step {a.mock_step_time_s} s" if a.burst_model == "mock" else "")
+    )
     return out
 
 
@@ -131,6 +150,9 @@ def section_soak_fake(a) -> dict:
     return out
 
 
+_ENGINES: dict = {}
+
+
 def _model_server(a, tenants=None):
     from serving.admission import AdmissionConfig
     from serving.server import PagedJaxServer, ServerConfig, build_engine
@@ -146,7 +168,9 @@ def _model_server(a, tenants=None):
         warmup_max_shapes=a.warmup_max_shapes,
     )
     start = time.monotonic()
-    engine = build_engine(a.model, options, max_model_len=1024)
+    if a.model not in _ENGINES:  # soak_model and timing share one engine (loading is slow)
+        _ENGINES[a.model] = build_engine(a.model, options, max_model_len=1024)
+    engine = _ENGINES[a.model]
     build_s = time.monotonic() - start
     admission = AdmissionConfig(max_queue_requests=1024, max_tokens=64, max_model_len=1024)
     cfg = ServerConfig(host="127.0.0.1", port=0, admission=admission)
@@ -197,7 +221,10 @@ def section_timing(a) -> dict:
 
 
 def section_fuzz(a) -> dict:
-    out = _pytest(["tests/test_serving_fuzz.py"], {"FUZZ_EXAMPLES": str(a.fuzz_examples)})
+    out = _pytest(
+        ["tests/test_serving_fuzz.py", "--hypothesis-show-statistics"],
+        {"FUZZ_EXAMPLES": str(a.fuzz_examples)},
+    )
     out.update(examples_per_property=a.fuzz_examples, properties=3, load=_load())
     return out
 
@@ -241,10 +268,9 @@ def write_report(results: dict, args, path_md: str) -> None:
         "Shared 2-core machine: each section carries the load average it ran at.",
         "",
     ]
-    if "burst" in results:
-        b = results["burst"]
-        lines += [f"## Burst ({args.burst_n} chat calls, {args.burst_max_tokens} max tokens, "
-                  f"{args.burst_deadline_s} s deadline, model {args.burst_model}; {b['load']})",
+    for key in sorted(k for k in results if k.startswith("burst")):
+        b = results[key]
+        lines += [f"## Burst, model {key[6:-1]} ({b.get('config', '')}; {b['load']})",
                   "", *_burst_md(b), "", f"Server exit code after SIGTERM: "
                   f"{b['server_exit_code']}.", ""]  # fmt: skip
     for key, title in (("soak_fake", "Soak, fake model"), ("soak_model", "Soak, real model")):
@@ -257,7 +283,8 @@ def write_report(results: dict, args, path_md: str) -> None:
         f = results["fuzz"]
         lines += ["## Fuzzing", "", f"{f['examples_per_property']} hypothesis examples for each "
                   f"of {f['properties']} properties, plus the fixed hostile cases: "
-                  f"`{f['summary']}` ({f['load']}).", ""]  # fmt: skip
+                  f"`{f['summary']}` ({f['load']}).", "",
+                  *(f"- {t}: {c}" for t, c in f.get("hypothesis", {}).items()), ""]  # fmt: skip
     if "faults" in results:
         lines += ["## Fault scenarios", "", "| scenario | result |", "| --- | --- |"]
         for name, r in results["faults"]["scenarios"].items():
@@ -298,9 +325,10 @@ def main(argv=None) -> int:
     for name in a.sections.split(","):
         print(f"[reliability] {name} ... ({_load()})", flush=True)
         start = time.monotonic()
-        results[name] = globals()[f"section_{name}"](a)
-        results[name]["section_wall_s"] = time.monotonic() - start
-        print(json.dumps(results[name], indent=1, default=str), flush=True)
+        key = f"burst[{a.burst_model}]" if name == "burst" else name
+        results[key] = globals()[f"section_{name}"](a)
+        results[key]["section_wall_s"] = time.monotonic() - start
+        print(json.dumps(results[key], indent=1, default=str), flush=True)
         with open(path_json, "w") as f:
             json.dump(results, f, indent=1, default=str)
         write_report(results, a, os.path.join(a.out_dir, "report.md"))
