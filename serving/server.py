@@ -39,6 +39,7 @@ from serving.request_state import RequestLedger, SlowConsumerPolicy
 from serving.service import PagedJaxService, ServiceLimits
 from serving.shutdown import install_signal_handlers
 from serving.tenants import TenantLimiter, TenantRegistry
+from serving.transport import PortInUseError, bind_port, grpc_options
 
 log = logging.getLogger("pagedjax.serving")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
@@ -197,32 +198,6 @@ class PagedJaxServer:
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
-
-
-class PortInUseError(OSError):
-    """The gRPC port could not be bound (another process holds it)."""
-
-
-def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
-    # NOTE: gRPC sets SO_REUSEPORT by default, so a second server on a taken port would
-    # start and the kernel would split connections between the two; 0 makes bind fail.
-    # gRPC core refuses messages past twice our limit; between the two, serving/guard.py
-    # answers with a clearer INVALID_ARGUMENT.
-    return [
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", 2 * max_request_bytes),
-    ]
-
-
-def bind_port(grpc_server, host: str, port: int) -> int:
-    address = f"{host}:{port}"
-    try:
-        bound = grpc_server.add_insecure_port(address)
-    except RuntimeError as e:  # recent grpcio raises; older ones return 0
-        raise PortInUseError(f"cannot bind gRPC port {address}: already in use? ({e})") from e
-    if bound == 0:
-        raise PortInUseError(f"cannot bind gRPC port {address}: already in use?")
-    return bound
 
 
 # ---- command line -------------------------------------------------------------------------
