@@ -246,7 +246,10 @@ def _burst_md(b: dict) -> list[str]:
         known = [c.pop(x, 0) for x in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                                         "DEADLINE_EXCEEDED")]  # fmt: skip
         lines.append(f"| {k} | {b[k]['n']} | " + " | ".join(map(str, known)) + f" | {c or ''} |")
+    retried = "; ".join(f"{k} {b[k].get('retried_after_hint')}" for k in ("cold", "warm"))
     lines += [
+        "",
+        f"Calls shed in each burst, retried once after their retry-after-ms: {retried}.",
         "",
         "| shed latency (ms) | p50 | p90 | p99 | max |",
         "| --- | --- | --- | --- | --- |",

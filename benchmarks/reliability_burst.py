@@ -62,7 +62,7 @@ async def _one(stub, i: int, max_tokens: int, deadline_s: float, tag: str) -> di
         temperature=0.0,
     )
     start = time.perf_counter()
-    code, first_s, tokens = "OK", None, 0
+    code, first_s, tokens, retry_ms = "OK", None, 0, None
     try:
         async for msg in stub.Generate(req, timeout=deadline_s):
             if first_s is None:
@@ -70,7 +70,33 @@ async def _one(stub, i: int, max_tokens: int, deadline_s: float, tag: str) -> di
             tokens += len(msg.token_ids)
     except grpc.aio.AioRpcError as e:
         code = e.code().name
-    return {"code": code, "e2e_s": time.perf_counter() - start, "ttft_s": first_s, "tokens": tokens}
+        for key, value in e.trailing_metadata() or ():
+            if key == "retry-after-ms":
+                retry_ms = int(value)
+    return {"code": code, "e2e_s": time.perf_counter() - start, "ttft_s": first_s,
+            "tokens": tokens, "retry_after_ms": retry_ms}  # fmt: skip
+
+
+async def _retry_after_hint(stub, i, r, max_tokens, deadline_s):
+    await asyncio.sleep(r["retry_after_ms"] / 1e3)
+    return await _one(stub, i, max_tokens, deadline_s, "retry")
+
+
+async def burst_and_retry(port: int, n: int, max_tokens: int, deadline_s: float, tag: str):
+    """The burst, then every shed call retried once after its retry-after-ms hint."""
+    first = await burst(port, n, max_tokens, deadline_s, tag)
+    shed = [(i, r) for i, r in enumerate(first) if r["retry_after_ms"] is not None]
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(8)]
+    try:
+        stubs = [pb_grpc.PagedJaxStub(c) for c in chans]
+        retried = await asyncio.gather(
+            *(_retry_after_hint(stubs[k % 8], i, r, max_tokens, deadline_s)
+              for k, (i, r) in enumerate(shed))
+        )  # fmt: skip
+    finally:
+        for c in chans:
+            await c.close()
+    return first, retried
 
 
 async def burst(port: int, n: int, max_tokens: int, deadline_s: float, tag: str, channels=8):
@@ -150,7 +176,9 @@ def _burst_with_probe(port, n, max_tokens, deadline_s, tag, probes: int) -> dict
     out = ctx.Queue()
     probe = ctx.Process(target=shed_probe, args=(port, probes, 2.0, 1.0, out))
     probe.start()
-    summary = summarize(asyncio.run(burst(port, n, max_tokens, deadline_s, tag)))
+    first, retried = asyncio.run(burst_and_retry(port, n, max_tokens, deadline_s, tag))
+    summary = summarize(first)
+    summary["retried_after_hint"] = summarize(retried)["codes"]
     probed = out.get(timeout=600)
     probe.join(60)
     codes: dict[str, int] = {}
