@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     p.add_argument("--model_num_pages", type=int, default=512)
     p.add_argument("--warmup_max_shapes", type=int, default=16)
     p.add_argument("--timing_probes", type=int, default=200)
-    p.add_argument("--timing_prefix_tokens", type=int, default=256)
+    p.add_argument("--timing_prefix_tokens", type=int, default=128)
     p.add_argument("--fuzz_examples", type=int, default=500)
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
