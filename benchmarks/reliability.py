@@ -103,6 +103,8 @@ def section_burst(a) -> dict:
     from benchmarks import reliability_burst
 
     server_args = [f"--max_num_seqs={a.burst_max_num_seqs}"]
+    if a.burst_model != "mock":
+        server_args.append(f"--warmup_max_shapes={a.burst_warmup_max_shapes}")
     if a.burst_model == "mock":
         server_args.append(f"--mock_step_time_s={a.mock_step_time_s}")
     out = reliability_burst.run(
@@ -307,6 +309,7 @@ def main(argv=None) -> int:
     p.add_argument("--burst_deadline_s", type=float, default=15.0)
     p.add_argument("--burst_max_num_seqs", type=int, default=32)
     p.add_argument("--burst_probes", type=int, default=100)
+    p.add_argument("--burst_warmup_max_shapes", type=int, default=32)
     p.add_argument("--mock_step_time_s", type=float, default=0.05)
     p.add_argument("--soak_fake_n", type=int, default=10_000)
     p.add_argument("--soak_model_n", type=int, default=1_000)
@@ -332,6 +335,9 @@ def main(argv=None) -> int:
         results[key] = globals()[f"section_{name}"](a)
         results[key]["section_wall_s"] = time.monotonic() - start
         print(json.dumps(results[key], indent=1, default=str), flush=True)
+        if os.path.exists(path_json):  # another run may have added sections meanwhile
+            with open(path_json) as f:
+                results = {**json.load(f), key: results[key]}
         with open(path_json, "w") as f:
             json.dump(results, f, indent=1, default=str)
         write_report(results, a, os.path.join(a.out_dir, "report.md"))
