@@ -264,6 +264,28 @@ def _burst_md(b: dict) -> list[str]:
     return lines
 
 
+def _soak_md(r: dict) -> list[str]:
+    cancelled = sum(v for k, v in r["plans"].items() if k != "complete")
+    rows = [
+        ("model", r.get("model", "fake (MockEngine)")),
+        ("requests sent", r["requests"]),
+        ("cancelled at random points", f"{cancelled} {r['plans']}"),
+        ("calls that reached the server", int(r["calls_seen"])),
+        ("outcomes recorded (counters)", int(r["outcomes_recorded"])),
+        ("request_end log lines", r["request_end_lines"]),
+        ("request ids with 2+ outcome lines", r["request_ids_with_two_or_more_lines"]),
+        (
+            "uncancelled requests without exactly 1 line",
+            r["completed_requests_without_exactly_one_line"],
+        ),  # fmt: skip
+        ("outcomes", r["outcomes"]),
+        ("client status by plan", r["client_codes"]),
+        ("KV pages in use at the end", r["kv_pages_used_at_end"]),
+        ("wall time", f"{r['wall_s']:.1f} s ({r['load']})"),
+    ]
+    return ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
+
+
 def write_report(results: dict, args, path_md: str) -> None:
     lines = [
         "# Reliability report (issue 17)",
@@ -280,10 +302,21 @@ def write_report(results: dict, args, path_md: str) -> None:
                   f"{b['server_exit_code']}.", ""]  # fmt: skip
     for key, title in (("soak_fake", "Soak, fake model"), ("soak_model", "Soak, real model")):
         if key in results:
-            lines += [f"## {title}", "", "```", json.dumps(results[key], indent=1), "```", ""]
+            lines += [f"## {title}", "", *_soak_md(results[key]), ""]
     if "timing" in results:
-        lines += ["## Cross-tenant timing probe", "", "```",
-                  json.dumps(results["timing"], indent=1), "```", ""]  # fmt: skip
+        t = results["timing"]
+        lines += ["## Cross-tenant timing probe", "",
+                  "| prober | probes | AUC | median TTFT hit / miss (ms) |",
+                  "| --- | --- | --- | --- |",
+                  f"| another tenant | {t.get('probes_other_tenant')} | "
+                  f"{t['other_tenant_auc']:.3f} | {t['other_tenant_median_ttft_ms']['hit']:.1f}"
+                  f" / {t['other_tenant_median_ttft_ms']['miss']:.1f} |",
+                  f"| the owner itself (control) | {t.get('probes_same_tenant_control')} | "
+                  f"{t['same_tenant_control_auc']:.3f} | "
+                  f"{t['same_tenant_median_ttft_ms']['hit']:.1f} / "
+                  f"{t['same_tenant_median_ttft_ms']['miss']:.1f} |", "",
+                  f"Model {t.get('model')}, prefix {t['prefix_tokens']} tokens ({t['load']}).",
+                  ""]  # fmt: skip
     if "fuzz" in results:
         f = results["fuzz"]
         lines += ["## Fuzzing", "", f"{f['examples_per_property']} hypothesis examples for each "
