@@ -10,8 +10,9 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.api_types import EngineRequest
 
+# Same options and pool size as tests/test_engine.py, so the compiled steps are shared.
 OPTS = dict(
-    page_size=8, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
+    page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
 )
 POISON = 77  # a token id whose embedding row is made NaN
 
@@ -31,8 +32,8 @@ def _run(engine, requests):
 
 @pytest.fixture(scope="module")
 def llms():
-    healthy = LLM("tiny", num_pages=64, **OPTS)
-    poisoned = LLM("tiny", num_pages=64, **OPTS)
+    healthy = LLM("tiny", num_pages=200, **OPTS)
+    poisoned = LLM("tiny", num_pages=200, **OPTS)
     params = poisoned.engine.params
     poisoned.engine.params = dataclasses.replace(params, embed=params.embed.at[POISON].set(jnp.nan))
     return healthy, poisoned

@@ -9,13 +9,14 @@ import numpy as np
 from engine import LLM, SamplingParams
 from engine.api_types import EngineRequest
 
+# Same options and pool size as tests/test_engine.py, so the compiled steps are shared.
 OPTS = dict(
     page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
 )
 
 
 def test_pages_are_never_shared_across_tenants_under_concurrency():
-    llm = LLM("tiny", num_pages=96, **OPTS)
+    llm = LLM("tiny", num_pages=200, **OPTS)
     engine = llm.engine
     rng = np.random.default_rng(1)
     prefix = [1] + rng.integers(3, 500, 47).tolist()  # 6 full pages shared by everyone
