@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install clean reliability
+.PHONY: demo test test-fast lint format install clean reliability
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: install
 RELIABILITY_ARGS ?=
 reliability: install
 	$(VPY) -m benchmarks.reliability $(RELIABILITY_ARGS)
+
+# The inner loop (about a minute of CPU): every package, without the three slow kinds of test
+# (markers in pyproject.toml). `make test` and CI run everything.
+FAST := not slow and not interpret and not subprocess and not compile
+test-fast: install
+	$(VPY) -m pytest -q -m "$(FAST)" tests
 
 lint: install
 	$(VPY) -m ruff check .

@@ -51,6 +51,7 @@ def test_nonfinite_logits_fail_only_their_request(llms):
     assert poisoned.engine.pool.num_used_pages == 0
 
 
+@pytest.mark.compile
 def test_kv_exhaustion_preempts_and_every_request_finishes():
     llm = LLM("tiny", num_pages=12, **OPTS)  # 11 usable pages of 8 tokens
     rng = np.random.default_rng(0)

@@ -180,6 +180,7 @@ def test_a_taken_port_is_refused():
         PagedJaxServer(MockEngine(), ServerConfig(host="127.0.0.1", port=server.port))
 
 
+@pytest.mark.subprocess
 def test_server_program_exits_with_a_message_when_the_port_is_taken():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

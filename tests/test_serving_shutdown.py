@@ -7,6 +7,7 @@ import sys
 import threading
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.admission import AdmissionConfig
@@ -80,6 +81,7 @@ def test_drain_timeout_cancels_the_rest_with_an_outcome_and_frees_pages():
     client.close()
 
 
+@pytest.mark.subprocess
 def test_sigterm_drains_the_server_program_and_exits_0():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
@@ -157,8 +159,6 @@ def test_reload_under_load_fails_nothing_and_names_the_revision():
 
 
 def test_reload_refuses_another_tokenizer():
-    import pytest
-
     from serving.mock_engine import MockIdentity
 
     server = _server(MockEngine(step_time_s=0.001))
