@@ -56,8 +56,8 @@ class AdmissionConfig:
     min_retry_after_ms: int = 10
     max_retry_after_ms: int = 60_000
     default_retry_after_ms: int = 1_000  # when no drain rate has been measured yet
-    # A request is admitted only if estimated completion x this fits its deadline: estimates
-    # err, and a timed-out request wasted its whole run.
+    # With a capacity model, a request is admitted only if its estimated completion x this
+    # fits its deadline: estimates err, and a timed-out request wasted its whole run.
     deadline_margin: float = 1.2
 
     def __post_init__(self):
@@ -232,7 +232,8 @@ class WaitingQueue:
         est = self._estimate(item, rates)
         if est is None:
             return
-        completion_s = est.completion_s * self.cfg.deadline_margin
+        margin = self.cfg.deadline_margin if self.capacity is not None else 1.0
+        completion_s = est.completion_s * margin
         if item.deadline_s is not None and now + completion_s > item.deadline_s:
             late_s = now + completion_s - item.deadline_s
             raise Rejected(
