@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -138,13 +139,21 @@ def _encode_batch(backend, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
+_LITERAL_LOCK = threading.Lock()
+
+
 def literal_backend(tokenizer):
     """A copy of the tokenizer's backend that encodes special-token strings as plain text
-    (`encode_special_tokens`); made once per tokenizer. The flag is per backend object, so
-    flipping it on the shared backend would race with other threads' encodes."""
+    (`encode_special_tokens`); made once per tokenizer (~0.5 s for a 49k vocabulary: the
+    server makes it at start-up, and the lock keeps a burst of first calls from each making
+    one). The flag is per backend object, so flipping it on the shared backend would race
+    with other threads' encodes."""
     backend = getattr(tokenizer, "_literal_backend", None)
     if backend is None:
-        backend = type(tokenizer.backend).from_str(tokenizer.backend.to_str())
-        backend.encode_special_tokens = True
-        tokenizer._literal_backend = backend
+        with _LITERAL_LOCK:
+            backend = getattr(tokenizer, "_literal_backend", None)
+            if backend is None:
+                backend = type(tokenizer.backend).from_str(tokenizer.backend.to_str())
+                backend.encode_special_tokens = True
+                tokenizer._literal_backend = backend
     return backend

@@ -4,7 +4,9 @@ at start-up and refreshed by every step, turned into each request's estimated co
 Seed (`probe(engine, sizes)`, before the engine thread starts): for each batch size b, b
 synthetic requests are prefilled (timed: prefill tokens/s) and then decoded for a few steps
 (timed: seconds per decode step at concurrency b); then aborted, so nothing stays in the
-engine. Refresh (`observe_step`, engine thread): every real step's wall time goes into an
+engine. Each size runs twice and the second run is measured (the first may compile a shape
+or fill a cache: a seed of 3 prefill tokens/s from a compiling first pass shed every call of
+a SmolLM2 burst). Refresh (`observe_step`, engine thread): every real step's wall time goes into an
 exponential average for its concurrency.
 
 Estimate for an arriving request (`estimate`), with c = max_inflight slots:
@@ -31,6 +33,8 @@ import logging
 import threading
 import time
 import uuid
+
+import numpy as np
 
 from engine.api_types import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -145,10 +149,13 @@ def probe(
     sizes = sizes or tuple(sorted({1, max(1, max_inflight // 4), max_inflight}))
     step_s, prefill_rates = {}, []
     for b in sizes:
+        # The first pass pays any one-time cost (a shape compiled on first use, caches);
+        # the second is measured.
+        _probe_batch(engine, b, prompt_tokens, 1, token_id)
         decode_s, prefill_rate = _probe_batch(engine, b, prompt_tokens, decode_steps, token_id)
         step_s[b] = decode_s
         prefill_rates.append(prefill_rate)
-    model = CapacityModel(step_s, min(prefill_rates), max_inflight)
+    model = CapacityModel(step_s, float(np.median(prefill_rates)), max_inflight)
     log.info("capacity model seeded: %s", model.snapshot())
     return model
 

@@ -81,6 +81,7 @@ class PagedJaxServer:
         identity = engine.identity
         self.metrics = ServerMetrics(identity.name, identity.revision)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
+        _warm_tokenizer(engine.tokenizer)
         capacity = probe(engine, max_inflight) if config.capacity_probe else None
         self.waiting = WaitingQueue(admission, capacity=capacity)
         self.limiter = TenantLimiter()
@@ -198,6 +199,15 @@ class PagedJaxServer:
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
+
+
+def _warm_tokenizer(tokenizer) -> None:
+    """One-time costs of the first chat encoding (models/chat_encoding.literal_backend), paid
+    before serving rather than by the first burst of calls."""
+    if hasattr(tokenizer, "backend") and hasattr(tokenizer, "encode_chat"):
+        from models.chat_encoding import literal_backend
+
+        literal_backend(tokenizer)
 
 
 # ---- command line -------------------------------------------------------------------------
