@@ -104,6 +104,14 @@ class CapacityModel:
             old = self._step_s.get(bucket)
             self._step_s[bucket] = step_s if old is None else old + self.smoothing * (step_s - old)
 
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A real request's prompt: from entering the engine to its first token."""
+        if num_tokens < 1 or seconds <= 0:
+            return
+        with self._lock:
+            rate, old = num_tokens / seconds, self._prefill_tokens_per_s
+            self._prefill_tokens_per_s = old + self.smoothing * (rate - old)
+
     def estimate(
         self,
         *,

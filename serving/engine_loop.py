@@ -288,6 +288,11 @@ class EngineLoop:
             if start - prev_start < 10.0:  # not across an idle spell
                 self.waiting.capacity.observe_step(prev_concurrency, start - prev_start)
 
+    def _observe_prefill(self, r: ActiveRequest, first_token_s: float) -> None:
+        if self.waiting.capacity is not None:
+            num_tokens = len(r.engine_request.prompt_token_ids)
+            self.waiting.capacity.observe_prefill(num_tokens, first_token_s - r.added_s)
+
     def _fail_step(self, exc: Exception) -> None:
         """Fail the requests of the failed step: those named by the engine's exception
         (`request_ids`, already dropped by the engine), else everything in the engine."""
@@ -333,6 +338,8 @@ class EngineLoop:
         r = self._lookup(out.request_id)
         if r is None:
             return
+        if not r.token_times_s and out.token_times_s and r.added_s is not None:
+            self._observe_prefill(r, out.token_times_s[0])
         r.token_times_s.extend(out.token_times_s)
         r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         if out.finished:

@@ -19,6 +19,9 @@ def test_step_time_interpolates_and_refreshes():
         model.observe_step(8, 0.05)  # the engine got slower: the model follows
     assert model.step_s(8) == pytest.approx(0.05, rel=1e-3)
     assert model.prefill_s(500) == pytest.approx(0.5)
+    for _ in range(200):
+        model.observe_prefill(400, 0.1)  # prefill is faster than the seed said
+    assert model.prefill_s(500) == pytest.approx(500 / 4000, rel=1e-3)
 
 
 def test_estimate_is_wait_plus_own_prefill_and_decode():
