@@ -185,6 +185,7 @@ class WaitingQueue:
     ):
         self.cfg, self.clock, self.capacity = cfg, clock, capacity
         self.num_in_engine = 0  # set by the engine thread
+        self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
         self._prompt_sum = 0
@@ -260,7 +261,11 @@ class WaitingQueue:
                 return None
             return Estimate(len(self._items) / rates[0], 0.0, 0.0)
         n = max(1, len(self._items))
+        prefill_ahead = self.unprefilled_engine_tokens
+        if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
+            prefill_ahead += self._prompt_sum
         return self.capacity.estimate(
+            prefill_tokens_ahead=prefill_ahead,
             ahead=ahead,
             prompt_tokens=item.prompt_tokens or item.num_tokens,
             max_tokens=item.max_tokens,

@@ -16,7 +16,10 @@ Estimate for an arriving request (`estimate`), with c = max_inflight slots:
                 = (ahead - c + 1) / drain_per_s         else, drain_per_s = the measured
                                                         drain rate (DrainMeter), or before one
                                                         exists c / mean service time
-    service_s   = prefill_s(prompt) + max_tokens * step_s(concurrency)
+    service_s   = prefill_s(prompt + prefill ahead) + max_tokens * step_s(concurrency)
+                  prefill ahead = prompts in the engine without a first token yet, plus the
+                  queued ones when a slot is free (they all prefill before this one's first
+                  token: 41 chat calls admitted at once into SmolLM2 waited 6.7 s for it)
     completion  = wait_s + service_s,    concurrency = min(c, ahead + 1)
 
 mean service time = mean prompt and max_tokens of the requests in line, through the same
@@ -121,7 +124,10 @@ class CapacityModel:
         mean_prompt_tokens: float,
         mean_max_tokens: float,
         drain_per_s: float | None = None,
+        prefill_tokens_ahead: int = 0,
     ) -> Estimate:
+        """`prefill_tokens_ahead`: prompt tokens of requests that will prefill before this
+        one gets its first token (they share the engine's prefill budget)."""
         c = self.max_inflight
         concurrency = min(c, ahead + 1)
         step_s = self.step_s(concurrency)
@@ -133,7 +139,7 @@ class CapacityModel:
                 )
                 drain_per_s = c / max(mean_service_s, 1e-9)
             wait_s = (ahead - c + 1) / drain_per_s
-        service_s = self.prefill_s(prompt_tokens) + max_tokens * step_s
+        service_s = self.prefill_s(prompt_tokens + prefill_tokens_ahead) + max_tokens * step_s
         return Estimate(wait_s, service_s, step_s)
 
     def snapshot(self) -> dict:

@@ -179,6 +179,7 @@ class EngineLoop:
         if self._swap is None:
             self._feed()
         self.waiting.num_in_engine = len(self._in_engine)
+        self.waiting.unprefilled_engine_tokens = self._unprefilled_tokens()
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
         )
@@ -287,6 +288,15 @@ class EngineLoop:
             prev_concurrency, prev_start = previous
             if start - prev_start < 10.0:  # not across an idle spell
                 self.waiting.capacity.observe_step(prev_concurrency, start - prev_start)
+
+    def _unprefilled_tokens(self) -> int:
+        """Prompt tokens of the requests in the engine that have no first token yet."""
+        total = 0
+        for request_id in self._in_engine:
+            r = self._lookup(request_id)
+            if r is not None and not r.token_times_s:
+                total += len(r.engine_request.prompt_token_ids)
+        return total
 
     def _observe_prefill(self, r: ActiveRequest, first_token_s: float) -> None:
         if self.waiting.capacity is not None:

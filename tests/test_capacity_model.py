@@ -35,6 +35,15 @@ def test_estimate_is_wait_plus_own_prefill_and_decode():
         ahead=6, prompt_tokens=10, max_tokens=20, mean_prompt_tokens=10, mean_max_tokens=20
     )
     assert busy.wait_s == pytest.approx(3 / (4 / 2.1))
+    crowded = model.estimate(
+        ahead=2,
+        prompt_tokens=10,
+        max_tokens=20,
+        mean_prompt_tokens=10,
+        mean_max_tokens=20,
+        prefill_tokens_ahead=90,  # others prefill first: 100 tokens before the first token
+    )
+    assert crowded.service_s == pytest.approx(1.0 + 2.0)
     measured = model.estimate(
         ahead=6,
         prompt_tokens=10,
