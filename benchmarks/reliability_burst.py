@@ -46,7 +46,7 @@ def start_server(model: str, extra_args: list[str], log_path: str, timeout_s: fl
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         line = proc.stdout.readline()
-        if line.startswith("serving on"):
+        if line.startswith("serving on"):  # "serving on PORT (metrics port ...)"
             return proc, port
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")

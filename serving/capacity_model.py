@@ -3,8 +3,8 @@ at start-up and refreshed by every step, turned into each request's estimated co
 
 Seed (`probe(engine, sizes)`, before the engine thread starts): for each batch size b, b
 synthetic requests are prefilled (timed: prefill tokens/s) and then decoded for a few steps
-(timed: seconds per decode step at concurrency b); then aborted, so nothing stays in the
-engine. Each size runs twice and the second run is measured (the first may compile a shape
+(timed: seconds per decode step at concurrency b); they end at max_tokens, so nothing stays
+in the engine. Each size runs twice and the second run is measured (the first may compile a shape
 or fill a cache: a seed of 3 prefill tokens/s from a compiling first pass shed every call of
 a SmolLM2 burst). Refresh (`observe_step`, engine thread): every real step's wall time goes into an
 exponential average for its concurrency.
@@ -176,7 +176,8 @@ def probe(
 
 def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int):
     ids = [f"capacity-probe-{uuid.uuid4().hex}" for _ in range(batch)]
-    sampling = SamplingParams(max_tokens=decode_steps + 8, temperature=0.0, ignore_eos=True)
+    # They run to max_tokens on their own: no aborts in the engine's books.
+    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
     produced = dict.fromkeys(ids, 0)
     for i, request_id in enumerate(ids):
         # distinct prompts, so the prefix cache cannot shorten the prefill
@@ -191,9 +192,11 @@ def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, toke
         for _ in range(decode_steps):
             _count(engine.step(), produced)
         decode_s = (time.perf_counter() - start) / decode_steps
-    finally:
+    except BaseException:
         for request_id in ids:
             engine.abort_request(request_id)
+        raise
+    finally:
         while engine.has_unfinished():
             engine.step()
     return decode_s, batch * prompt_tokens / max(prefill_s, 1e-9)

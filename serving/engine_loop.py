@@ -73,6 +73,7 @@ class EngineLoop:
         on_breaker_change=None,
         on_tick=None,
         slow_consumer: SlowConsumerPolicy | None = None,
+        on_start=None,
     ):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
@@ -87,6 +88,7 @@ class EngineLoop:
         self.last_stats: dict = {}
         self._on_breaker_change = on_breaker_change  # called with the new state's name
         self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
+        self._on_start = on_start  # called once on this thread before serving (warm-up)
         self._breaker_state = "closed"
         self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
         self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
@@ -164,6 +166,8 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------------
     def run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while not self._stop.is_set():
             try:
                 self._iterate()
@@ -270,6 +274,7 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_step(exc)
             return
+        self.metrics.observe_step(outputs)
         failed = False
         for out in outputs:
             failed |= out.finish_reason == "failed"
@@ -379,8 +384,9 @@ class EngineLoop:
         r.timings = r.compute_timings(time.monotonic())
         outcome, reason, status = _FINISH.get(out.finish_reason, _FINISH["failed"])
         details = out.error or f"finish_reason={out.finish_reason}"
-        if outcome != "success":  # success is settled by the handler once the final is sent
+        if outcome != "success" or not r.success_on_delivery:
             self.ledger.settle(r, outcome, reason, status, details)
+        # else: the transport settles success once it has sent the final message
         r.stream.push(out)
         if status != grpc.StatusCode.OK:
             r.stream.close(Terminal(status, details))

@@ -11,6 +11,9 @@ buffer into one message whenever the transport lets it, and HTTP/2 windows hold 
 tokens. So the engine thread also cancels a request (ABORTED, its KV pages freed at the next
 step) when it has generated more than `max_tokens_ahead` tokens beyond what the transport
 accepted, or one message has waited more than `stall_timeout_s` for the transport to take it.
+
+An asyncio reader (the HTTP API) passes a `listener`, called (on the engine thread) after
+every push and close, to wake its event loop instead of blocking a thread in get().
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -41,8 +45,8 @@ class Terminal:
 
 
 class StreamBuffer:
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, listener: Callable[[], None] | None = None):
+        self.limit, self.listener = limit, listener
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._terminal: Terminal | None = None
         self._cond = threading.Condition()
@@ -53,13 +57,17 @@ class StreamBuffer:
                 return False
             self._items.append(out)
             self._cond.notify()
-            return True
+        if self.listener is not None:
+            self.listener()
+        return True
 
     def close(self, terminal: Terminal) -> None:
         with self._cond:
             if self._terminal is None:
                 self._terminal = terminal
             self._cond.notify()
+        if self.listener is not None:
+            self.listener()
 
     def get(self, timeout_s: float) -> tuple[list[RequestOutput], Terminal | None]:
         """Everything buffered (maybe nothing after timeout_s), and the terminal if closed."""
@@ -114,6 +122,9 @@ class ActiveRequest:
     timings: dict | None = None  # queue_s, ttft_s, tpot_s, e2e_s once finished
     finish_reason: str | None = None
     outcome: str | None = None
+    # True: success is recorded by the transport once the final message was sent (gRPC);
+    # False: when the engine finishes (the HTTP API).
+    success_on_delivery: bool = False
     # Written by the handler thread (read by the engine thread for the slow-consumer policy):
     tokens_sent: int = 0  # tokens in messages the transport has accepted
     send_started_s: float | None = None  # a message is waiting for the transport since
@@ -194,9 +205,12 @@ class RequestLedger:
             r.tenant, r.reservation, r.num_output_tokens, refund_all=r.added_s is None
         )  # never reached the engine
         self.metrics.record_outcome(outcome, reason)
+        self.metrics.record_finish_reason(r.finish_reason)
         if outcome == "success":
             self.metrics.observe_finished(
-                **{k: r.timings[k] for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")}
+                **{k: r.timings[k] for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")},
+                prompt_tokens=r.num_prompt_tokens,
+                generation_tokens=r.num_output_tokens,
             )
         record = {
             "request_id": r.request_id,

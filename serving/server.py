@@ -1,12 +1,15 @@
-"""The pagedjax gRPC server: assembles engine, engine thread, admission, tenants, metrics,
-health and reflection (threads and queues: see serving/engine_loop.py).
+"""The pagedjax server: assembles engine, engine thread, admission, tenants, metrics, gRPC
+health and reflection, and the OpenAI-compatible HTTP API beside gRPC (threads and queues:
+see serving/engine_loop.py; both transports call one Generator, serving/generation.py).
 
-    python -m serving.server --model=smollm2-135m --port=50051 --metrics_port=9090
+    python -m serving.server --model=smollm2-135m --port=50051 --metrics_port=9090 --http_port=8000
     python -m serving.server --model=mock --port=0          # MockEngine, no JAX needed
 
-Logs `serving on PORT` once ready. Programmatic use (tests, serving/cli.py):
+Prints `serving on PORT` (and `http on PORT`) once listening; warm-up then runs on the engine
+thread, and generation is refused (UNAVAILABLE / 503 warming_up, gRPC health NOT_SERVING,
+HTTP /ready 503) until it ends. Programmatic use (tests, serving/cli.py):
 
-    server = PagedJaxServer(engine, ServerConfig(...)).start()   # server.port, .metrics_port
+    server = PagedJaxServer(engine, ServerConfig(...)).start()   # .port, .metrics_port, .http_port
     ...
     server.stop()
 """
@@ -14,7 +17,9 @@ Logs `serving on PORT` once ready. Programmatic use (tests, serving/cli.py):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import sys
 import time
 import uuid
@@ -26,17 +31,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving import convert
+from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.capacity_model import probe
 from serving.dispatch import DispatchLedger
 from serving.engine_loop import EngineLoop
+from serving.generation import Generator, ServiceLimits
 from serving.guard import RequestGuard
 from serving.metrics import ServerMetrics, start_metrics_http
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 from serving.request_state import RequestLedger, SlowConsumerPolicy
-from serving.service import PagedJaxService, ServiceLimits
+from serving.service import PagedJaxService
 from serving.shutdown import install_signal_handlers
 from serving.tenants import TenantLimiter, TenantRegistry
 from serving.transport import PortInUseError, bind_port, grpc_options
@@ -61,13 +68,20 @@ class ServerConfig:
     host: str = "[::]"
     port: int = 0  # 0: ephemeral (see PagedJaxServer.port)
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
+    http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
 
 
 class PagedJaxServer:
     def __init__(
-        self, engine, config: ServerConfig | None = None, tenants: TenantRegistry | None = None
+        self,
+        engine,
+        config: ServerConfig | None = None,
+        tenants: TenantRegistry | None = None,
+        warmup=None,
     ):
+        """`warmup`: called with no arguments on the engine thread before it serves (compiles
+        the step shapes); generation is refused as warming_up until it returns."""
         config = config or ServerConfig()
         self.engine, self.config = engine, config
         stats = dict(engine.stats())
@@ -80,9 +94,14 @@ class PagedJaxServer:
         max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
         identity = engine.identity
         self.metrics = ServerMetrics(identity.name, identity.revision)
+        self.metrics.set_cache_config(stats)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         _warm_tokenizer(engine.tokenizer)
-        capacity = probe(engine, max_inflight) if config.capacity_probe else None
+        # The capacity probe runs after warm-up (on the engine thread, see _warm_up) when there
+        # is one, so that it measures compiled steps.
+        capacity = None
+        if config.capacity_probe and warmup is None:
+            capacity = probe(engine, max_inflight)
         self.waiting = WaitingQueue(admission, capacity=capacity)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
@@ -102,7 +121,9 @@ class PagedJaxServer:
             on_breaker_change=self._set_health,
             on_tick=self.dispatch.reap,
             slow_consumer=config.slow_consumer,
+            on_start=self._warm_up,
         )
+        self._warmup = warmup
         self.loop.last_stats = stats
         self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
@@ -114,7 +135,7 @@ class PagedJaxServer:
             GENERATE_METHOD,
             on_generate_refused=self._record_refused_call,
         )
-        self.service = PagedJaxService(
+        self.generator = Generator(
             engine,
             self.limits,
             tenants,
@@ -123,8 +144,8 @@ class PagedJaxServer:
             self.breaker,
             self.loop,
             self.ledger,
-            config.engine_config,
         )
+        self.service = PagedJaxService(self.generator, config.engine_config)
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
@@ -140,6 +161,15 @@ class PagedJaxServer:
         self.port = bind_port(self.grpc_server, config.host, config.port)
         self.metrics_port: int | None = None
         self._metrics_http = None
+        self.http_port: int | None = None
+        self._http = None
+        if config.http_port is not None:
+            from serving.http_api import HttpApi
+            from serving.http_server import HttpServer
+
+            self.http_api = HttpApi(self.generator, self.metrics)
+            self._http = HttpServer(self.http_api.app, config.host, config.http_port)
+            self.http_port = self._http.port
 
     def _record_refused_call(self, reason: str, status: grpc.StatusCode, details: str) -> None:
         """A Generate call refused by the guard (before parsing): its one outcome."""
@@ -148,19 +178,52 @@ class PagedJaxServer:
         )
 
     def start(self) -> PagedJaxServer:
+        if self._warmup is None:  # ready at once, not when the engine thread gets to it
+            self.generator.ready.set()
         self.loop.start()
         if self.config.metrics_port is not None:
-            self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
+            try:
+                self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                self.loop.stop()
+                raise shared.UsageError(
+                    "metrics_port", self.config.metrics_port, "port already in use"
+                ) from None
             self.metrics_port = self._metrics_http.server_port
         self.grpc_server.start()
+        if self._http is not None:
+            self._http.start()
         self._set_health("closed")
-        log.info("gRPC server started on port %d (metrics port %s)", self.port, self.metrics_port)
+        log.info(
+            "gRPC server started on port %d (metrics port %s, HTTP port %s)",
+            self.port,
+            self.metrics_port,
+            self.http_port,
+        )
         return self
+
+    def _warm_up(self) -> None:
+        """On the engine thread, before its first iteration."""
+        if self._warmup is None:
+            return
+        try:
+            self._warmup()
+            if self.config.capacity_probe:
+                self.waiting.capacity = probe(self.loop.engine, self.limits.max_inflight)
+        except Exception:  # stays not ready (503 warming_up); the log says why
+            log.exception("warm-up failed; the server will not become ready")
+            return
+        self.generator.ready.set()
+        self._set_health(self.breaker.state)
 
     def _set_health(self, breaker_state: str) -> None:
         status = (
             health_pb2.HealthCheckResponse.NOT_SERVING
-            if breaker_state == "open" or self.service.draining.is_set()
+            if breaker_state == "open"
+            or not self.generator.ready.is_set()
+            or self.generator.draining
             else health_pb2.HealthCheckResponse.SERVING
         )
         for name in ("", SERVICE_NAME):
@@ -185,12 +248,15 @@ class PagedJaxServer:
     def begin_drain(self) -> None:
         """Refuse new Generate calls (UNAVAILABLE) and report NOT_SERVING; admitted requests
         go on (serving/shutdown.py finishes the job)."""
-        self.service.draining.set()
+        self.generator.draining = True
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self.generator.draining = True
         self.health.enter_graceful_shutdown()
+        if self._http is not None:
+            self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
         if self._metrics_http is not None:
@@ -215,11 +281,16 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The server's absl flags; defined on demand so importing this module defines none."""
-    flags.DEFINE_string("model", "mock", "model preset / path, or 'mock' for the MockEngine")
+    """The server's absl flags; defined on demand so importing this module defines none.
+    Names shared with the other commands come from serving/flags.py."""
+    shared.define_model(mock=True)
+    shared.define_log_level()
     flags.DEFINE_string("host", "[::]", "address to bind")
-    flags.DEFINE_integer("port", 50051, "gRPC port (0: ephemeral)")
-    flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none)")
+    flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
+    flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
+    flags.DEFINE_integer(
+        "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
+    )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
@@ -227,7 +298,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_pages", None, "KV pages (None: engine default from memory)")
     flags.DEFINE_integer("max_num_seqs", 32, "requests in one batch")
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
-    flags.DEFINE_integer("prefill_chunk_size", 256, "prefill chunk")
+    flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
@@ -237,16 +308,18 @@ def define_flags() -> None:
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
     )
     # admission
-    flags.DEFINE_integer("max_prompt_tokens", 8192, "")
+    flags.DEFINE_integer("max_prompt_tokens", 8192, "longest prompt accepted (tokens)")
     flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
-    flags.DEFINE_integer("default_max_tokens", 256, "")
+    flags.DEFINE_integer("default_max_tokens", 256, "max_tokens of a request that does not set it")
     flags.DEFINE_integer(
         "max_model_len", None, "prompt + max_tokens limit (None: the model's context)"
     )
-    flags.DEFINE_integer("max_stop_strings", 16, "")
+    flags.DEFINE_integer("max_stop_strings", 16, "most stop strings one request may give")
     flags.DEFINE_integer("max_queue_requests", 256, "waiting queue bound (requests)")
     flags.DEFINE_integer("max_queue_tokens", 2_000_000, "waiting queue bound (prompt + max_tokens)")
-    flags.DEFINE_float("queue_timeout_s", 60.0, "")
+    flags.DEFINE_float(
+        "queue_timeout_s", 60.0, "a request waiting longer than this is rejected (seconds)"
+    )
     flags.DEFINE_float(
         "aging_s", 10.0, "seconds of waiting that raise a request one priority class"
     )
@@ -255,8 +328,10 @@ def define_flags() -> None:
         "max_inflight", None, "requests in the engine at once (None: max_num_seqs)"
     )
     flags.DEFINE_integer("breaker_failures", 3, "consecutive failed steps that open the breaker")
-    flags.DEFINE_float("breaker_cooldown_s", 5.0, "")
-    flags.DEFINE_integer("max_workers", None, "gRPC handler threads")
+    flags.DEFINE_float(
+        "breaker_cooldown_s", 5.0, "seconds the open breaker waits before trying a step again"
+    )
+    flags.DEFINE_integer("max_workers", None, "gRPC handler threads (None: queue + inflight + 32)")
     # reliability (issue 17)
     flags.DEFINE_float("drain_timeout_s", 30.0, "SIGTERM: seconds admitted requests get to finish")
     flags.DEFINE_integer("max_request_bytes", 1 << 20, "largest request message accepted")
@@ -266,6 +341,69 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
     flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
     flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
+
+
+# flag -> (lowest allowed value, None allowed): every numeric server flag, checked at start.
+_LOWER_BOUNDS = {
+    "page_size": (1, False),
+    "num_pages": (2, True),
+    "max_num_seqs": (1, False),
+    "max_num_batched_tokens": (1, False),
+    "prefill_chunk_size": (1, False),
+    "mock_step_time_s": (0, False),
+    "warmup_max_shapes": (0, False),
+    "max_prompt_tokens": (1, False),
+    "max_tokens_limit": (1, False),
+    "default_max_tokens": (1, False),
+    "max_model_len": (2, True),
+    "max_stop_strings": (0, False),
+    "max_queue_requests": (0, False),
+    "max_queue_tokens": (1, False),
+    "stream_buffer_messages": (1, False),
+    "max_inflight": (1, True),
+    "breaker_failures": (1, False),
+    "breaker_cooldown_s": (0, False),
+    "max_workers": (1, True),
+}
+
+
+def check_flags() -> None:
+    """Every user mistake the server can see before loading a model (UsageError)."""
+    shared.check_model(FLAGS.model, mock=True)
+    for name, (low, none_ok) in _LOWER_BOUNDS.items():
+        value = getattr(FLAGS, name)
+        allowed = f">= {low}" + (" (or unset)" if none_ok else "")
+        shared.require(
+            name,
+            value,
+            (value is None and none_ok) or (value is not None and value >= low),
+            allowed,
+        )
+    for name in ("queue_timeout_s", "aging_s"):
+        shared.check_positive(name, getattr(FLAGS, name))
+    shared.require(
+        "default_max_tokens",
+        FLAGS.default_max_tokens,
+        FLAGS.default_max_tokens <= FLAGS.max_tokens_limit,
+        f"<= --max_tokens_limit ({FLAGS.max_tokens_limit})",
+    )
+    shared.check_host("host", FLAGS.host)
+    shared.check_port("port", FLAGS.port, FLAGS.host)
+    shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
+    shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
+    _check_file("tenants_config", FLAGS.tenants_config)
+    if FLAGS.model != "mock":
+        shared.check_mesh(FLAGS.mesh)
+
+
+def _check_file(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    shared.require(flag, path, os.path.isfile(path), "no such file")
+    try:
+        TenantRegistry.from_file(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise shared.UsageError(flag, path, f"not a valid tenants file: {e!r}") from None
 
 
 def engine_options_from_flags() -> dict:
@@ -309,15 +447,54 @@ def build_engine(
     mesh = options.pop("mesh", None)
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
+    shared.progress(f"loading {model} ...")
+    t0 = time.perf_counter()
     # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
     loaded = load_model(model, shardings_for=loader_shardings(mesh) if mesh else None)
     core = create_engine(loaded, config, mesh=mesh)
-    if warmup_max_shapes:
-        from engine.warmup import warmup
-
-        for replica in getattr(core, "replicas", [core]):
-            warmup(replica, max_shapes=warmup_max_shapes)  # logs how long it took
+    shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
+    warm = engine_warmup(core, warmup_max_shapes)
+    if warm is not None:
+        warm()
     return core
+
+
+def engine_warmup(engine, max_shapes: int):
+    """A callable compiling up to `max_shapes` step shapes of `engine` (None: nothing to do:
+    the mock engine, or max_shapes 0). PagedJaxServer runs it on the engine thread."""
+    replicas = getattr(engine, "replicas", [engine])
+    if not max_shapes or not hasattr(replicas[0], "run_step"):
+        return None
+
+    def run() -> None:
+        for replica in replicas:
+            _warmup_with_progress(replica, max_shapes)
+
+    return run
+
+
+def _warmup_with_progress(engine, max_shapes: int, num_reports: int = 8) -> None:
+    """Compiles the startup shapes in a few chunks, printing a line after each."""
+    from engine.warmup import startup_shapes, warmup
+
+    shapes = startup_shapes(engine.sched_config, max_shapes)
+    chunk = max(1, -(-len(shapes) // num_reports))
+    t0 = time.perf_counter()
+    # NOTE: warmup() logs a summary per call; the progress lines below replace them.
+    warmup_log = logging.getLogger(warmup.__module__)
+    level = warmup_log.level
+    warmup_log.setLevel(logging.ERROR)
+    try:
+        for start in range(0, len(shapes), chunk):
+            warmup(engine, shapes[start : start + chunk])
+            done = min(start + chunk, len(shapes))
+            elapsed_s = time.perf_counter() - t0
+            shared.progress(
+                f"warm-up: {done}/{len(shapes)} step shapes compiled ({elapsed_s:.0f}s)"
+            )
+    finally:
+        warmup_log.setLevel(level)
+    engine.warmup_s = time.perf_counter() - t0
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -346,6 +523,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
+        http_port=FLAGS.http_port or None,
         engine_config={"model": FLAGS.model, **engine_config},
     )
 
@@ -361,23 +539,25 @@ def _setup_request_log(path: str | None) -> None:
 
 
 def main(argv) -> None:
-    del argv
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if len(argv) > 1:
+        raise shared.UsageError("", " ".join(argv[1:]), "the server takes no arguments, only flags")
+    shared.setup_logging(FLAGS.log_level)
+    check_flags()
     _setup_request_log(FLAGS.request_log)
     options = engine_options_from_flags()
+    # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
     engine = build_engine(
         FLAGS.model,
-        {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+        {**options, "warmup_max_shapes": 0},
         mock_step_time_s=FLAGS.mock_step_time_s,
         max_model_len=FLAGS.max_model_len,
     )
     try:
         server = PagedJaxServer(
-            engine, config_from_flags(options), TenantRegistry.from_file(FLAGS.tenants_config)
+            engine,
+            config_from_flags(options),
+            TenantRegistry.from_file(FLAGS.tenants_config),
+            warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
         )
     except PortInUseError as e:
         log.error("%s", e)
@@ -393,14 +573,16 @@ def main(argv) -> None:
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()
-    print(f"serving on {server.port}", flush=True)
+    print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)
+    if server.http_port is not None:
+        print(f"http on {server.http_port}", flush=True)
     stopped.wait()  # SIGTERM / SIGINT: drained and stopped (serving/shutdown.py)
     log.info("server stopped")
 
 
 def run() -> None:
     define_flags()
-    app.run(main)
+    app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,10 @@ class TenantRegistry:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+    @property
+    def has_api_keys(self) -> bool:
+        return bool(self._key_digests)
+
     def authenticate(self, api_key: str | None) -> TenantPolicy:
         if api_key:
             digest, name = _digest(api_key), None

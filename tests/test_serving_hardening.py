@@ -192,7 +192,8 @@ def test_server_program_exits_with_a_message_when_the_port_is_taken():
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert proc.returncode != 0 and "serving on" not in proc.stdout
-    assert f"cannot bind gRPC port 127.0.0.1:{port}" in proc.stderr
+    # the flag check names the port; a bind that loses a race raises PortInUseError
+    assert str(port) in proc.stderr and "in use" in proc.stderr
 
 
 # ---- the queue -----------------------------------------------------------------------------

@@ -43,10 +43,10 @@ def test_drain_finishes_admitted_requests_and_refuses_new_ones():
     wait_for(lambda: server.loop.num_active() == 3, what="3 admitted")
     drainer = threading.Thread(target=drain, args=(server, 30.0))
     drainer.start()
-    wait_for(server.service.draining.is_set)
+    wait_for(lambda: server.generator.draining)
     assert _health(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING
     refused = client.generate("abc", max_tokens=2)
-    assert refused.code == "UNAVAILABLE" and refused.retry_after_ms == 5000
+    assert refused.code == "UNAVAILABLE" and refused.retry_after_ms is not None
     for t in threads:
         t.join(30)
     drainer.join(30)
@@ -92,7 +92,7 @@ def test_sigterm_drains_the_server_program_and_exits_0():
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving on"), (line, proc.stderr.read() if proc.poll() else "")
-        port = int(line.split()[-1])
+        port = int(line.split()[2])  # "serving on PORT (metrics port ...)"
         with GenerateClient(f"127.0.0.1:{port}") as client:
             call = client.stream(build_request("abc", max_tokens=100, request_id="inflight"))
             first = next(call)
