@@ -21,8 +21,9 @@ from collections.abc import Iterator, Sequence
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.factory import create_engine
 from engine.sampling_params import SamplingParams
-from engine.sharding import create_engine, loader_shardings
+from engine.sharding import loader_shardings
 
 log = logging.getLogger(__name__)
 

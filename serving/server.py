@@ -234,7 +234,8 @@ def build_engine(
     if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
     from configs.engine_config import EngineConfig
-    from engine.sharding import create_engine, loader_shardings
+    from engine.factory import create_engine
+    from engine.sharding import loader_shardings
     from models.registry import load_model
 
     mesh = options.pop("mesh", None)
