@@ -29,7 +29,7 @@ from engine import sharding
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchShape, build_batch, pow2_bucket
 from engine.kv_cache import PagedKVCache
-from engine.outputs import OutputProcessor, scheduler_stats
+from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool
 from engine.request import Request
 from engine.sampling import (
@@ -43,6 +43,7 @@ from engine.sampling import (
 )
 from engine.scheduler import Scheduler
 from engine.step import engine_step, num_step_compiles
+from models.llama import cast_params
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,9 @@ class EngineCore:
         )
         self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
         self.scheduler = Scheduler(self.sched_config, self.pool)
-        self.params, kv_sharding = model.params, None
+        self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
-            self.cfg, self.params = sharding.shard_params(model.params, self.cfg, self.mesh)
+            self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
             kv_sharding = sharding.kv_sharding(self.mesh, self.cfg)
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
@@ -126,7 +127,7 @@ class EngineCore:
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
-        self.params = model.params
+        self.params = cast_params(model.params, self.config.dtype)
         self.pool.clear_cache(
             (self.identity.revision, self.identity.tokenizer_hash, self.identity.chat_template_hash)
         )
@@ -263,7 +264,7 @@ class EngineCore:
     def stats(self) -> dict:
         used, sc = self.pool.num_used_pages, self.sched_config
         return {
-            **scheduler_stats(self.scheduler),
+            **self.scheduler.stats(),
             "kv_bytes_total": self.kv.num_bytes,
             "kv_bytes_used": used * (self.kv.num_bytes // sc.num_pages),
             "weights_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params)),

@@ -59,5 +59,5 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def stats(self) -> dict:
-        """At least engine.outputs.scheduler_stats' keys, plus "num_steps"."""
+        """At least engine.scheduler.Scheduler.stats()' keys, plus "num_steps"."""
         ...

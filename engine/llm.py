@@ -58,12 +58,14 @@ class LLM:
         # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
         # that build several engines over one set of weights).
         # With a mesh, each param shard goes straight to its devices.
+        name = model if isinstance(model, str) else model.identity.name
+        self.config = EngineConfig(model=name, **engine_options)
         shardings_for = None if mesh is None else loader_shardings(mesh)
         self.model = (
-            load_model(model, shardings_for=shardings_for) if isinstance(model, str) else model
+            load_model(model, dtype=self.config.dtype, shardings_for=shardings_for)
+            if isinstance(model, str)
+            else model
         )
-        name = model if isinstance(model, str) else self.model.identity.name
-        self.config = EngineConfig(model=name, **engine_options)
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()
@@ -82,12 +84,13 @@ class LLM:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return [int(t) for t in prompt]
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, tenant: str) -> str:
-        rid = f"llm-{next(self._ids)}"
-        self.engine.add_request(
-            EngineRequest(rid, self.encode_prompt(prompt), params, priority=priority, tenant=tenant)
-        )
-        return rid
+    def _add(
+        self, prompt: Prompt, params: SamplingParams, priority: int, tenant: str
+    ) -> tuple[str, list[int]]:
+        """Queues one prompt; returns its request id and prompt token ids."""
+        rid, ids = f"llm-{next(self._ids)}", self.encode_prompt(prompt)
+        self.engine.add_request(EngineRequest(rid, ids, params, priority=priority, tenant=tenant))
+        return rid, ids
 
     def generate(
         self,
@@ -106,14 +109,15 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
             )
-        ids = [self._add(p, sp, priority, tenant) for p, sp in zip(prompts, params)]
-        results = {rid: CompletionOutput(rid, [], "", [], None, None, None) for rid in ids}
-        for rid in ids:
-            results[rid].prompt_token_ids = []
+        added = [self._add(p, sp, priority, tenant) for p, sp in zip(prompts, params)]
+        results = {
+            rid: CompletionOutput(rid, prompt_ids, "", [], None, None, None)
+            for rid, prompt_ids in added
+        }
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 self._accumulate(results.get(out.request_id), out)
-        return [results[rid] for rid in ids]
+        return [results[rid] for rid, _ in added]
 
     def generate_stream(
         self,
@@ -124,7 +128,7 @@ class LLM:
         tenant: str = "default",
     ) -> Iterator[RequestOutput]:
         """Yields this request's deltas as they come (other requests keep running)."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), priority, tenant)
+        rid, _ = self._add(prompt, sampling_params or SamplingParams(), priority, tenant)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.request_id == rid:

@@ -12,6 +12,7 @@ Everything an engine does around its device step that is not about the device li
                                              stop strings, max_tokens), RequestOutput deltas
     or, when the device step raised:
     outputs += fail(plan, error, now)        every request of the plan ends "failed"
+    stats = {**scheduler.stats(), ...device stats}
 
 A device step is anything that maps a SchedulerOutput to {request_id: sampled token id}:
 the jitted model step in EngineCore, a hand-checkable rule in MockEngine. `on_finished(id)`
@@ -169,32 +170,3 @@ class OutputProcessor:
             metrics=request_metrics(req) if finished else None,
             error=error,
         )
-
-
-def scheduler_stats(scheduler: Scheduler) -> dict:
-    """The host-side part of an engine's `stats()` (the keys serving reads)."""
-    pool, sc = scheduler.pool, scheduler.config
-    used = pool.num_used_pages
-    return {
-        "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting),
-        "kv_pages_total": sc.num_pages - 1,
-        "kv_pages_used": used,
-        "kv_pages_free": pool.num_free_pages,
-        "kv_pages_cached": pool.num_cached_pages,
-        "kv_usage": used / max(1, sc.num_pages - 1),
-        "page_size": sc.page_size,
-        "kv_capacity_tokens": (sc.num_pages - 1) * sc.page_size,
-        "max_model_len": sc.max_model_len,
-        "max_num_seqs": sc.max_num_seqs,
-        "num_preemptions": scheduler.num_preemptions,
-        "allocation_failures": pool.stats.allocation_failures,
-        "prefix_cache_queries_tokens": pool.stats.queried_tokens,
-        "prefix_cache_hit_tokens": pool.stats.hit_tokens,
-        "prefix_cache_hit_rate": pool.stats.hit_rate,
-        "prefix_cache_evictions": pool.stats.evictions,
-        "prefix_cache_expirations": pool.stats.expirations,
-        "prefix_cache_prefill_tokens_saved": pool.stats.hit_tokens,
-        "prefix_cache_cached_pages": pool.num_cached_pages,
-        "prefix_cache_enabled": pool.enable_prefix_caching,
-    }

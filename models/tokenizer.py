@@ -4,12 +4,11 @@ One `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` (Rust, fast) plus wh
 needs around it: the BOS/EOS ids, whether BOS is prepended, the special-token strings and the
 model's chat template. Two ways in:
 
-    Tokenizer.from_gguf(path_or_reader)   # GGUF metadata: vocab + merges + token types + template
+    tokenizer_from_gguf(path_or_reader)   # models/loaders/gguf_tokenizer.py: GGUF metadata
     Tokenizer.from_hf_dir(path)   # tokenizer.json + tokenizer_config.json (+ generation_config)
 
-A GGUF stores no tokenizer.json, only llama.cpp's metadata: `from_gguf` rebuilds the
-byte-level BPE from it (models/loaders/gguf_tokenizer.py, which says how, and where it
-follows llama.cpp rather than transformers).
+A GGUF stores no tokenizer.json, only llama.cpp's metadata: `tokenizer_from_gguf` rebuilds
+the byte-level BPE from it (and says where it follows llama.cpp rather than transformers).
 
 Streaming text out of a generation goes through `new_detokenizer()`: see
 models/detokenizer.py's `IncrementalDetokenizer` for why it decodes a sliding window of tokens.
@@ -73,16 +72,6 @@ class Tokenizer:
         self.sha256 = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
 
     # --- construction -----------------------------------------------------------------------
-
-    @classmethod
-    def from_gguf(
-        cls, path_or_reader: str | os.PathLike | Any, compat: str = "llama.cpp"
-    ) -> Tokenizer:
-        """Build from a GGUF file's `tokenizer.*` metadata (path, or an open `gguf.GGUFReader`).
-        `compat`: "llama.cpp" (default) or "transformers", see models/loaders/gguf_tokenizer.py."""
-        from models.loaders.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(path_or_reader, compat)
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:

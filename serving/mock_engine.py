@@ -32,7 +32,7 @@ import time
 from configs.engine_config import SchedulerConfig
 from engine.api_types import EngineRequest, RequestOutput
 from engine.errors import EngineStepError
-from engine.outputs import OutputProcessor, scheduler_stats
+from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -192,7 +192,7 @@ class MockEngine:
 
     def stats(self) -> dict:
         return {
-            **scheduler_stats(self.scheduler),
+            **self.scheduler.stats(),
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
         }

@@ -164,6 +164,38 @@ def test_bad_requests_name_the_field(tiny_llm):
     assert not core.has_unfinished()
 
 
+def test_completion_output_carries_the_prompt_token_ids(tiny_llm):
+    prompts = [[1, 5, 6, 7], "hi", [{"role": "user", "content": "hi"}]]
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2))
+    assert [o.prompt_token_ids for o in outs] == [tiny_llm.encode_prompt(p) for p in prompts]
+    assert outs[0].prompt_token_ids == [1, 5, 6, 7] and len(outs[2].prompt_token_ids) > 3
+
+
+def test_dtype_option_casts_the_params_and_the_engine_runs():
+    import jax
+    import jax.numpy as jnp
+
+    from configs.engine_config import EngineConfig
+    from engine.core import EngineCore
+    from models.registry import load_model
+
+    small = dict(TINY_OPTS, num_pages=32, max_num_seqs=2)
+    llm = LLM("tiny", dtype="bfloat16", **small)
+    assert {x.dtype for x in jax.tree.leaves(llm.engine.params)} == {jnp.dtype(jnp.bfloat16)}
+    out = llm.generate([[1, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert len(out.token_ids) == 6 and all(0 <= t < 512 for t in out.token_ids)
+    assert llm.stats()["weights_bytes"] * 2 == sum(
+        x.size * 4 for x in jax.tree.leaves(load_model("tiny").params)
+    )
+    # An already loaded float32 model is cast by the engine (the LLM(model=LoadedModel) path).
+    f32 = load_model("tiny")
+    core = EngineCore(f32, EngineConfig(model="tiny", dtype="bfloat16", num_pages=32))
+    assert {x.dtype for x in jax.tree.leaves(core.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(f32.params)} == {jnp.dtype(jnp.float32)}
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int4")
+
+
 def test_no_recompilation_after_warmup():
     from engine.warmup import reachable_shapes, warmup
 

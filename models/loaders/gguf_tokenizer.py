@@ -8,7 +8,7 @@ file (transformers/integrations/gguf/gguf_tokenizer_mapping.py: `byte_level_toke
 `AutoTokenizer.from_pretrained(folder, gguf_file=...)`'s (the tests check it), except that by
 default the pre-tokenizer follows llama.cpp where the two disagree: a run of spaces before a
 digit in SmolLM2's vocabulary (see `Compat`; `compat="transformers"` matches transformers
-exactly). `Tokenizer.from_gguf` calls it.
+exactly).
 """
 
 from __future__ import annotations
