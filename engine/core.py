@@ -127,6 +127,7 @@ class EngineCore:
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
+        self.outputs.tokenizer = model.tokenizer  # for requests added from now on
         self.params = cast_params(model.params, self.config.dtype)
         self.pool.clear_cache(
             (self.identity.revision, self.identity.tokenizer_hash, self.identity.chat_template_hash)

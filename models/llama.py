@@ -128,13 +128,17 @@ def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32, scale: float = 
 
 
 def cast_params(params: Params, dtype) -> Params:
-    """Floating-point leaves cast to `dtype` (None: unchanged); shardings are kept."""
+    """Floating-point leaves cast to `dtype` (None: unchanged); shardings are kept. Leaves
+    already in `dtype` and integer leaves (quantized weights) are returned as they are."""
     if dtype is None:
         return params
     dtype = jnp.dtype(dtype)
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
-    )
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(dtype) if floating and x.dtype != dtype else x
+
+    return jax.tree.map(cast, params)
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:

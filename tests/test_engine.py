@@ -196,6 +196,23 @@ def test_dtype_option_casts_the_params_and_the_engine_runs():
         EngineConfig(dtype="int4")
 
 
+def test_compile_counter_counts_each_new_program():
+    import jax
+    import jax.numpy as jnp
+
+    from engine.compiles import num_compiles
+
+    @jax.jit
+    def compile_counter_probe(x):
+        return x * 2
+
+    counts = []
+    for x in (jnp.ones(3), jnp.ones(3), jnp.ones(4), jnp.ones(4)):
+        compile_counter_probe(x)
+        counts.append(num_compiles(compile_counter_probe))
+    assert counts == [1, 1, 2, 2]
+
+
 def test_no_recompilation_after_warmup():
     from engine.warmup import reachable_shapes, warmup
 

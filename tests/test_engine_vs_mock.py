@@ -22,6 +22,7 @@ from configs.engine_config import EngineConfig
 from configs.model_config import from_name
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
+from engine.interface import Engine
 from engine.sampling_params import SamplingParams
 from models.llama import init_params
 from models.registry import LoadedModel
@@ -135,8 +136,9 @@ def config():
 
 def test_engine_and_mock_produce_the_same_outcomes(config):
     model = rule_model()
-    real = run_script(EngineCore(model, config))
-    mock = run_script(MockEngine(config=config.scheduler_config(model.config)))
+    engines = EngineCore(model, config), MockEngine(config=config.scheduler_config(model.config))
+    assert all(isinstance(e, Engine) for e in engines)
+    real, mock = (run_script(e) for e in engines)
     assert real == mock
 
     got = outcomes(mock)
