@@ -30,7 +30,7 @@ from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchShape, build_batch, pow2_bucket
 from engine.kv_cache import PagedKVCache
 from engine.outputs import OutputProcessor
-from engine.page_pool import PagePool
+from engine.page_pool import PagePool, model_keys_of
 from engine.request import Request
 from engine.sampling import (
     SampleResult,
@@ -61,12 +61,7 @@ class EngineCore:
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
         self.sched_config = config.scheduler_config(self.cfg)
-        keys = (
-            self.identity.revision,
-            self.identity.tokenizer_hash,
-            self.identity.chat_template_hash,
-        )
-        self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
+        self.pool = PagePool.from_config(self.sched_config, model_keys_of(self.identity))
         self.scheduler = Scheduler(self.sched_config, self.pool)
         self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
@@ -129,9 +124,7 @@ class EngineCore:
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
         self.params = cast_params(model.params, self.config.dtype)
-        self.pool.clear_cache(
-            (self.identity.revision, self.identity.tokenizer_hash, self.identity.chat_template_hash)
-        )
+        self.pool.clear_cache(model_keys_of(self.identity))
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page (pages in use stay in use)."""

@@ -64,6 +64,12 @@ def cache_salt_for(tenant: str, policy: CacheSharingPolicy | None = None) -> str
     return "tenant:" + tenant
 
 
+def model_keys_of(identity) -> tuple:
+    """What a cached page's K/V depends on besides its tokens: the weights revision, the
+    tokenizer and the chat template (a models.identity.ModelIdentity or the same fields)."""
+    return (identity.revision, identity.tokenizer_hash, identity.chat_template_hash)
+
+
 @dataclasses.dataclass
 class CachedPage:
     """What a cached page holds, kept to check a key match against collisions."""

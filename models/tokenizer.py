@@ -204,6 +204,8 @@ def template_processing(
 
 
 def load_chat_template(text: Any, source: str) -> ChatTemplate | None:
+    """A compiled ChatTemplate from a config value (text or named list); None if absent.
+    `source` names the file and field in errors (ModelLoadError)."""
     if isinstance(text, list):  # tokenizer_config may hold named templates: [{"name", "template"}]
         named = {t.get("name"): t.get("template") for t in text if isinstance(t, Mapping)}
         text = named.get("default")

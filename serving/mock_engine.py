@@ -33,7 +33,7 @@ from configs.engine_config import SchedulerConfig
 from engine.api_types import EngineRequest, RequestOutput
 from engine.errors import EngineStepError
 from engine.outputs import OutputProcessor
-from engine.page_pool import PagePool
+from engine.page_pool import PagePool, model_keys_of
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -142,12 +142,7 @@ class MockEngine:
             prefill_chunk_size=prefill_chunk_size or min(256, max_num_batched_tokens),
             max_model_len=max_model_len,
         )
-        keys = (
-            self.identity.revision,
-            self.identity.tokenizer_hash,
-            self.identity.chat_template_hash,
-        )
-        self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
+        self.pool = PagePool.from_config(self.sched_config, model_keys_of(self.identity))
         self.scheduler = Scheduler(self.sched_config, self.pool)
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, vocab_size=VOCAB_SIZE)
         self.num_steps = 0
