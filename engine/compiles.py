@@ -1,14 +1,11 @@
-"""How many programs JAX compiled for a jitted function in this process, counted through
-JAX's public monitoring events (jax.monitoring) instead of jit's private `_cache_size()`.
+"""Counts the XLA programs this process builds, through `jax.monitoring` (public API).
 
-JAX records BACKEND_COMPILE_EVENT, with `fun_name="jit(<name>)"`, once for every program
-it compiles (or loads from the persistent compilation cache): a new shape, new static
-arguments, or new input shardings/committedness of an already traced function all count.
-That is what "a step compiled after warm-up" means.
-
-NOTE: the counts are process-wide, like jit's own cache; the listener is registered once,
-when this module is first imported, so compiles before that are not counted (engine/step.py
-imports it before defining the step).
+Every program JAX builds, compiled or loaded from the persistent compilation cache, records
+one backend-compile event with the jitted function's name; either way the caller waits for
+it. The engine reads `count()` before and after its warm-up and every step, so "nothing
+compiles while serving" is a number in `EngineCore.stats()` (`compiles_after_warmup`) and in
+the server's metrics (`pagedjax_compiles_total`). The count is per process: two engines in
+one process see each other's compiles.
 """
 
 from __future__ import annotations
@@ -18,23 +15,50 @@ import threading
 
 import jax
 
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
-_counts: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
+_by_function: collections.Counter[str] = collections.Counter()
+_seconds = [0.0]
+_cache_hits = [0]
+_installed = [False]
 
 
-def _on_duration_event(event: str, duration_secs: float, **kwargs) -> None:
-    del duration_secs
-    if event == BACKEND_COMPILE_EVENT:
-        with _lock:
-            _counts[str(kwargs.get("fun_name", ""))] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
-
-
-def num_compiles(fn) -> int:
-    """Programs compiled for the jitted function `fn` (by its name) since import."""
+def _on_duration(event: str, duration_s: float, **kwargs) -> None:
+    if event != _BACKEND_COMPILE_EVENT:
+        return
     with _lock:
-        return _counts[f"jit({fn.__name__})"]
+        _by_function[str(kwargs.get("fun_name", "?"))] += 1
+        _seconds[0] += duration_s
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT_EVENT:
+        with _lock:
+            _cache_hits[0] += 1
+
+
+def install() -> None:
+    """Start counting (idempotent; listeners cannot be removed, so install once)."""
+    with _lock:
+        if _installed[0]:
+            return
+        _installed[0] = True
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
+
+
+def count(function: str | None = None) -> int:
+    """Programs built so far in this process (of `function` only, when given)."""
+    with _lock:
+        return _by_function[function] if function else sum(_by_function.values())
+
+
+def stats() -> dict:
+    with _lock:
+        return {
+            "compiles_total": sum(_by_function.values()),
+            "compile_seconds_total": _seconds[0],
+            "compilation_cache_hits_total": _cache_hits[0],
+        }

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.engine_config import EngineConfig
-from engine import sharding
+from engine import compiles, sharding
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchShape, build_batch, pow2_bucket
 from engine.kv_cache import PagedKVCache
@@ -42,7 +42,7 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.scheduler import Scheduler
-from engine.step import engine_step, num_step_compiles
+from engine.step import engine_step
 from models.llama import cast_params
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 class EngineCore:
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel."""
+        compiles.install()
         self.model = model
         self.config = config
         self.cfg = model.config
@@ -171,11 +172,11 @@ class EngineCore:
 
     # ---- device ---------------------------------------------------------------------------
     def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
-        before = num_step_compiles()
+        before = compiles.count()
         packed = self.run_step(
             batch, shape, sampler_flags(params_list), uses_penalties(params_list)
         )
-        if self.warmup_s is not None and num_step_compiles() > before:
+        if self.warmup_s is not None and compiles.count() > before:
             log.warning("step compiled a shape after warm-up: %s", shape)
         return np.asarray(jax.device_get(packed))
 
@@ -265,6 +266,6 @@ class EngineCore:
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
-            "num_compiled_steps": num_step_compiles(),
+            "num_compiled_steps": compiles.count("jit(engine_step)"),
             "warmup_s": self.warmup_s,
         }

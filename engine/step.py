@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
 from engine.batch import BatchShape, StepBatch
-from engine.compiles import num_compiles
 from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingFlags, sample, update_counts
 from models.llama import Params, forward
@@ -150,8 +149,3 @@ def _replicated(mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     return NamedSharding(mesh, PartitionSpec())
-
-
-def num_step_compiles() -> int:
-    """Programs compiled for `engine_step` in this process (engine/compiles.py)."""
-    return num_compiles(engine_step)

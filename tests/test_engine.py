@@ -5,10 +5,9 @@ pool size (preemptions), the prefill chunk, or cancellations of other requests."
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, compiles
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
-from engine.step import num_step_compiles
 from models.dense_generate import generate_dense
 
 TINY_OPTS = dict(
@@ -200,7 +199,7 @@ def test_compile_counter_counts_each_new_program():
     import jax
     import jax.numpy as jnp
 
-    from engine.compiles import num_compiles
+    compiles.install()
 
     @jax.jit
     def compile_counter_probe(x):
@@ -209,7 +208,7 @@ def test_compile_counter_counts_each_new_program():
     counts = []
     for x in (jnp.ones(3), jnp.ones(3), jnp.ones(4), jnp.ones(4)):
         compile_counter_probe(x)
-        counts.append(num_compiles(compile_counter_probe))
+        counts.append(compiles.count("jit(compile_counter_probe)"))
     assert counts == [1, 1, 2, 2]
 
 
@@ -227,15 +226,15 @@ def test_no_recompilation_after_warmup():
         max_model_len=64,
     )
     assert len(reachable_shapes(llm.engine.sched_config)) == 8
-    before = num_step_compiles()
+    before = compiles.count()
     warmup(llm.engine, sampling=("greedy",))
-    compiled = num_step_compiles()
+    compiled = compiles.count()
     assert compiled > before  # the counter sees compiles (so the check below can fail)
     rng = np.random.default_rng(1)
     prompts = [[1] + rng.integers(3, 512, int(rng.integers(1, 40))).tolist() for _ in range(12)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert llm.stats()["num_steps"] > 60
-    assert num_step_compiles() == compiled
+    assert compiles.count() == compiled
 
 
 def test_stats_report_memory(tiny_llm):

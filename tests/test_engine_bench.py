@@ -66,10 +66,10 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     import jax
 
     from configs.engine_config import EngineConfig
+    from engine import compiles
     from engine.batch import BatchShape
     from engine.core import EngineCore
     from engine.sampling import GREEDY_FLAGS
-    from engine.step import num_step_compiles
     from engine.warmup import dummy_batch
     from models.registry import load_model
 
@@ -85,5 +85,5 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     sizes = []
     for shape in (first, second, first):
         jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, GREEDY_FLAGS, False))
-        sizes.append(num_step_compiles())
+        sizes.append(compiles.count())
     assert sizes[2] == sizes[1]

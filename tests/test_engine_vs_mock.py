@@ -29,6 +29,15 @@ from models.registry import LoadedModel
 from serving.mock_engine import ByteTokenizer, MockEngine, MockIdentity, next_token
 
 NUM_PRINTABLE = 95
+# NOTE: the mock steps synchronously. An engine with overlapped steps emits each token one
+# step() later and computes one discarded token after a stop, so the comparison runs the
+# engine synchronously where it has the option (overlapped == synchronous is the overlap
+# tests' claim, not this one's).
+SYNC = (
+    {"async_scheduling": False}
+    if "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
+    else {}
+)
 
 
 def rule_model() -> LoadedModel:
@@ -131,6 +140,7 @@ def config():
         max_model_len=64,
         priority_aging_per_s=0.0,
         prefix_cache_ttl_s=None,
+        **SYNC,
     )
 
 
