@@ -122,8 +122,19 @@ class OutputProcessor:
         """The device step of `plan` produced `sampled` ({request_id: token id} for the rows
         that sample): advance the scheduler, run the stop checks, build the deltas.
         `logprobs[request_id]`: the token's logprobs, for requests that asked for them."""
+        received = self.scheduler.update_after_step(plan, sampled, now_s)
+        return self.emit(received, now_s, logprobs)
+
+    def emit(
+        self,
+        received: list[Request],
+        now_s: float,
+        logprobs: dict[str, TokenLogprob] | None = None,
+    ) -> list[RequestOutput]:
+        """Stop checks and deltas for the requests that just received a token (what
+        `scheduler.update_after_step` returned; `commit` = the two together)."""
         outputs = []
-        for req in self.scheduler.update_after_step(plan, sampled, now_s):
+        for req in received:
             lp = None if logprobs is None else logprobs.get(req.request_id)
             outputs.append(self._on_token(req, [lp] if lp is not None else None, now_s))
         return outputs
