@@ -26,7 +26,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from configs.engine_config import CacheSharingPolicy
-from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.api_types import (
+    EngineRequest,
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from engine.errors import DuplicateRequestError, InvalidRequestError
 from engine.page_pool import cache_salt_for
 from engine.request import Request
@@ -106,11 +112,18 @@ class OutputProcessor:
         self, plan: SchedulerOutput, error: BaseException, now_s: float
     ) -> list[RequestOutput]:
         """The device step of `plan` raised: each of its requests ends "failed"."""
-        outputs = []
-        for s in plan.scheduled:
-            if self.scheduler.finish_request(s.request.request_id, "failed", now_s):
-                outputs.append(self._final(s.request, [], error=f"engine step failed: {error!r}"))
-        return outputs
+        error_text = f"engine step failed: {error!r}"
+        failed = [self.end(s.request, "failed", now_s, error_text) for s in plan.scheduled]
+        return [out for out in failed if out is not None]
+
+    def end(
+        self, req: Request, reason: FinishReason, now_s: float, error: str | None = None
+    ) -> RequestOutput | None:
+        """End one request now (e.g. "failed": its step or its logits went wrong) and return
+        its final delta; None if it had already ended."""
+        if not self.scheduler.finish_request(req.request_id, reason, now_s):
+            return None
+        return self._final(req, [], error=error)
 
     def commit(
         self,

@@ -154,6 +154,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
     # ---- one step ----------------------------------------------------------------------
     def schedule(self, now_s: float) -> SchedulerOutput:
         self.pool.expire(now_s)
