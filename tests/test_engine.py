@@ -64,12 +64,14 @@ def test_32_mixed_prompts_match_dense_loop(tiny_llm, tiny_reference):
     assert len(m.itl_s) == len(outs[0].token_ids) - 1
 
 
+@pytest.mark.compile
 def test_tiny_pool_forces_preemption_and_still_matches(tiny_reference):
     llm = LLM("tiny", num_pages=24, **TINY_OPTS)  # 23 pages of 8 tokens for 8 slots
     check_against_dense(llm, *tiny_reference)
     assert llm.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.compile
 def test_small_prefill_chunk_matches(tiny_reference):
     llm = LLM(
         "tiny",
@@ -79,6 +81,7 @@ def test_small_prefill_chunk_matches(tiny_reference):
     check_against_dense(llm, *tiny_reference)
 
 
+@pytest.mark.compile
 def test_prefix_cache_off_matches(tiny_reference):
     llm = LLM("tiny", num_pages=200, prefix_caching=False, **TINY_OPTS)
     check_against_dense(llm, *tiny_reference)
@@ -170,6 +173,7 @@ def test_completion_output_carries_the_prompt_token_ids(tiny_llm):
     assert outs[0].prompt_token_ids == [1, 5, 6, 7] and len(outs[2].prompt_token_ids) > 3
 
 
+@pytest.mark.compile
 def test_dtype_option_casts_the_params_and_the_engine_runs():
     import jax
     import jax.numpy as jnp
@@ -212,6 +216,7 @@ def test_compile_counter_counts_each_new_program():
     assert counts == [1, 1, 2, 2]
 
 
+@pytest.mark.compile
 def test_no_recompilation_after_warmup():
     from engine.warmup import reachable_shapes, warmup
 

@@ -144,6 +144,7 @@ def config():
     )
 
 
+@pytest.mark.compile
 def test_engine_and_mock_produce_the_same_outcomes(config):
     model = rule_model()
     engines = EngineCore(model, config), MockEngine(config=config.scheduler_config(model.config))

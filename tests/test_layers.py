@@ -87,6 +87,7 @@ def test_no_import_cycles(package):
     assert sum(map(len, graph.values())) > len(graph) // 2  # the check sees real edges
 
 
+@pytest.mark.subprocess
 def test_mock_engine_and_host_step_import_without_jax():
     code = (
         "import sys, serving.mock_engine, engine.outputs, engine.interface, engine.scheduler;"
