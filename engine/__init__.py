@@ -13,7 +13,7 @@ engine.llm.LLM                           the notebook API
 
 def __getattr__(name):
     # Lazy, so `import engine.scheduler` does not pull in JAX.
-    if name in ("LLM", "CompletionOutput"):
+    if name in ("LLM", "CompletionOutput", "GenerateOutput"):
         from engine import llm
 
         return getattr(llm, name)
@@ -28,4 +28,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineCore", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineCore", "CompletionOutput", "GenerateOutput"]

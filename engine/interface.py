@@ -30,7 +30,9 @@ class EngineTokenizer(Protocol):
         self, messages: Sequence[dict], add_generation_prompt: bool = True
     ) -> str: ...
 
-    def new_detokenizer(self, prompt_ids: Sequence[int] | None = None) -> Any:
+    def new_detokenizer(
+        self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> Any:
         """An object whose add_token(id) returns the new complete text (engine.stop_checker)."""
         ...
 

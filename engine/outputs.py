@@ -69,7 +69,7 @@ class OutputProcessor:
         cache_sharing: CacheSharingPolicy | None = None,
         on_finished: Callable[[str], None] | None = None,
     ):
-        """`tokenizer`: eos_token_ids and new_detokenizer(prompt_ids) are used."""
+        """`tokenizer`: eos_token_ids and new_detokenizer(prompt_ids, skip_special_tokens)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -96,7 +96,7 @@ class OutputProcessor:
             cache_salt = cache_salt_for(er.tenant, self.cache_sharing)
         req = Request.from_engine_request(er, now_s=now_s, cache_salt=cache_salt)
         self.scheduler.add_request(req)
-        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids)
+        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
         self._stops[er.request_id] = StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok)
         return req
 

@@ -90,8 +90,8 @@ class ByteTokenizer:
         parts = [f"<{m['role']}>{m['content']}\n" for m in messages]
         return "".join(parts) + ("<assistant>" if add_generation_prompt else "")
 
-    def new_detokenizer(self, prompt_ids=None) -> _ByteDetokenizer:
-        del prompt_ids  # bytes need no look-behind
+    def new_detokenizer(self, prompt_ids=None, skip_special_tokens: bool = True):
+        del prompt_ids, skip_special_tokens  # bytes need no look-behind; none is special
         return _ByteDetokenizer()
 
 
