@@ -42,10 +42,11 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.scheduler import Scheduler
-from engine.step import engine_step
+from engine.step import NONFINITE_TOKEN, engine_step
 from models.llama import cast_params
 
 log = logging.getLogger(__name__)
+NONFINITE_ERROR = "model produced non-finite logits"
 
 _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 
@@ -162,13 +163,29 @@ class EngineCore:
             return outputs + self.outputs.fail(plan, e, time.monotonic())
         result = SampleResult.unpack(packed)
         now = time.monotonic()
+        outputs += self._fail_nonfinite(rows, result, now)
         sampled = {
-            row.request_id: int(result.tokens[row.sampler_row]) for row in rows if row.samples
+            row.request_id: int(result.tokens[row.sampler_row])
+            for row in rows
+            if row.samples and result.tokens[row.sampler_row] != NONFINITE_TOKEN
         }
         self.num_steps += 1
         self.num_tokens_processed += plan.total_num_scheduled_tokens
         logprobs = self._logprobs(plan, result, rows)
         return outputs + self.outputs.commit(plan, sampled, now, logprobs)
+
+    def _fail_nonfinite(self, rows, result, now: float) -> list[RequestOutput]:
+        """Requests whose logits held NaN/inf this step (flagged on device) end "failed"."""
+        outputs = []
+        for row in rows:
+            if result.tokens[row.sampler_row] != NONFINITE_TOKEN:
+                continue
+            req = self.scheduler.get_request(row.request_id)
+            out = None if req is None else self.outputs.end(req, "failed", now, NONFINITE_ERROR)
+            if out is not None:
+                log.error("request %s: non-finite logits; failed", row.request_id)
+                outputs.append(out)
+        return outputs
 
     # ---- device ---------------------------------------------------------------------------
     def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
