@@ -44,6 +44,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.step import engine_step
 from engine.stop_checker import StopChecker
+from models.llama import layer_layout
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class EngineCore:
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
+            self.params = layer_layout(self.params, config.layer_loop)
         self.kv = PagedKVCache.zeros(
             self.cfg,
             self.sched_config.num_pages,
