@@ -66,11 +66,11 @@ SMOKE_CASES = {
 }
 
 
-def make_batch(case: Case) -> tuple[StepBatch, BatchShape, int]:
+def make_batch(case: Case, page_size: int = PAGE_SIZE) -> tuple[StepBatch, BatchShape, int]:
     """The case's batch with every sequence on its own consecutive pages (page 0 is null).
     Returns (batch, shape, pages needed)."""
     seqs = [(c - 1, 1) for c in case.decode_contexts] + list(case.prefill)
-    pages_of = [-(-(start + n) // PAGE_SIZE) for start, n in seqs]
+    pages_of = [-(-(start + n) // page_size) for start, n in seqs]
     first_page = np.cumsum([1, *pages_of])
     Sd = pow2_bucket(len(case.decode_contexts)) if case.decode_contexts else 0
     n_prefill = sum(n for _, n in case.prefill)
@@ -93,7 +93,7 @@ def make_batch(case: Case) -> tuple[StepBatch, BatchShape, int]:
         r = i if i < num_d else row
         token_ids[r : r + n] = rng.integers(3, 1000, n)
         positions[r : r + n] = pos
-        slots[r : r + n] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        slots[r : r + n] = pages[pos // page_size] * page_size + pos % page_size
         if i < num_d:
             kv_lens_d[i], page_table_d[i, :npages] = start + n, pages
             logits_indices[i] = i
