@@ -17,7 +17,8 @@ Variants, each one compiled program timed by its median over warm runs:
     forward_only  no_attention without sampling: the weight matmuls, norms and LM head
 
 `step - no_attention` is attention + KV write; `step_full - step` the full sampler's cost;
-`no_attention - forward_only` the greedy sampler's. Load average printed with each figure.
+`no_attention - forward_only` the greedy sampler's. Each figure: median wall ms and median
+process CPU ms (the steadier one on a shared machine), with the load average.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from engine.batch import BatchShape, StepBatch, pow2_bucket
 from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
 from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingTensors
-from models.llama import forward
+from models.llama import LAYER_LOOPS, forward, layer_layout
 
 PAGE_SIZE = 16
 
@@ -123,22 +124,25 @@ def make_batch(case: Case, page_size: int = PAGE_SIZE) -> tuple[StepBatch, Batch
     return batch, shape, int(first_page[-1])
 
 
-def _median_s(fn, iters: int) -> float:
+def _median_s(fn, iters: int) -> tuple[float, float]:
+    """(median wall s, median process CPU s) of warm runs. CPU time is the steadier figure
+    on a shared machine (wall time includes waiting for a core)."""
     jax.block_until_ready(fn())
-    times = []
+    walls, cpus = [], []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _stub_attention(q, k, v, layer, cache):
     return q, cache
 
 
-def profile_case(model, case: Case, iters: int, variants: list[str]) -> dict:
-    cfg, params = model.config, model.params
+def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop: str) -> dict:
+    cfg, params = model.config, layer_layout(model.params, layer_loop)
     batch, shape, num_pages = make_batch(case)
     kv = PagedKVCache.zeros(cfg, num_pages + 1, PAGE_SIZE)
     counts = jnp.zeros((1, 1), jnp.int32)
@@ -178,14 +182,18 @@ def profile_case(model, case: Case, iters: int, variants: list[str]) -> dict:
             step_module.paged_attention_fn = lambda *a, **k: _stub_attention
             try:
                 step_module.engine_step.clear_cache()
-                t = _median_s(run_step(_GREEDY_FLAGS), iters)
+                t, cpu = _median_s(run_step(_GREEDY_FLAGS), iters)
             finally:
                 step_module.paged_attention_fn = original
                 step_module.engine_step.clear_cache()
         else:
-            t = _median_s(runners[name], iters)
-        out[name + "_ms"] = 1e3 * t
-        print(f"    {name}: {1e3 * t:.1f} ms (load {os.getloadavg()[0]:.1f})", flush=True)
+            t, cpu = _median_s(runners[name], iters)
+        out[name + "_ms"], out[name + "_cpu_ms"] = 1e3 * t, 1e3 * cpu
+        print(
+            f"    {name}: {1e3 * t:.1f} ms wall, {1e3 * cpu:.1f} ms CPU "
+            f"(load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
     return out
 
 
@@ -195,6 +203,7 @@ def parse_args(argv):
     p.add_argument("--cases", default=None, help="comma list (default: all)")
     p.add_argument("--variants", default="step,step_full,no_attention,forward_only")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--layer_loop", default="auto", choices=LAYER_LOOPS)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
@@ -212,7 +221,9 @@ def main(argv=None) -> dict:
     results = {}
     for name in names:
         print(f"  {name}:", flush=True)
-        results[name] = profile_case(model, cases[name], args.iters, args.variants.split(","))
+        results[name] = profile_case(
+            model, cases[name], args.iters, args.variants.split(","), args.layer_loop
+        )
     return results
 
 
