@@ -124,17 +124,20 @@ def make_batch(case: Case, page_size: int = PAGE_SIZE) -> tuple[StepBatch, Batch
     return batch, shape, int(first_page[-1])
 
 
-def _median_s(fn, iters: int) -> tuple[float, float]:
-    """(median wall s, median process CPU s) of warm runs. CPU time is the steadier figure
-    on a shared machine (wall time includes waiting for a core)."""
+def _median_s(fn, iters: int) -> tuple[float, float, float]:
+    """(median wall s, median process CPU s) of warm runs, and the first call's wall s
+    (compile + run). CPU time is the steadier figure on a shared machine (wall time
+    includes waiting for a core)."""
+    t0 = time.perf_counter()
     jax.block_until_ready(fn())
+    first_s = time.perf_counter() - t0
     walls, cpus = [], []
     for _ in range(iters):
         t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(fn())
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
-    return statistics.median(walls), statistics.median(cpus)
+    return statistics.median(walls), statistics.median(cpus), first_s
 
 
 def _stub_attention(q, k, v, layer, cache):
@@ -182,16 +185,17 @@ def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop:
             step_module.paged_attention_fn = lambda *a, **k: _stub_attention
             try:
                 step_module.engine_step.clear_cache()
-                t, cpu = _median_s(run_step(_GREEDY_FLAGS), iters)
+                t, cpu, first = _median_s(run_step(_GREEDY_FLAGS), iters)
             finally:
                 step_module.paged_attention_fn = original
                 step_module.engine_step.clear_cache()
         else:
-            t, cpu = _median_s(runners[name], iters)
+            t, cpu, first = _median_s(runners[name], iters)
         out[name + "_ms"], out[name + "_cpu_ms"] = 1e3 * t, 1e3 * cpu
+        out[name + "_first_call_s"] = first
         print(
-            f"    {name}: {1e3 * t:.1f} ms wall, {1e3 * cpu:.1f} ms CPU "
-            f"(load {os.getloadavg()[0]:.1f})",
+            f"    {name}: {1e3 * t:.1f} ms wall, {1e3 * cpu:.1f} ms CPU, first call "
+            f"{first:.1f} s (load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
     return out
