@@ -3,9 +3,13 @@ interpret mode), so the script meant for a one-shot accelerator run is known to 
 
 import json
 
+import pytest
+
 from benchmarks import device_check
 
 
+@pytest.mark.compile
+@pytest.mark.interpret
 def test_device_check_smoke_writes_json_and_markdown(tmp_path):
     out = str(tmp_path / "dc")
     r = device_check.main(["--smoke", f"--out={out}"])

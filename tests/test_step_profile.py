@@ -2,6 +2,7 @@
 variant runs (tiny model; no timing assertions)."""
 
 import numpy as np
+import pytest
 
 from benchmarks import step_profile
 
@@ -21,6 +22,7 @@ def test_make_batch_lays_out_decodes_then_prefill_chunks():
     assert num_pages == 1 + 5 + 1 + 2 + 6 and np.all(batch.slot_mapping[14:] == 0)
 
 
+@pytest.mark.compile
 def test_smoke_profile_runs_every_variant():
     r = step_profile.main(["--smoke", "--cases=decode8,prefill5", "--iters=1"])
     for case in ("decode8", "prefill5"):

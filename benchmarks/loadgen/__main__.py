@@ -7,6 +7,8 @@ r"""python -m benchmarks.loadgen: one load run, or a rate sweep, against a local
 
     add --sweep_rates=0.5,1,2,4 (or --sweep_start=0.5 --sweep_factor=2 --sweep_steps=6) for a
     sweep: OUT/sweep.{json,md}, OUT/latency_vs_rate.png, and one report per rate.
+
+Needs the `bench` extra (matplotlib, tqdm): pip install -e '.[bench]'.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import json
 import pathlib
 
 from absl import app, flags
+
+from benchmarks.extras import require
+
+require("bench", "matplotlib", "tqdm")  # plots, progress bar: fail before any load is sent
 
 from benchmarks.loadgen import arrivals, report, sweep
 from benchmarks.loadgen.metrics import parse_slo_policy
