@@ -110,23 +110,17 @@ def versions_dict(identity) -> dict[str, str]:
     }
 
 
-def final_info(
-    finish_reason: str,
-    prompt_tokens: int,
-    cached_tokens: int,
-    completion_tokens: int,
-    timings: dict,
-    identity,
-) -> pb.FinalInfo:
+def final_info(summary, identity) -> pb.FinalInfo:
+    """`summary`: generation.FinalSummary of the finished request."""
     return pb.FinalInfo(
-        finish_reason=finish_reason,
+        finish_reason=summary.finish_reason,
         usage=pb.Usage(
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            completion_tokens=completion_tokens,
+            prompt_tokens=summary.prompt_tokens,
+            cached_tokens=summary.cached_tokens,
+            completion_tokens=summary.completion_tokens,
         ),
         timings=pb.Timings(
-            **{k: timings.get(k) or 0.0 for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
+            **{k: summary.timings.get(k) or 0.0 for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
         ),
         versions=versions_message(identity),
     )
