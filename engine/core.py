@@ -145,7 +145,7 @@ class EngineCore:
         )
         req = Request.from_engine_request(er, now_s=now, cache_salt=salt)
         self.scheduler.add_request(req)
-        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids)
+        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
         self._states[er.request_id] = _RequestState(
             StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok),
             resolve_seed(er.sampling, self._rng),
