@@ -42,7 +42,7 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.scheduler import Scheduler
-from engine.step import engine_step
+from engine.step import NONFINITE_TOKEN, engine_step
 from engine.stop_checker import StopChecker
 from models.llama import layer_layout
 
@@ -211,14 +211,31 @@ class EngineCore:
             return outputs
         result = SampleResult.unpack(packed)
         now = time.monotonic()
+        outputs += self._fail_nonfinite(rows, result, now)
         sampled = {
-            row.request_id: int(result.tokens[row.sampler_row]) for row in rows if row.samples
+            row.request_id: int(result.tokens[row.sampler_row])
+            for row in rows
+            if row.samples and result.tokens[row.sampler_row] != NONFINITE_TOKEN
         }
         row_of = {row.request_id: row.sampler_row for row in rows}
         self.num_steps += 1
         self.num_tokens_processed += plan.total_num_scheduled_tokens
         for req in self.scheduler.update_after_step(plan, sampled, now):
             outputs.append(self._on_token(req, result, row_of[req.request_id], now))
+        return outputs
+
+    def _fail_nonfinite(self, rows, result, now: float) -> list[RequestOutput]:
+        """Requests whose logits held NaN/inf this step (flagged on device) end "failed"."""
+        outputs = []
+        for row in rows:
+            if result.tokens[row.sampler_row] != NONFINITE_TOKEN:
+                continue
+            req = self.scheduler.get_request(row.request_id)
+            if req is not None and self.scheduler.finish_request(row.request_id, "failed", now):
+                log.error("request %s: non-finite logits; failed", row.request_id)
+                outputs.append(
+                    self._finished_output(req, [], error="model produced non-finite logits")
+                )
         return outputs
 
     # ---- device ---------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 
 The KV cache and the penalty state are donated, so XLA updates them in place. The results
 come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens bit-cast), the only
-device->host transfer of a step.
+device->host transfer of a step. A row whose logits hold a NaN or inf has its token set to
+NONFINITE_TOKEN on device (the flag travels in the same array); the engine fails that
+request instead of emitting a token sampled from garbage.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingFlags, sample, update_counts
 from models.llama import Params, forward
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
+
+NONFINITE_TOKEN = -1  # sampled-token value of a row whose logits were not all finite
 
 
 def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str, mesh=None):
@@ -139,6 +143,8 @@ def engine_step(
         counts = update_counts(counts, batch.slot_ids, result.tokens, batch.sample_mask)
     else:
         result = sample(logits, batch.sampling, flags=flags)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [Sd + Sp]
+    result.tokens = jnp.where(finite, result.tokens, NONFINITE_TOKEN)
     packed = result.pack()
     if mesh is not None:  # replicated: every process can read it; one jit key for counts
         packed, counts = jax.lax.with_sharding_constraint((packed, counts), _replicated(mesh))
