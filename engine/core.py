@@ -43,7 +43,7 @@ from engine.sampling import (
 )
 from engine.scheduler import Scheduler
 from engine.step import NONFINITE_TOKEN, engine_step
-from models.llama import cast_params
+from models.llama import cast_params, layer_layout
 
 log = logging.getLogger(__name__)
 NONFINITE_ERROR = "model produced non-finite logits"
@@ -72,6 +72,7 @@ class EngineCore:
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
+            self.params = layer_layout(self.params, config.layer_loop)
         self.kv = PagedKVCache.zeros(
             self.cfg,
             self.sched_config.num_pages,
@@ -125,7 +126,9 @@ class EngineCore:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
-        self.params = cast_params(model.params, self.config.dtype)
+        self.params = layer_layout(
+            cast_params(model.params, self.config.dtype), self.config.layer_loop
+        )
         self.pool.clear_cache(model_keys_of(self.identity))
 
     def clear_prefix_cache(self) -> None:
