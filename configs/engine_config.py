@@ -15,6 +15,8 @@ from configs.kv_memory import DTYPE_BYTES, kv_bytes_per_token
 from configs.model_config import ModelConfig
 from configs.quant_config import QuantConfig
 
+PARAM_DTYPES = (None, "float32", "bfloat16", "float16")
+
 
 def _check(field: str, value, ok: bool, limit: str) -> None:
     if not ok:
@@ -88,7 +90,9 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m"
-    dtype: str = "float32"  # weights and activations (float32 on CPU, see FACTS.md)
+    # Weights and activations: "float32" | "bfloat16" | "float16"; None: the loader's default
+    # (float32 on CPU, where bfloat16 matmuls are slow; bfloat16 on accelerators).
+    dtype: str | None = None
     kv_dtype: str = "float32"  # "float32" | "bfloat16" | "int8"
     # Weights: "none" | "int8" (weight-only) | "w8a8" (int8 activations too); models/quant.py
     quantization: str = "none"
@@ -103,6 +107,9 @@ class EngineConfig:
     priority_aging_per_s: float = 0.1
     prefix_caching: bool = True
     prefix_cache_ttl_s: float | None = 600.0
+    # "auto" | "scan" | "unrolled": how the model loops over layers (models/llama.py
+    # `layer_layout`); "auto" unrolls on a single CPU device, scans elsewhere and with a mesh.
+    layer_loop: str = "auto"
     # Which tenants share prefix-cache pages (EngineCore derives each request's salt from it).
     cache_sharing: CacheSharingPolicy = dataclasses.field(
         default_factory=lambda: CacheSharingPolicy()
@@ -110,6 +117,7 @@ class EngineConfig:
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
+        _check("dtype", self.dtype, self.dtype in PARAM_DTYPES, f"one of {PARAM_DTYPES}")
         _check(
             "kv_dtype",
             self.kv_dtype,
@@ -130,6 +138,12 @@ class EngineConfig:
             "None (use kv_cache_bytes) or >= 2",
         )
         _check("kv_cache_bytes", self.kv_cache_bytes, self.kv_cache_bytes > 0, "> 0")
+        _check(
+            "layer_loop",
+            self.layer_loop,
+            self.layer_loop in ("auto", "scan", "unrolled"),
+            "one of 'auto', 'scan', 'unrolled'",
+        )
         _check(
             "max_model_len",
             self.max_model_len,

@@ -9,14 +9,13 @@ One step, all on the caller's (single) thread:
     scheduler.update_after_step(plan, tokens)    host: advance, append sampled tokens
     stop checks (EOS, stop ids/strings, max_tokens) -> finish_request -> RequestOutput deltas
 
-The serving layer drives it from its engine thread through the interface in WORKSPACE.md
-(`add_request`, `abort_request`, `step`, `has_unfinished`, `stats`, `identity`,
-`tokenizer`).
+The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
+engine/outputs.py's OutputProcessor, shared with serving's MockEngine. The serving layer
+drives the engine from its engine thread through engine/interface.py's `Engine` Protocol.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -26,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.engine_config import EngineConfig
-from engine import sharding
-from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine import compiles, sharding
+from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchShape, build_batch, pow2_bucket
-from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
-from engine.page_pool import PagePool, cache_salt_for
+from engine.outputs import OutputProcessor
+from engine.page_pool import PagePool, model_keys_of
 from engine.request import Request
 from engine.sampling import (
     SampleResult,
@@ -39,47 +38,25 @@ from engine.sampling import (
     init_counts,
     reset_slot_counts,
     resolve_seed,
+    sampler_flags,
     uses_penalties,
 )
 from engine.scheduler import Scheduler
 from engine.step import NONFINITE_TOKEN, engine_step
-from engine.stop_checker import StopChecker
+from models.llama import cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
+NONFINITE_ERROR = "model produced non-finite logits"
 
-_GREEDY_FLAGS = SamplingFlags(filters=False, all_greedy=True, top_logprobs=False)
-_FULL_FLAGS = SamplingFlags()
 _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
-
-
-@dataclasses.dataclass
-class _RequestState:
-    stop: StopChecker
-    seed: int
-    sent_tokens: int = 0  # output tokens already reported
-
-
-def request_metrics(req: Request) -> RequestMetrics:
-    t = req.token_times_s
-    m = RequestMetrics(
-        cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions
-    )
-    if req.first_scheduled_s is not None:
-        m.queue_s = req.first_scheduled_s - req.arrival_s
-    if t:
-        m.ttft_s = t[0] - req.arrival_s
-        m.itl_s = [b - a for a, b in zip(t, t[1:])]
-        m.tpot_s = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
-    if req.finish_s is not None:
-        m.e2e_s = req.finish_s - req.arrival_s
-    return m
 
 
 class EngineCore:
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
+        compiles.install()
         model = engine_model(model, config)
         self.model = model
         self.config = config
@@ -89,20 +66,16 @@ class EngineCore:
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
         self.sched_config = config.scheduler_config(self.cfg)
-        keys = (
-            self.identity.revision,
-            self.identity.tokenizer_hash,
-            self.identity.chat_template_hash,
-        )
-        self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
+        self.pool = PagePool.from_config(self.sched_config, model_keys_of(self.identity))
         self.scheduler = Scheduler(self.sched_config, self.pool)
-        self.params, kv_sharding = model.params, None
+        self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
-            self.cfg, self.params = sharding.shard_params(model.params, self.cfg, self.mesh)
+            self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
             kv_sharding = sharding.kv_sharding(self.mesh, self.cfg)
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
+            self.params = layer_layout(self.params, config.layer_loop)
         self.kv = PagedKVCache.zeros(
             self.cfg,
             self.sched_config.num_pages,
@@ -118,7 +91,14 @@ class EngineCore:
             else sharding.replicate(zeros, self.mesh)
         )
         self._penalties_ready = False
-        self._states: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(
+            self.scheduler,
+            self.tokenizer,
+            vocab_size=self.cfg.vocab_size,
+            cache_sharing=config.cache_sharing,
+            on_finished=self._forget,
+        )
+        self._seeds: dict[str, int] = {}
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.sched_config.max_num_seqs - 1, -1, -1))
         self._rng = random.Random()
@@ -129,28 +109,8 @@ class EngineCore:
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
-        if not er.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", [], "must hold at least one token")
-        bad = [t for t in er.prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", bad[0], f"token ids must be in [0, {self.cfg.vocab_size})"
-            )
-        if er.request_id in self._states:
-            raise InvalidRequestError("request_id", er.request_id, "already running")
-        now = time.monotonic()
-        salt = (
-            cache_salt
-            if cache_salt is not None
-            else cache_salt_for(er.tenant, self.config.cache_sharing)
-        )
-        req = Request.from_engine_request(er, now_s=now, cache_salt=salt)
-        self.scheduler.add_request(req)
-        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
-        self._states[er.request_id] = _RequestState(
-            StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok),
-            resolve_seed(er.sampling, self._rng),
-        )
+        self.outputs.add_request(er, time.monotonic(), cache_salt)
+        self._seeds[er.request_id] = resolve_seed(er.sampling, self._rng)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -169,10 +129,11 @@ class EngineCore:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
         model = engine_model(model, self.config)
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
-        self.params = model.params
-        self.pool.clear_cache(
-            (self.identity.revision, self.identity.tokenizer_hash, self.identity.chat_template_hash)
+        self.outputs.tokenizer = model.tokenizer  # for requests added from now on
+        self.params = layer_layout(
+            cast_params(model.params, self.config.dtype), self.config.layer_loop
         )
+        self.pool.clear_cache(model_keys_of(self.identity))
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page (pages in use stay in use)."""
@@ -183,7 +144,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule(time.monotonic())
-        outputs = [self._finished_output(r, []) for r in plan.finished_requests]
+        outputs = self.outputs.finished(plan)
         for rid in plan.preempted_request_ids:
             self._release_slot(rid)
         if plan.is_empty:
@@ -197,7 +158,7 @@ class EngineCore:
             prefill_chunk_size=self.sched_config.prefill_chunk_size,
             max_pages_per_seq=self.sched_config.max_pages_per_seq,
             slot_of=self._slot_of,
-            seed_of={r: st.seed for r, st in self._states.items()},
+            seed_of=self._seeds,
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
         params_list = [s.request.sampling for s in plan.scheduled]
@@ -206,11 +167,7 @@ class EngineCore:
         except Exception as e:  # a failed step fails only the requests in it
             log.exception("engine step failed")
             self.num_failed_steps += 1
-            now = time.monotonic()
-            for s in plan.scheduled:
-                if self.scheduler.finish_request(s.request.request_id, "failed", now):
-                    outputs.append(self._finished_output(s.request, [], error=repr(e)))
-            return outputs
+            return outputs + self.outputs.fail(plan, e, time.monotonic())
         result = SampleResult.unpack(packed)
         now = time.monotonic()
         outputs += self._fail_nonfinite(rows, result, now)
@@ -219,12 +176,10 @@ class EngineCore:
             for row in rows
             if row.samples and result.tokens[row.sampler_row] != NONFINITE_TOKEN
         }
-        row_of = {row.request_id: row.sampler_row for row in rows}
         self.num_steps += 1
         self.num_tokens_processed += plan.total_num_scheduled_tokens
-        for req in self.scheduler.update_after_step(plan, sampled, now):
-            outputs.append(self._on_token(req, result, row_of[req.request_id], now))
-        return outputs
+        logprobs = self._logprobs(plan, result, rows)
+        return outputs + self.outputs.commit(plan, sampled, now, logprobs)
 
     def _fail_nonfinite(self, rows, result, now: float) -> list[RequestOutput]:
         """Requests whose logits held NaN/inf this step (flagged on device) end "failed"."""
@@ -233,21 +188,19 @@ class EngineCore:
             if result.tokens[row.sampler_row] != NONFINITE_TOKEN:
                 continue
             req = self.scheduler.get_request(row.request_id)
-            if req is not None and self.scheduler.finish_request(row.request_id, "failed", now):
+            out = None if req is None else self.outputs.end(req, "failed", now, NONFINITE_ERROR)
+            if out is not None:
                 log.error("request %s: non-finite logits; failed", row.request_id)
-                outputs.append(
-                    self._finished_output(req, [], error="model produced non-finite logits")
-                )
+                outputs.append(out)
         return outputs
 
     # ---- device ---------------------------------------------------------------------------
     def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
-        greedy = all(p.greedy and not p.logprobs for p in params_list)
-        before = engine_step._cache_size()
+        before = compiles.count()
         packed = self.run_step(
-            batch, shape, _GREEDY_FLAGS if greedy else _FULL_FLAGS, uses_penalties(params_list)
+            batch, shape, sampler_flags(params_list), uses_penalties(params_list)
         )
-        if self.warmup_s is not None and engine_step._cache_size() > before:
+        if self.warmup_s is not None and compiles.count() > before:
             log.warning("step compiled a shape after warm-up: %s", shape)
         return np.asarray(jax.device_get(packed))
 
@@ -274,8 +227,7 @@ class EngineCore:
             return
         slot = self._free_slots.pop()
         self._slot_of[rid] = slot
-        p = req.sampling
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
     def _reset_penalty_row(self, slot: int, req: Request) -> None:
@@ -303,101 +255,41 @@ class EngineCore:
         if slot is not None:
             self._free_slots.append(slot)
 
-    # ---- outputs ----------------------------------------------------------------------------
-    def _on_token(self, req: Request, result: SampleResult, row: int, now: float) -> RequestOutput:
-        st = self._states[req.request_id]
-        token = req.output_token_ids[-1]
-        text, reason = st.stop.add_token(token)
-        logprobs = None
-        n = req.sampling.logprobs
-        if n is not None:
+    def _forget(self, request_id: str) -> None:
+        """A request left the engine (OutputProcessor's on_finished)."""
+        self._seeds.pop(request_id, None)
+        self._release_slot(request_id)
+
+    @staticmethod
+    def _logprobs(plan, result: SampleResult, rows) -> dict[str, TokenLogprob]:
+        """The sampled tokens' logprobs, for the requests that asked for them."""
+        wanted = {s.request.request_id: s.request.sampling.logprobs for s in plan.scheduled}
+        out = {}
+        for row in rows:
+            n = wanted.get(row.request_id)
+            if n is None or not row.samples:
+                continue
+            r = row.sampler_row
             top = [
                 (int(i), float(lp))
-                for i, lp in zip(result.top_ids[row][:n], result.top_logprobs[row][:n])
+                for i, lp in zip(result.top_ids[r][:n], result.top_logprobs[r][:n])
             ]
-            logprobs = [TokenLogprob(token, float(result.logprobs[row]), top)]
-        if reason is not None:
-            self.scheduler.finish_request(req.request_id, reason, now)
-            return self._finished_output(req, [token], text=text, logprobs=logprobs)
-        return self._delta(req, [token], text, logprobs)
-
-    def _delta(
-        self,
-        req: Request,
-        tokens: list[int],
-        text: str,
-        logprobs=None,
-        finished: bool = False,
-        error: str | None = None,
-    ) -> RequestOutput:
-        st = self._states.get(req.request_id)
-        if st is not None:
-            st.sent_tokens += len(tokens)
-        k = len(tokens)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            new_text=text,
-            token_times_s=req.token_times_s[len(req.token_times_s) - k :] if k else [],
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens,
-            logprobs=logprobs,
-            metrics=request_metrics(req) if finished else None,
-            error=error,
-        )
-
-    def _finished_output(
-        self,
-        req: Request,
-        tokens: list[int],
-        text: str = "",
-        logprobs=None,
-        error: str | None = None,
-    ) -> RequestOutput:
-        st = self._states.pop(req.request_id, None)
-        if st is not None:
-            text += st.stop.flush() if req.finish_reason in ("stop", "length") else ""
-        self._release_slot(req.request_id)
-        out = self._delta(req, tokens, text, logprobs, finished=True, error=error)
+            out[row.request_id] = TokenLogprob(
+                int(result.tokens[r]), float(result.logprobs[r]), top
+            )
         return out
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        pool, sc = self.pool, self.sched_config
-        used = pool.num_used_pages
-        page_bytes = self.kv.num_bytes // sc.num_pages
-        weights_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+        used, sc = self.pool.num_used_pages, self.sched_config
         return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_pages_total": sc.num_pages - 1,
-            "kv_pages_used": used,
-            "kv_pages_free": pool.num_free_pages,
-            "kv_pages_cached": pool.num_cached_pages,
-            "kv_usage": used / max(1, sc.num_pages - 1),
-            "page_size": sc.page_size,
-            "kv_capacity_tokens": (sc.num_pages - 1) * sc.page_size,
+            **self.scheduler.stats(),
             "kv_bytes_total": self.kv.num_bytes,
-            "kv_bytes_used": used * page_bytes,
-            "weights_bytes": weights_bytes,
-            "max_model_len": sc.max_model_len,
-            "max_num_seqs": sc.max_num_seqs,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "allocation_failures": pool.stats.allocation_failures,
-            "prefix_cache_queries_tokens": pool.stats.queried_tokens,
-            "prefix_cache_hit_tokens": pool.stats.hit_tokens,
-            "prefix_cache_hit_rate": pool.stats.hit_rate,
-            "prefix_cache_evictions": pool.stats.evictions,
-            "prefix_cache_expirations": pool.stats.expirations,
-            "prefix_cache_prefill_tokens_saved": pool.stats.hit_tokens,
-            "prefix_cache_cached_pages": pool.num_cached_pages,
-            "prefix_cache_enabled": pool.enable_prefix_caching,
+            "kv_bytes_used": used * (self.kv.num_bytes // sc.num_pages),
+            "weights_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params)),
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
-            "num_compiled_steps": engine_step._cache_size(),
+            "num_compiled_steps": compiles.count("jit(engine_step)"),
             "warmup_s": self.warmup_s,
         }

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from engine.batch import BatchShape, StepBatch, pow2_bucket, query_len_bound
-from engine.sampling import SamplingTensors
+from engine.sampling import SAMPLER_VARIANTS, SamplingTensors
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +112,8 @@ def warmup(
 ) -> float:
     """Compiles the step for `shapes` (default: `startup_shapes`) and each sampler variant in
     `sampling` ("greedy", "full"). Returns and logs the time taken."""
-    from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
-
     shapes = shapes or startup_shapes(engine.sched_config, max_shapes)
-    flags = [{"greedy": _GREEDY_FLAGS, "full": _FULL_FLAGS}[s] for s in sampling]
+    flags = [SAMPLER_VARIANTS[s] for s in sampling]
     t0 = time.perf_counter()
     for shape, f in itertools.product(shapes, flags):
         batch = dummy_batch(shape)

@@ -253,6 +253,17 @@ def linear(x: Array, w, spec: str, out_dtype=None) -> Array:
     return y.reshape(*batch_shape, *out_shape)
 
 
+def int8_proj(x: Array, w: Int8Weight, num_in: int = 1) -> Array:
+    """x [T, *in] @ Int8Weight [*in, *out] -> [T, *out] (models.llama._proj's int8 case):
+    one 2-D int8 matmul over free reshapes of q and scale."""
+    t = x.shape[0]
+    k = math.prod(w.q.shape[:num_in])
+    out_shape = w.q.shape[num_in:]
+    impl = "w8a8" if w.activations == "int8" else "auto"
+    y = int8_matmul(x.reshape(t, k), w.q.reshape(k, -1), w.scale.reshape(-1), impl=impl)
+    return y.reshape(t, *out_shape)
+
+
 # ---- accounting ----------------------------------------------------------------------------
 def layer_weight_bytes(layers) -> dict[str, int]:
     """Bytes of the quantizable layer weights as stored (int8 + scales, or float)."""

@@ -33,6 +33,14 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
     assert mixed["continuous_over_static"] > 0 and mixed["output_tokens"] > 0
     assert "continuous" in table and "static" in table and "targets (measured value):" in table
     assert "continuous_over_static>=2" in r["targets"]
+    pre = r["prefill"]
+    assert pre["prompt_len"] == 40 and pre["steps"] >= 1 and pre["tokens_per_s"] > 0
+    assert pre["compute_floor_over_step"] > 0 and "prefill 40 tokens" in table
+    for key in (
+        "batch1_memory_floor/step>=0.8",
+        "prefill_compute_floor/step>=0.6",
+    ):
+        assert math.isfinite(r["targets"][key]) and r["targets"][key] > 0, key
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
 
 
@@ -70,9 +78,10 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     import jax
 
     from configs.engine_config import EngineConfig
+    from engine import compiles
     from engine.batch import BatchShape
-    from engine.core import _GREEDY_FLAGS, EngineCore
-    from engine.step import engine_step
+    from engine.core import EngineCore
+    from engine.sampling import GREEDY_FLAGS
     from engine.warmup import dummy_batch
     from models.registry import load_model
 
@@ -87,6 +96,6 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     first, second = BatchShape(1, 0, 0, 4, 1), BatchShape(2, 0, 0, 4, 1)
     sizes = []
     for shape in (first, second, first):
-        jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, _GREEDY_FLAGS, False))
-        sizes.append(engine_step._cache_size())
+        jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, GREEDY_FLAGS, False))
+        sizes.append(compiles.count())
     assert sizes[2] == sizes[1]
