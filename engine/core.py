@@ -1,14 +1,38 @@
 """EngineCore: the loop that turns many concurrent requests into fixed-shape device steps.
 
-One step, all on the caller's (single) thread:
+One step, synchronous (`EngineConfig(async_scheduling=False)`), all on the caller's thread:
 
-    plan = scheduler.schedule(now)               host: who computes how many tokens
-    batch, shape, rows = build_batch(plan)       host: numpy arrays, padded to buckets
-    kv, counts, packed = engine_step(...)        device: one jitted call, cache donated
-    packed = device_get(packed)                  the one device->host transfer
-    scheduler.update_after_step(plan, tokens)    host: advance, append sampled tokens
+    plan = scheduler.schedule(now)             host: who computes how many tokens (committed)
+    built = builder.build(plan.scheduled)      host: numpy gathers from per-slot state
+    kv, ..., packed = engine_step(...)         device: one jitted call, state donated
+    packed = device_get(packed)                the one device->host transfer (wait)
+    scheduler.update_after_step(plan, tokens)  host: append sampled tokens, cache pages
     stop checks (EOS, stop ids/strings, max_tokens) -> finish_request -> RequestOutput deltas
 
+Overlapped (the default): JAX dispatch is asynchronous, so `step()` launches step N+1 (schedule,
+build, dispatch) BEFORE it waits for step N and processes N's tokens. The device runs N+1
+while the host processes N and then schedules and builds N+2:
+
+    host:   [sched+build N+1][dispatch]  [wait N][update+stop N] | [sched+build N+2][dispatch] ...
+    device:          ... step N ........][........ step N+1 ...........][ step N+2 ...
+
+Step N+1 does not need N's tokens on the host: the scheduler counts N's sampled tokens as
+*pending* (engine/request.py), a decode whose input is pending reads it on the device from
+`last_tokens[slot]` (engine/step.py), and the host learns the token one step later for
+streaming, stop checks and the prefix cache. A request that stops at step N (EOS, stop
+string) was already scheduled in N+1: that one token is computed, discarded and never
+emitted; its pages and slot are released while processing N (the device runs N+1 before any
+later step, so reusing them is safe). A request known to reach max_tokens at N is not
+scheduled in N+1. Nothing falls back to the synchronous path: penalties (token counts
+live on the device), seeds (keyed by output position), logprobs and stop strings (host
+side, one step later), cancellation and deadlines (next schedule), preemption (the pending
+token is appended to the waiting request) and the prefix cache (pages registered once their
+tokens are known) all work overlapped; outputs are identical either way
+(tests/test_engine_overlap.py). `step()` returns the outputs of the step it waited for, so
+the caller sees each token one call later; `has_unfinished()` stays true while a step is
+in flight.
+
+Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
 The serving layer drives it from its engine thread through the interface in WORKSPACE.md
 (`add_request`, `abort_request`, `step`, `has_unfinished`, `stats`, `identity`,
 `tokenizer`).
@@ -26,9 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.engine_config import EngineConfig
-from engine import sharding
+from engine import compiles, sharding
 from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
-from engine.batch import BatchShape, build_batch, pow2_bucket
+from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.page_pool import PagePool, cache_salt_for
@@ -41,7 +65,8 @@ from engine.sampling import (
     resolve_seed,
     uses_penalties,
 )
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.shapes import ShapeSet
 from engine.step import engine_step
 from engine.stop_checker import StopChecker
 
@@ -57,6 +82,37 @@ class _RequestState:
     stop: StopChecker
     seed: int
     sent_tokens: int = 0  # output tokens already reported
+
+
+@dataclasses.dataclass
+class StepTimings:
+    """Host seconds spent in each phase of `EngineCore.step`, summed over steps."""
+
+    schedule_s: float = 0.0  # scheduler.schedule + slot bookkeeping
+    build_s: float = 0.0  # BatchBuilder.build
+    dispatch_s: float = 0.0  # the jitted call (returns once the step is enqueued)
+    wait_s: float = 0.0  # device_get of the packed result: blocked on the device
+    update_s: float = 0.0  # unpack + scheduler.update_after_step
+    outputs_s: float = 0.0  # detokenize + stop checks + RequestOutput deltas
+    num_steps: int = 0
+
+    def as_dict_ms(self) -> dict:
+        n = max(self.num_steps, 1)
+        return {
+            f"{f.name[:-2]}_ms": 1e3 * getattr(self, f.name) / n
+            for f in dataclasses.fields(self)
+            if f.name.endswith("_s")
+        }
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step whose results the host has not read yet."""
+
+    plan: SchedulerOutput
+    built: BuiltStep
+    packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
+    logprobs: bool  # some row asked for logprobs (else the alternatives are not read)
 
 
 def request_metrics(req: Request) -> RequestMetrics:
@@ -78,6 +134,7 @@ def request_metrics(req: Request) -> RequestMetrics:
 class EngineCore:
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel."""
+        compiles.install()
         self.model = model
         self.config = config
         self.cfg = model.config
@@ -85,14 +142,23 @@ class EngineCore:
         self.tokenizer = model.tokenizer
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
-        self.sched_config = config.scheduler_config(self.cfg)
+        self.sched_config = sc = config.scheduler_config(self.cfg)
         keys = (
             self.identity.revision,
             self.identity.tokenizer_hash,
             self.identity.chat_template_hash,
         )
-        self.pool = PagePool.from_config(self.sched_config, model_keys=keys)
-        self.scheduler = Scheduler(self.sched_config, self.pool)
+        self.pool = PagePool.from_config(sc, model_keys=keys)
+        self.scheduler = Scheduler(sc, self.pool)
+        self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
+        self.builder = BatchBuilder(
+            max_num_seqs=sc.max_num_seqs,
+            max_pages_per_seq=sc.max_pages_per_seq,
+            page_size=sc.page_size,
+            prefill_chunk_size=sc.prefill_chunk_size,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            fit_shape=self.shapes.fit,
+        )
         self.params, kv_sharding = model.params, None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
             self.cfg, self.params = sharding.shard_params(model.params, self.cfg, self.mesh)
@@ -101,28 +167,27 @@ class EngineCore:
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
         self.kv = PagedKVCache.zeros(
-            self.cfg,
-            self.sched_config.num_pages,
-            self.sched_config.page_size,
-            config.kv_dtype,
-            sharding=kv_sharding,
+            self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=kv_sharding
         )
-        zeros = jnp.zeros((1, 1), jnp.int32)
-        # With a mesh: replicated, as the step returns it (the KV spec would not fit (1, 1)).
-        self._counts = self._prompt_mask = (
-            jax.device_put(zeros, kv_sharding)
+        # With a mesh: replicated, as the step returns them (the KV spec would not fit).
+        self._place = (
+            (lambda x: jax.device_put(x, kv_sharding))
             if self.mesh is None
-            else sharding.replicate(zeros, self.mesh)
+            else (lambda x: sharding.replicate(x, self.mesh))
         )
+        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
+        self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
         self._penalties_ready = False
         self._states: dict[str, _RequestState] = {}
-        self._slot_of: dict[str, int] = {}
-        self._free_slots = list(range(self.sched_config.max_num_seqs - 1, -1, -1))
+        self._in_flight: _Launched | None = None
         self._rng = random.Random()
+        self.timings = StepTimings()
         self.num_steps = 0
         self.num_tokens_processed = 0
         self.num_failed_steps = 0
         self.warmup_s: float | None = None
+        self._compiles_at_warmup: int | None = None
+        self._logged_compiles = 0
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
@@ -175,68 +240,113 @@ class EngineCore:
         self.pool.clear_cache()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule(time.monotonic())
-        outputs = [self._finished_output(r, []) for r in plan.finished_requests]
-        for rid in plan.preempted_request_ids:
-            self._release_slot(rid)
-        if plan.is_empty:
+        """Launch the next step, then process the previous one (overlapped) or this one
+        (synchronous); returns the outputs of the step it processed."""
+        outputs: list[RequestOutput] = []
+        launched = self._launch(outputs)
+        if not self.config.async_scheduling:
+            if launched is not None:
+                self._finish_step(launched, outputs)
             return outputs
-        for s in plan.scheduled:
-            self._ensure_slot(s.request)
-        batch, shape, rows = build_batch(
-            plan.scheduled,
-            self.sched_config.page_size,
-            max_prefill_tokens=self.sched_config.max_num_batched_tokens,
-            prefill_chunk_size=self.sched_config.prefill_chunk_size,
-            max_pages_per_seq=self.sched_config.max_pages_per_seq,
-            slot_of=self._slot_of,
-            seed_of={r: st.seed for r, st in self._states.items()},
-            eos_token_ids=self.tokenizer.eos_token_ids,
-        )
-        params_list = [s.request.sampling for s in plan.scheduled]
-        try:
-            packed = self._run_device(batch, shape, params_list)
-        except Exception as e:  # a failed step fails only the requests in it
-            log.exception("engine step failed")
-            self.num_failed_steps += 1
-            now = time.monotonic()
-            for s in plan.scheduled:
-                if self.scheduler.finish_request(s.request.request_id, "failed", now):
-                    outputs.append(self._finished_output(s.request, [], error=repr(e)))
-            return outputs
-        result = SampleResult.unpack(packed)
-        now = time.monotonic()
-        sampled = {
-            row.request_id: int(result.tokens[row.sampler_row]) for row in rows if row.samples
-        }
-        row_of = {row.request_id: row.sampler_row for row in rows}
-        self.num_steps += 1
-        self.num_tokens_processed += plan.total_num_scheduled_tokens
-        for req in self.scheduler.update_after_step(plan, sampled, now):
-            outputs.append(self._on_token(req, result, row_of[req.request_id], now))
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._finish_step(previous, outputs)
         return outputs
 
-    # ---- device ---------------------------------------------------------------------------
-    def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
-        greedy = all(p.greedy and not p.logprobs for p in params_list)
-        before = engine_step._cache_size()
-        packed = self.run_step(
-            batch, shape, _GREEDY_FLAGS if greedy else _FULL_FLAGS, uses_penalties(params_list)
-        )
-        if self.warmup_s is not None and engine_step._cache_size() > before:
-            log.warning("step compiled a shape after warm-up: %s", shape)
-        return np.asarray(jax.device_get(packed))
+    # ---- one step, in order --------------------------------------------------------------
+    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
+        """Schedule, build and dispatch a step (returns None when nothing is scheduled)."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(time.monotonic())
+        outputs += [self._finished_output(r, []) for r in plan.finished_requests]
+        for rid in plan.preempted_request_ids:
+            self.builder.release(rid)
+        if plan.is_empty:
+            self.timings.schedule_s += time.perf_counter() - t0
+            return None
+        for s in plan.scheduled:
+            self._take_slot(s.request)
+        t1 = time.perf_counter()
+        built = self.builder.build(plan.scheduled)
+        t2 = time.perf_counter()
+        params = [s.request.sampling for s in plan.scheduled]
+        greedy = all(p.greedy and not p.logprobs for p in params)
+        flags = _GREEDY_FLAGS if greedy else _FULL_FLAGS
+        try:
+            packed = self.run_step(built.batch, built.shape, flags, uses_penalties(params))
+        except Exception as e:  # a failed step fails only the requests in it
+            self._fail(plan, e, outputs)
+            return None
+        finally:
+            t3 = time.perf_counter()
+            self.timings.schedule_s += t1 - t0
+            self.timings.build_s += t2 - t1
+            self.timings.dispatch_s += t3 - t2
+        return _Launched(plan, built, packed, any(p.logprobs for p in params))
 
-    def run_step(self, batch, shape: BatchShape, flags: SamplingFlags, use_penalties: bool):
-        """One device step (also used by warm-up); returns the packed results on device."""
-        self.kv, self._counts, packed = engine_step(
+    def _finish_step(self, step: _Launched, outputs: list[RequestOutput]) -> None:
+        """Wait for a launched step, then fill in its tokens and emit the deltas."""
+        t0 = time.perf_counter()
+        try:
+            packed = np.asarray(jax.device_get(step.packed))
+        except Exception as e:
+            self._fail(step.plan, e, outputs)
+            return
+        t1 = time.perf_counter()
+        result = SampleResult.unpack(packed)
+        tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
+        sampled = {
+            s.request.request_id: int(t)
+            for s, t in zip(step.plan.scheduled, tokens)
+            if s.samples and not s.request.is_finished
+        }
+        row_of = {
+            s.request.request_id: int(r)
+            for s, r in zip(step.plan.scheduled, step.built.sampler_rows)
+        }
+        now = time.monotonic()
+        self.num_steps += 1
+        self.num_tokens_processed += step.plan.total_num_scheduled_tokens
+        received = self.scheduler.update_after_step(step.plan, sampled, now)
+        t2 = time.perf_counter()
+        for req in received:
+            row = row_of[req.request_id]
+            outputs.append(self._on_token(req, result if step.logprobs else None, row, now))
+        self.timings.wait_s += t1 - t0
+        self.timings.update_s += t2 - t1
+        self.timings.outputs_s += time.perf_counter() - t2
+        self.timings.num_steps += 1
+        self._check_compiles(step.built.shape)
+
+    def _fail(self, plan: SchedulerOutput, e: Exception, outputs: list[RequestOutput]) -> None:
+        log.exception("engine step failed", exc_info=e)
+        self.num_failed_steps += 1
+        now = time.monotonic()
+        for s in plan.scheduled:
+            if self.scheduler.finish_request(s.request.request_id, "failed", now):
+                outputs.append(self._finished_output(s.request, [], error=repr(e)))
+
+    def _check_compiles(self, shape: BatchShape) -> None:
+        if self._compiles_at_warmup is None:
+            return
+        after = compiles.count() - self._compiles_at_warmup
+        if after > self._logged_compiles:
+            self._logged_compiles = after
+            log.warning("a program compiled after warm-up (step shape %s)", shape)
+
+    # ---- device ---------------------------------------------------------------------------
+    def run_step(self, batch: StepBatch, shape: BatchShape, flags: SamplingFlags, use_penalties):
+        """Dispatch one device step (also used by warm-up); returns the packed results on
+        device without waiting for them."""
+        self.kv, self._counts, self._last_tokens, packed = engine_step(
             self.params,
             self.kv,
             self._counts,
             self._prompt_mask,
+            self._last_tokens,
             batch,
             cfg=self.cfg,
             shape=shape,
@@ -247,49 +357,55 @@ class EngineCore:
         )
         return packed
 
-    def _ensure_slot(self, req: Request) -> None:
-        rid = req.request_id
-        if rid in self._slot_of:
-            return
-        slot = self._free_slots.pop()
-        self._slot_of[rid] = slot
+    def mark_warm(self, warmup_s: float) -> None:
+        """Called by engine/warmup.py: programs built from now on are counted as compiles
+        after warm-up."""
+        self.warmup_s = warmup_s
+        self._compiles_at_warmup = compiles.count()
+        self._logged_compiles = 0
+
+    def _take_slot(self, req: Request) -> None:
+        slot, is_new = self.builder.assign(req, self._states[req.request_id].seed)
         p = req.sampling
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if is_new and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
             self._reset_penalty_row(slot, req)
 
-    def _reset_penalty_row(self, slot: int, req: Request) -> None:
+    def init_penalty_state(self) -> None:
+        """Allocate the [max_num_seqs, V] token counts (on first use, or at warm-up)."""
         if not self._penalties_ready:
-            self._counts, self._prompt_mask = init_counts(
-                self.sched_config.max_num_seqs, self.cfg.vocab_size
-            )
+            counts, mask = init_counts(self.sched_config.max_num_seqs, self.cfg.vocab_size)
+            self._counts, self._prompt_mask = self._place(counts), self._place(mask)
             self._penalties_ready = True
-        prompt = np.zeros(pow2_bucket(req.num_prompt_tokens, 16), np.int32)
+
+    def _reset_penalty_row(self, slot: int, req: Request) -> None:
+        """Counts of a request taking a slot. Token lists are padded to max_model_len, so
+        one program serves every request (nothing compiles per prompt length)."""
+        self.init_penalty_state()
+        width = self.sched_config.max_model_len
+        prompt = np.zeros(width, np.int32)
         prompt[: req.num_prompt_tokens] = req.prompt_token_ids
-        outs = np.zeros(pow2_bucket(max(req.num_output_tokens, 1), 16), np.int32)
+        outs = np.zeros(width, np.int32)
         outs[: req.num_output_tokens] = req.output_token_ids
         self._counts, self._prompt_mask = _reset_counts_jit(
             self._counts,
             self._prompt_mask,
-            slot,
+            np.int32(slot),
             prompt,
-            req.num_prompt_tokens,
+            np.int32(req.num_prompt_tokens),
             outs,
-            req.num_output_tokens,
+            np.int32(req.num_output_tokens),
         )
 
-    def _release_slot(self, request_id: str) -> None:
-        slot = self._slot_of.pop(request_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-
     # ---- outputs ----------------------------------------------------------------------------
-    def _on_token(self, req: Request, result: SampleResult, row: int, now: float) -> RequestOutput:
+    def _on_token(
+        self, req: Request, result: SampleResult | None, row: int, now: float
+    ) -> RequestOutput:
         st = self._states[req.request_id]
         token = req.output_token_ids[-1]
         text, reason = st.stop.add_token(token)
         logprobs = None
         n = req.sampling.logprobs
-        if n is not None:
+        if n is not None and result is not None:
             top = [
                 (int(i), float(lp))
                 for i, lp in zip(result.top_ids[row][:n], result.top_logprobs[row][:n])
@@ -339,7 +455,7 @@ class EngineCore:
         st = self._states.pop(req.request_id, None)
         if st is not None:
             text += st.stop.flush() if req.finish_reason in ("stop", "length") else ""
-        self._release_slot(req.request_id)
+        self.builder.release(req.request_id)
         out = self._delta(req, tokens, text, logprobs, finished=True, error=error)
         return out
 
@@ -377,6 +493,13 @@ class EngineCore:
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
-            "num_compiled_steps": engine_step._cache_size(),
+            "num_step_shapes": len(self.shapes),
             "warmup_s": self.warmup_s,
+            "compiles_after_warmup": (
+                None
+                if self._compiles_at_warmup is None
+                else compiles.count() - self._compiles_at_warmup
+            ),
+            **compiles.stats(),
+            **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
         }

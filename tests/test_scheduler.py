@@ -534,7 +534,8 @@ def _run_with_fake_model(cfg: SchedulerConfig, prompts: list[tuple[list[int], st
             for pos in range(x.start, x.start + x.num_new_tokens):
                 kv[(r.page_ids[pos // ps], pos % ps)] = (r.cache_salt, r.all_token_ids[pos])
             if x.samples:
-                context = [kv[(r.page_ids[pos // ps], pos % ps)] for pos in range(r.num_tokens)]
+                end = x.start + x.num_new_tokens  # the whole computed context
+                context = [kv[(r.page_ids[pos // ps], pos % ps)] for pos in range(end)]
                 assert all(salt == r.cache_salt for salt, _ in context)
                 sampled[r.request_id] = hash(tuple(t for _, t in context)) % 20 + 1
         for r in s.update_after_step(out, sampled, now):
