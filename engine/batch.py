@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from engine.request import Request
-from engine.sampling import SamplingTensors, _fill_row, _greedy_rows
+from engine.sampling import MAX_MIN_TOKENS_STOP_IDS, SamplingTensors, _fill_row, _greedy_rows
 
 
 def pow2_bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -105,32 +105,136 @@ class StepBatch:
     query_start_p: np.ndarray  # [Sp + 1] int32
     num_seqs_p: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [Sd + Sp] int32
-    sample_mask: np.ndarray  # [Sd + Sp] bool: the row's sequence samples a token this step
+    sample_mask: np.ndarray  # [Sd + Sp] bool (int32 0/1 on the host): samples this step
     slot_ids: np.ndarray  # [Sd + Sp] int32: persistent slot (penalty state, last token)
     sampling: SamplingTensors  # rows [Sd + Sp]
 
     @classmethod
     def zeros(cls, shape: BatchShape) -> StepBatch:
-        """An all-padding batch of `shape` (no sequence; every token writes the null page)."""
-        Sd, Sp, P = shape.num_decode, shape.num_prefill_seqs, shape.pages_per_seq
-        T, R = Sd + shape.num_prefill_tokens, Sd + Sp
-        z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-        return cls(
-            z(T),
-            np.full(T, -1, np.int32),
-            z(T),
-            z(T),
-            z(Sd),
-            z(Sd, P),
-            z(Sp),
-            z(Sp, P),
-            z(Sp + 1),
-            z(1),
-            z(R),
-            np.zeros(R, bool),
-            z(R),
-            SamplingTensors(**_greedy_rows(R)),
-        )
+        """An all-padding batch of `shape` (no sequence; every token writes the null page).
+        Its arrays are views into the two flat buffers of `pack()`, so filling them fills
+        the buffers and a step sends two arrays to the device, not 25."""
+        ints_layout, floats_layout = _layout(shape)
+        ints = np.zeros(_layout_size(ints_layout), np.int32)
+        floats = np.zeros(_layout_size(floats_layout), np.float32)
+        v = {**_views(ints, ints_layout, np), **_views(floats, floats_layout, np)}
+        v["key_data"] = v["key_data"].view(np.uint32)
+        v["token_slots"][:] = -1
+        v["stop_ids"][:] = -1
+        v["top_p"][:] = 1.0
+        v["repetition_penalty"][:] = 1.0
+        return cls._from_views(v)
+
+    @classmethod
+    def _from_views(cls, v: dict) -> StepBatch:
+        sampling = SamplingTensors(**{f: v[f] for f in _SAMPLING_FIELDS})
+        return cls(**{f: v[f] for f in _BATCH_FIELDS}, sampling=sampling)
+
+    def pack(self) -> PackedBatch:
+        """The batch as (int32, float32) flat buffers: the ones it views when it was made by
+        `zeros`, else a copy."""
+        base = self.token_ids.base
+        if base is not None and all(
+            getattr(self, f).base is base for f in ("positions", "slot_ids")
+        ):
+            return PackedBatch(base, self.sampling.temperature.base)
+        ints = [np.asarray(getattr(self, f)).astype(np.int32).ravel() for f in _INT_FIELDS]
+        ints += [
+            np.asarray(getattr(self.sampling, f)).view(np.int32).ravel()
+            if f == "key_data"
+            else np.asarray(getattr(self.sampling, f), np.int32).ravel()
+            for f in _INT_SAMPLING_FIELDS
+        ]
+        floats = [np.asarray(getattr(self.sampling, f), np.float32) for f in _FLOAT_FIELDS]
+        return PackedBatch(np.concatenate(ints), np.concatenate(floats))
+
+
+_INT_FIELDS = (
+    "token_ids",
+    "token_slots",
+    "positions",
+    "slot_mapping",
+    "kv_lens_d",
+    "page_table_d",
+    "kv_lens_p",
+    "page_table_p",
+    "query_start_p",
+    "num_seqs_p",
+    "logits_indices",
+    "sample_mask",
+    "slot_ids",
+)
+_INT_SAMPLING_FIELDS = ("top_k", "key_data", "step", "min_tokens", "stop_ids")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_BATCH_FIELDS = _INT_FIELDS
+_SAMPLING_FIELDS = _INT_SAMPLING_FIELDS + _FLOAT_FIELDS
+
+
+def _layout(shape: BatchShape) -> tuple[list, list]:
+    """(name, shape) of each field in the int32 and the float32 buffer, in order."""
+    Sd, Sp, P = shape.num_decode, shape.num_prefill_seqs, shape.pages_per_seq
+    T, R = Sd + shape.num_prefill_tokens, Sd + Sp
+    ints = [
+        ("token_ids", (T,)),
+        ("token_slots", (T,)),
+        ("positions", (T,)),
+        ("slot_mapping", (T,)),
+        ("kv_lens_d", (Sd,)),
+        ("page_table_d", (Sd, P)),
+        ("kv_lens_p", (Sp,)),
+        ("page_table_p", (Sp, P)),
+        ("query_start_p", (Sp + 1,)),
+        ("num_seqs_p", (1,)),
+        ("logits_indices", (R,)),
+        ("sample_mask", (R,)),
+        ("slot_ids", (R,)),
+        ("top_k", (R,)),
+        ("key_data", (R, 2)),
+        ("step", (R,)),
+        ("min_tokens", (R,)),
+        ("stop_ids", (R, MAX_MIN_TOKENS_STOP_IDS)),
+    ]
+    return ints, [(f, (R,)) for f in _FLOAT_FIELDS]
+
+
+def _layout_size(layout) -> int:
+    return sum(int(np.prod(s)) for _, s in layout)
+
+
+def _views(buf, layout, xp) -> dict:
+    """Field name -> buf[offset : offset + size].reshape(shape) (numpy views, or jnp slices)."""
+    out, offset = {}, 0
+    for name, s in layout:
+        size = int(np.prod(s))
+        out[name] = buf[offset : offset + size].reshape(s)
+        offset += size
+    return out
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=[])
+@dataclasses.dataclass
+class PackedBatch:
+    """A StepBatch as two flat buffers (one host->device copy each); see `StepBatch.pack`."""
+
+    ints: np.ndarray  # [N] int32 (uint32 key data and the bool mask stored as int32)
+    floats: np.ndarray  # [6 * (Sd + Sp)] float32
+
+    def unpack(self, shape: BatchShape) -> StepBatch:
+        """Inside the jitted step: the StepBatch of `shape` (static slices)."""
+        import jax.numpy as jnp
+
+        ints_layout, floats_layout = _layout(shape)
+        v = {**_views(self.ints, ints_layout, jnp), **_views(self.floats, floats_layout, jnp)}
+        v["key_data"] = jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32)
+        v["sample_mask"] = v["sample_mask"] != 0
+        return StepBatch._from_views(v)
 
 
 @dataclasses.dataclass

@@ -347,7 +347,7 @@ class EngineCore:
             self._counts,
             self._prompt_mask,
             self._last_tokens,
-            batch,
+            batch.pack() if isinstance(batch, StepBatch) else batch,
             cfg=self.cfg,
             shape=shape,
             flags=flags,

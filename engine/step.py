@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from engine.batch import BatchShape, StepBatch
+from engine.batch import BatchShape, PackedBatch, StepBatch
 from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingFlags, sample, update_counts
 from models.llama import Params, forward
@@ -122,7 +122,7 @@ def engine_step(
     counts: jax.Array,
     prompt_mask: jax.Array,
     last_tokens: jax.Array,
-    batch: StepBatch,
+    batch: StepBatch | PackedBatch,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
@@ -133,7 +133,10 @@ def engine_step(
 ):
     """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`:
     None (one device) or the engine's ("data", "model") mesh (params/cache placed by
-    engine/sharding)."""
+    engine/sharding). `batch` may come packed (two flat buffers: one host->device copy each,
+    engine/batch.py); it is unpacked here by static slices."""
+    if isinstance(batch, PackedBatch):
+        batch = batch.unpack(shape)
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
     from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
     token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]

@@ -26,6 +26,11 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("raw", False, "Use the prompt as is, without the chat template.")
 flags.DEFINE_enum("engine", "paged", ["paged", "dense"], "Paged engine or dense oracle loop.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'model:4' or 'data:2,model:4'.")
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off).",
+)
 
 
 def _prompt_ids(tokenizer) -> list[int]:
@@ -72,7 +77,7 @@ def _generate_paged() -> str:
     from engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(FLAGS.model, mesh=FLAGS.mesh)
+    llm = LLM(FLAGS.model, mesh=FLAGS.mesh, compilation_cache_dir=FLAGS.compilation_cache_dir)
     ident = llm.model.identity
     print(
         f"[loaded {ident.name} rev {ident.revision[:19]} in {time.perf_counter() - t0:.1f}s: "

@@ -173,8 +173,18 @@ def define_flags() -> None:
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
+    flags.DEFINE_string(
+        "compilation_cache_dir",
+        None,
+        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
+    )
     flags.DEFINE_integer(
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
+    )
+    flags.DEFINE_string(
+        "compilation_cache_dir",
+        None,
+        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
     )
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "")
@@ -239,7 +249,13 @@ def build_engine(
 
     mesh = options.pop("mesh", None)
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
-    config = EngineConfig(model=model, max_model_len=max_model_len, **options)
+    config = EngineConfig(
+        model=model,
+        max_model_len=max_model_len,
+        # The warmed set is the set: every batch is padded to a warmed shape.
+        **({"max_step_shapes": warmup_max_shapes} if warmup_max_shapes else {}),
+        **options,
+    )
     # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
     loaded = load_model(model, shardings_for=loader_shardings(mesh) if mesh else None)
     core = create_engine(loaded, config, mesh=mesh)
@@ -295,6 +311,10 @@ def main(argv) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     _setup_request_log(FLAGS.request_log)
+    if FLAGS.model != "mock":
+        from engine.compilation_cache import enable as enable_compilation_cache
+
+        enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
     options = engine_options_from_flags()
     engine = build_engine(
         FLAGS.model,

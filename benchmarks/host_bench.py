@@ -1,0 +1,253 @@
+"""Host overhead benchmark (issue 20): does the host keep a fast device busy?
+
+    python -m benchmarks.host_bench                    # 1, 64, 256 running sequences
+    python -m benchmarks.host_bench --smoke            # seconds (tests/test_host_bench.py)
+    python -m benchmarks.host_bench --out=host.json
+
+The `tiny` model config makes a decode step about a millisecond on this CPU, the order of an
+accelerator's step for a real model, so the host's share is visible. For each number of
+running sequences n:
+  - pure device loop: the engine's own steady-state decode batch, run by the same jitted
+    step back to back (step k+1 dispatched before step k's results are copied back): the
+    most steps/s the device can do for these shapes (the physical limit);
+  - engine, synchronous (`async_scheduling=False`, the "before") and overlapped (the
+    default, "after"): n requests decoding (ignore_eos, long max_tokens), steps/s over a
+    window of steady-state decode steps, and the host ms per step by phase (the engine's
+    own `timings`): schedule / build / dispatch / wait / update / detokenize / stop (stop =
+    stop checks and the RequestOutput deltas; detokenize is timed by wrapping each
+    request's detokenizer).
+Every configuration runs once untimed first (compiles). The ratio engine / device loop is
+measured in the same run; the load average is printed with every row (other processes
+share this CPU, and on CPU the "device" is XLA's threads on the same cores as the host).
+
+Projection: with overlap a step costs max(host, device) instead of host + device, so for a
+device step of `--project_step_ms` (an 8B model at batch 64 on an H200: 16 GB of weights at
+4.8 TB/s = ~3.3 ms) the engine would reach device / max(host, device) of the device's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+from configs.engine_config import EngineConfig
+from engine.api_types import EngineRequest
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+
+PROMPT_TOKENS = 8
+PHASES = ("schedule", "build", "dispatch", "wait", "update", "detokenize", "stop")
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class _TimedDetokenizer:
+    """Wraps one request's detokenizer; its add_token seconds go to `total_s[0]`."""
+
+    def __init__(self, inner, total_s: list[float]):
+        self.inner, self.total_s = inner, total_s
+
+    def add_token(self, token_id: int) -> str:
+        t0 = time.perf_counter()
+        text = self.inner.add_token(token_id)
+        self.total_s[0] += time.perf_counter() - t0
+        return text
+
+
+def make_engine(model, n: int, steps: int, overlap: bool) -> EngineCore:
+    max_len = PROMPT_TOKENS + 2 * steps + 64
+    page_size = 16
+    cfg = EngineConfig(
+        model="tiny",
+        page_size=page_size,
+        num_pages=n * (-(-max_len // page_size)) + 2,
+        max_num_seqs=n,
+        max_num_batched_tokens=max(512, n),
+        max_model_len=max_len,
+        prefix_caching=False,
+        async_scheduling=overlap,
+    )
+    return EngineCore(model, cfg)
+
+
+def _run_engine(engine: EngineCore, n: int, steps: int, tag: str) -> dict:
+    """n requests; returns steps/s and host ms per step over `steps` steady decode steps."""
+    max_tokens = 2 * steps + 32
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(n):
+        prompt = [1] + [3 + (i * 7 + j) % 500 for j in range(PROMPT_TOKENS - 1)]
+        engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params))
+    prefill_steps = -(-n * PROMPT_TOKENS // engine.sched_config.max_num_batched_tokens)
+    for _ in range(prefill_steps + 3):  # every request admitted, prefilled, decoding
+        engine.step()
+    detok_s = [0.0]
+    for st in engine._states.values():
+        st.stop.detokenizer = _TimedDetokenizer(st.stop.detokenizer, detok_s)
+    before = dataclasses.replace(engine.timings)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall_s = time.perf_counter() - t0
+    after = engine.timings
+    for i in range(n):
+        engine.abort_request(f"{tag}-{i}")
+    while engine.has_unfinished():
+        engine.step()
+    done = after.num_steps - before.num_steps
+    ms = lambda name: 1e3 * (getattr(after, name) - getattr(before, name)) / done  # noqa: E731
+    detok_ms = 1e3 * detok_s[0] / done
+    return {
+        "steps_per_s": steps / wall_s,
+        "wall_ms_per_step": 1e3 * wall_s / steps,
+        "host_ms": {
+            "schedule": ms("schedule_s"),
+            "build": ms("build_s"),
+            "dispatch": ms("dispatch_s"),
+            "wait": ms("wait_s"),
+            "update": ms("update_s"),
+            "detokenize": detok_ms,
+            "stop": ms("outputs_s") - detok_ms,
+        },
+    }
+
+
+def _capture_decode_batch(engine: EngineCore, n: int, tag: str):
+    """The engine's steady-state decode batch (batch, shape) for the device loop."""
+    got = {}
+    orig = engine.builder.build
+
+    def build(scheduled):
+        built = orig(scheduled)
+        if built.shape.num_prefill_tokens == 0 and len(scheduled) == n:
+            got["built"] = built
+        return built
+
+    engine.builder.build = build
+    try:
+        _run_engine(engine, n, 4, tag)
+    finally:
+        del engine.builder.build
+    return got["built"]
+
+
+def device_loop(engine: EngineCore, built, steps: int) -> float:
+    """Steps/s of the jitted step alone, pipelined, results copied back each step."""
+    from engine.core import _GREEDY_FLAGS
+
+    def run(k: int) -> float:
+        t0 = time.perf_counter()
+        prev = None
+        for _ in range(k):
+            packed = engine.run_step(built.batch, built.shape, _GREEDY_FLAGS, False)
+            if prev is not None:
+                jax.device_get(prev)
+            prev = packed
+        jax.device_get(prev)
+        return k / (time.perf_counter() - t0)
+
+    run(3)
+    return run(steps)
+
+
+def measure(model, n: int, steps: int) -> dict:
+    row: dict = {"num_seqs": n, "load_before": load_avg()}
+    for overlap, name in ((False, "sync"), (True, "overlap")):
+        engine = make_engine(model, n, steps, overlap)
+        built = _capture_decode_batch(engine, n, f"warm-{name}")  # compiles, untimed
+        _run_engine(engine, n, min(steps, 8), f"warm2-{name}")
+        if not overlap:
+            row["device_steps_per_s"] = device_loop(engine, built, steps)
+            row["shape"] = dataclasses.asdict(built.shape)
+        row[name] = _run_engine(engine, n, steps, f"timed-{name}")
+    dev = row["device_steps_per_s"]
+    for name in ("sync", "overlap"):
+        row[name]["over_device"] = row[name]["steps_per_s"] / dev
+    row["load_after"] = load_avg()
+    return row
+
+
+def projection(row: dict, step_ms: float) -> dict:
+    """Share of a device's rate the engine would reach with this host time per step."""
+    out = {}
+    for name in ("sync", "overlap"):
+        h = row[name]["host_ms"]
+        host_ms = sum(v for k, v in h.items() if k != "wait")
+        eff = step_ms / (host_ms + step_ms) if name == "sync" else step_ms / max(host_ms, step_ms)
+        out[name] = {"host_ms": host_ms, "engine_over_device": eff}
+    return out
+
+
+def format_table(r: dict) -> str:
+    lines = [
+        "| seqs | device loop steps/s | sync steps/s | overlap steps/s | sync/device | "
+        "overlap/device | load |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['num_seqs']} | {row['device_steps_per_s']:.0f} | "
+            f"{row['sync']['steps_per_s']:.0f} | {row['overlap']['steps_per_s']:.0f} | "
+            f"{row['sync']['over_device']:.2f} | {row['overlap']['over_device']:.2f} | "
+            f"{row['load_before'][0]} -> {row['load_after'][0]} |"
+        )
+    lines += ["", "host ms per step (" + " / ".join(PHASES) + "):"]
+    for row in r["rows"]:
+        for name in ("sync", "overlap"):
+            h = row[name]["host_ms"]
+            parts = " / ".join(f"{h[p]:.3f}" for p in PHASES)
+            lines.append(f"  {row['num_seqs']:>4} {name:>7}: {parts}")
+    lines += ["", f"projection for a {r['project_step_ms']} ms device step:"]
+    for row in r["rows"]:
+        p = row["projection"]
+        lines.append(
+            f"  {row['num_seqs']:>4}: host {p['overlap']['host_ms']:.2f} ms -> sync "
+            f"{p['sync']['engine_over_device']:.2f}, overlap "
+            f"{p['overlap']['engine_over_device']:.2f} of the device's rate"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
+    ap.add_argument("--num_seqs", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=200, help="timed steady-state steps")
+    ap.add_argument("--project_step_ms", type=float, default=3.3)
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.num_seqs, args.steps = "1,4", 6
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from models.registry import load_model
+
+    model = load_model("tiny")
+    rows = []
+    for n in (int(x) for x in args.num_seqs.split(",")):
+        row = measure(model, n, args.steps)
+        row["projection"] = projection(row, args.project_step_ms)
+        rows.append(row)
+        print(f"[{n} seqs] {json.dumps(row)}", file=sys.stderr, flush=True)
+    result = {"rows": rows, "project_step_ms": args.project_step_ms, "jax": jax.__version__}
+    print(format_table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
