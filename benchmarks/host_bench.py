@@ -7,9 +7,10 @@
 The `tiny` model config makes a decode step about a millisecond on this CPU, the order of an
 accelerator's step for a real model, so the host's share is visible. For each number of
 running sequences n:
-  - pure device loop: the engine's own steady-state decode batch, run by the same jitted
-    step back to back (step k+1 dispatched before step k's results are copied back): the
-    most steps/s the device can do for these shapes (the physical limit);
+  - pure device loop: the synchronous engine's own batches of the timed window (same
+    shapes, same order), run by the same jitted step back to back (step k+1 dispatched
+    before step k's results are copied back): the most steps/s the device can do for this
+    work (the physical limit);
   - engine, synchronous (`async_scheduling=False`, the "before") and overlapped (the
     default, "after"): n requests decoding (ignore_eos, long max_tokens), steps/s over a
     window of steady-state decode steps, and the host ms per step by phase (the engine's
@@ -80,8 +81,11 @@ def make_engine(model, n: int, steps: int, overlap: bool) -> EngineCore:
     return EngineCore(model, cfg)
 
 
-def _run_engine(engine: EngineCore, n: int, steps: int, tag: str) -> dict:
-    """n requests; returns steps/s and host ms per step over `steps` steady decode steps."""
+def _run_engine(
+    engine: EngineCore, n: int, steps: int, tag: str, capture: list | None = None
+) -> dict:
+    """n requests; returns steps/s and host ms per step over `steps` steady decode steps.
+    `capture`: gets the BuiltStep of every step built in the timed window."""
     max_tokens = 2 * steps + 32
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(n):
@@ -93,12 +97,17 @@ def _run_engine(engine: EngineCore, n: int, steps: int, tag: str) -> dict:
     detok_s = [0.0]
     for st in engine._states.values():
         st.stop.detokenizer = _TimedDetokenizer(st.stop.detokenizer, detok_s)
+    if capture is not None:
+        orig = engine.builder.build
+        engine.builder.build = lambda scheduled: capture.append(orig(scheduled)) or capture[-1]
     before = dataclasses.replace(engine.timings)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall_s = time.perf_counter() - t0
     after = engine.timings
+    if capture is not None:
+        del engine.builder.build
     for i in range(n):
         engine.abort_request(f"{tag}-{i}")
     while engine.has_unfinished():
@@ -121,54 +130,36 @@ def _run_engine(engine: EngineCore, n: int, steps: int, tag: str) -> dict:
     }
 
 
-def _capture_decode_batch(engine: EngineCore, n: int, tag: str):
-    """The engine's steady-state decode batch (batch, shape) for the device loop."""
-    got = {}
-    orig = engine.builder.build
-
-    def build(scheduled):
-        built = orig(scheduled)
-        if built.shape.num_prefill_tokens == 0 and len(scheduled) == n:
-            got["built"] = built
-        return built
-
-    engine.builder.build = build
-    try:
-        _run_engine(engine, n, 4, tag)
-    finally:
-        del engine.builder.build
-    return got["built"]
-
-
-def device_loop(engine: EngineCore, built, steps: int) -> float:
-    """Steps/s of the jitted step alone, pipelined, results copied back each step."""
+def device_loop(engine: EngineCore, steps: list) -> float:
+    """Steps/s of the jitted step alone over the engine's own batches (the same shapes in
+    the same order), pipelined: step k+1 dispatched before step k's results are copied."""
     from engine.core import _GREEDY_FLAGS
 
-    def run(k: int) -> float:
+    def run() -> float:
         t0 = time.perf_counter()
         prev = None
-        for _ in range(k):
+        for built in steps:
             packed = engine.run_step(built.batch, built.shape, _GREEDY_FLAGS, False)
             if prev is not None:
                 jax.device_get(prev)
             prev = packed
         jax.device_get(prev)
-        return k / (time.perf_counter() - t0)
+        return len(steps) / (time.perf_counter() - t0)
 
-    run(3)
-    return run(steps)
+    run()  # every shape was run by the engine already: this only settles the caches
+    return run()
 
 
 def measure(model, n: int, steps: int) -> dict:
     row: dict = {"num_seqs": n, "load_before": load_avg()}
     for overlap, name in ((False, "sync"), (True, "overlap")):
         engine = make_engine(model, n, steps, overlap)
-        built = _capture_decode_batch(engine, n, f"warm-{name}")  # compiles, untimed
-        _run_engine(engine, n, min(steps, 8), f"warm2-{name}")
+        _run_engine(engine, n, steps, f"warm-{name}")  # builds every shape of the window
+        captured: list = []
+        row[name] = _run_engine(engine, n, steps, f"timed-{name}", captured)
         if not overlap:
-            row["device_steps_per_s"] = device_loop(engine, built, steps)
-            row["shape"] = dataclasses.asdict(built.shape)
-        row[name] = _run_engine(engine, n, steps, f"timed-{name}")
+            row["device_steps_per_s"] = device_loop(engine, captured)
+            row["shapes"] = sorted({str(dataclasses.astuple(b.shape)) for b in captured})
     dev = row["device_steps_per_s"]
     for name in ("sync", "overlap"):
         row[name]["over_device"] = row[name]["steps_per_s"] / dev

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -177,6 +178,7 @@ _BATCH_FIELDS = _INT_FIELDS
 _SAMPLING_FIELDS = _INT_SAMPLING_FIELDS + _FLOAT_FIELDS
 
 
+@functools.lru_cache(maxsize=1024)
 def _layout(shape: BatchShape) -> tuple[list, list]:
     """(name, shape) of each field in the int32 and the float32 buffer, in order."""
     Sd, Sp, P = shape.num_decode, shape.num_prefill_seqs, shape.pages_per_seq
@@ -205,14 +207,14 @@ def _layout(shape: BatchShape) -> tuple[list, list]:
 
 
 def _layout_size(layout) -> int:
-    return sum(int(np.prod(s)) for _, s in layout)
+    return sum(math.prod(s) for _, s in layout)
 
 
 def _views(buf, layout, xp) -> dict:
     """Field name -> buf[offset : offset + size].reshape(shape) (numpy views, or jnp slices)."""
     out, offset = {}, 0
     for name, s in layout:
-        size = int(np.prod(s))
+        size = math.prod(s)
         out[name] = buf[offset : offset + size].reshape(s)
         offset += size
     return out
@@ -246,6 +248,9 @@ class BuiltStep:
     shape: BatchShape
     sampler_rows: np.ndarray  # [len(scheduled)] int32, row of the packed result
     slots: np.ndarray  # [len(scheduled)] int32, the request's slot when built
+    full_sampler: bool  # some row samples or wants logprobs (else the greedy variant)
+    penalties: bool  # some row uses repetition/presence/frequency penalties
+    logprobs: bool  # some row wants logprobs
 
 
 class BatchBuilder:
@@ -272,6 +277,10 @@ class BatchBuilder:
         self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
         self.num_pages = np.zeros(S, np.int32)  # [S] filled entries of each row
         self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
+        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py)
+        self.needs_full = np.zeros(S, bool)
+        self.needs_penalties = np.zeros(S, bool)
+        self.needs_logprobs = np.zeros(S, bool)
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(S - 1, -1, -1))
 
@@ -284,7 +293,13 @@ class BatchBuilder:
         slot = self._free_slots.pop()
         self.slot_of[req.request_id] = slot
         self.num_pages[slot] = 0
-        _fill_row(self.sampling, slot, req.sampling, 0, seed, self.eos_token_ids)
+        p = req.sampling
+        _fill_row(self.sampling, slot, p, 0, seed, self.eos_token_ids)
+        self.needs_logprobs[slot] = p.logprobs is not None
+        self.needs_full[slot] = not p.greedy or p.logprobs is not None
+        self.needs_penalties[slot] = (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
         return slot, True
 
     def release(self, request_id: str) -> None:
@@ -341,7 +356,15 @@ class BatchBuilder:
         sampler_rows[d] = np.arange(len(d))
         sampler_rows[p] = Sd + np.arange(len(p))
         self._fill_sampling(batch, sampler_rows, slots, out_index, samples)
-        return BuiltStep(batch, shape, sampler_rows, slots)
+        return BuiltStep(
+            batch,
+            shape,
+            sampler_rows,
+            slots,
+            full_sampler=bool(self.needs_full[slots].any()),
+            penalties=bool(self.needs_penalties[slots].any()),
+            logprobs=bool(self.needs_logprobs[slots].any()),
+        )
 
     def _fill_decode(self, b: StepBatch, slots, starts, tokens) -> None:
         nd, ps, P = len(slots), self.page_size, b.page_table_d.shape[1]

@@ -63,7 +63,6 @@ from engine.sampling import (
     init_counts,
     reset_slot_counts,
     resolve_seed,
-    uses_penalties,
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
@@ -112,7 +111,6 @@ class _Launched:
     plan: SchedulerOutput
     built: BuiltStep
     packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
-    logprobs: bool  # some row asked for logprobs (else the alternatives are not read)
 
 
 def request_metrics(req: Request) -> RequestMetrics:
@@ -153,7 +151,8 @@ class EngineCore:
         self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
         self.builder = BatchBuilder(
             max_num_seqs=sc.max_num_seqs,
-            max_pages_per_seq=sc.max_pages_per_seq,
+            # the widest page table of a step shape (at least 4, even for tiny max_model_len)
+            max_pages_per_seq=max(s.pages_per_seq for s in self.shapes.shapes),
             page_size=sc.page_size,
             prefill_chunk_size=sc.prefill_chunk_size,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -272,11 +271,9 @@ class EngineCore:
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled)
         t2 = time.perf_counter()
-        params = [s.request.sampling for s in plan.scheduled]
-        greedy = all(p.greedy and not p.logprobs for p in params)
-        flags = _GREEDY_FLAGS if greedy else _FULL_FLAGS
+        flags = _FULL_FLAGS if built.full_sampler else _GREEDY_FLAGS
         try:
-            packed = self.run_step(built.batch, built.shape, flags, uses_penalties(params))
+            packed = self.run_step(built.batch, built.shape, flags, built.penalties)
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
             return None
@@ -285,7 +282,7 @@ class EngineCore:
             self.timings.schedule_s += t1 - t0
             self.timings.build_s += t2 - t1
             self.timings.dispatch_s += t3 - t2
-        return _Launched(plan, built, packed, any(p.logprobs for p in params))
+        return _Launched(plan, built, packed)
 
     def _finish_step(self, step: _Launched, outputs: list[RequestOutput]) -> None:
         """Wait for a launched step, then fill in its tokens and emit the deltas."""
@@ -314,7 +311,7 @@ class EngineCore:
         t2 = time.perf_counter()
         for req in received:
             row = row_of[req.request_id]
-            outputs.append(self._on_token(req, result if step.logprobs else None, row, now))
+            outputs.append(self._on_token(req, result, row, now))
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2

@@ -205,3 +205,14 @@ def test_a_batch_larger_than_the_largest_shape_is_refused():
     shapes = ShapeSet([BatchShape(4, 0, 0, 4, 1)], page_size=16)
     with pytest.raises(ValueError, match="no compiled step shape"):
         shapes.fit(dataclasses.replace(BatchShape(4, 0, 0, 4, 1), num_decode=5))
+
+
+def test_compile_counts_reach_the_server_metrics():
+    from serving.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny", "rev")
+    m.observe_stats({"compiles_total": 5, "compiles_after_warmup": None}, 0)
+    m.observe_stats({"compiles_total": 7, "compiles_after_warmup": 1}, 0)
+    text = m.exposition().decode()
+    assert 'pagedjax_compiles_total{model="tiny",revision="rev"} 7.0' in text
+    assert 'pagedjax_compiles_after_warmup_total{model="tiny",revision="rev"} 1.0' in text
