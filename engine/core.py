@@ -354,6 +354,24 @@ class EngineCore:
         )
         return packed
 
+    def compile_step(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> None:
+        """Build the step program of `shape` (compile, or load from the persistent cache)
+        without running it: `jit.lower(...).compile()` fills the same cache a call uses."""
+        engine_step.lower(
+            self.params,
+            self.kv,
+            self._counts,
+            self._prompt_mask,
+            self._last_tokens,
+            StepBatch.zeros(shape).pack(),
+            cfg=self.cfg,
+            shape=shape,
+            flags=flags,
+            use_penalties=use_penalties,
+            impl=self.impl,
+            mesh=self.mesh,
+        ).compile()
+
     def mark_warm(self, warmup_s: float) -> None:
         """Called by engine/warmup.py: programs built from now on are counted as compiles
         after warm-up."""

@@ -6,11 +6,14 @@ The programs are
       logprobs), "full" (any sampling or logprobs), "penalties" (full + token counts);
     the penalty state: its allocation and the per-slot reset (one program: token lists are
       padded to max_model_len).
-A step over an all-padding batch of a shape builds exactly the program a real batch of that
-shape uses, so after `warmup` nothing compiles: `EngineCore.stats()["compiles_after_warmup"]`
-stays 0 (tests/test_engine_overlap.py drives a random workload to check it). With JAX's
-persistent compilation cache (engine/compilation_cache.py) a second start loads these
-programs from disk instead of compiling them.
+Each program is built ahead of time (`jit.lower(...).compile()` with the engine's own
+arguments, which fills the cache a call uses) without running it, so warm-up costs only
+compile (or persistent-cache load) time; `execute=True` runs each step once on an
+all-padding batch instead (what a multi-host leader needs: its followers build their
+programs when it announces the steps). After `warmup` nothing compiles:
+`EngineCore.stats()["compiles_after_warmup"]` stays 0 (tests/test_engine_overlap.py drives
+a random workload to check it). With JAX's persistent compilation cache
+(engine/compilation_cache.py) a second start loads these programs from disk instead.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def warmup(
     *,
     sampling: tuple[str, ...] = SAMPLER_VARIANTS,
     max_shapes: int | None = None,
+    execute: bool = False,
 ) -> float:
     """Builds the step for `shapes` (default: the engine's whole ShapeSet, or its
     `max_shapes` cheapest) and each variant in `sampling`; returns and logs the seconds."""
@@ -57,7 +61,11 @@ def warmup(
         _warm_penalty_state(engine)
     for shape, name in itertools.product(shapes, sampling):
         flags, use_penalties = variants[name]
-        jax.block_until_ready(engine.run_step(StepBatch.zeros(shape), shape, flags, use_penalties))
+        if execute:
+            packed = engine.run_step(StepBatch.zeros(shape), shape, flags, use_penalties)
+            jax.block_until_ready(packed)
+        else:
+            engine.compile_step(shape, flags, use_penalties)
     warmup_s = time.perf_counter() - t0
     engine.mark_warm(warmup_s)
     log.warning(
