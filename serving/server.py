@@ -181,11 +181,6 @@ def define_flags() -> None:
     flags.DEFINE_integer(
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
     )
-    flags.DEFINE_string(
-        "compilation_cache_dir",
-        None,
-        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
-    )
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "")
     flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
