@@ -319,27 +319,26 @@ class BatchBuilder:
         ps = self.page_size
         n = len(scheduled)
         slots = np.empty(n, np.int32)
-        is_decode = np.empty(n, bool)
         starts = np.empty(n, np.int32)
         out_index = np.empty(n, np.int32)
         samples = np.empty(n, bool)
+        num_new = np.empty(n, np.int32)
         tokens = np.empty(n, np.int32)  # decode rows: the input token, -1 = on device
         for i, s in enumerate(scheduled):
             req = s.request
             slot = self.slot_of[req.request_id]
             self._sync_pages(slot, req.page_ids)
             slots[i], starts[i], out_index[i], samples[i] = slot, s.start, s.output_index, s.samples
+            num_new[i] = s.num_new_tokens
             if s.num_new_tokens == 1:
-                is_decode[i] = True
                 known = req.all_token_ids
                 tokens[i] = known[s.start] if s.start < len(known) else -1
-            else:
-                is_decode[i] = False
+        is_decode = num_new == 1
         d = np.flatnonzero(is_decode)
         p = np.flatnonzero(~is_decode)
         chunks = [scheduled[i] for i in p]
         num_prefill_tokens = sum(s.num_new_tokens for s in chunks)
-        ends = starts + np.where(is_decode, 1, [s.num_new_tokens for s in scheduled])
+        ends = starts + num_new
         needed = BatchShape(
             num_decode=len(d),
             num_prefill_tokens=num_prefill_tokens,

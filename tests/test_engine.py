@@ -5,10 +5,9 @@ pool size (preemptions), the prefill chunk, or cancellations of other requests."
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, compiles
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
-from engine.step import engine_step
 from models.dense_generate import generate_dense
 
 TINY_OPTS = dict(
@@ -178,13 +177,14 @@ def test_no_recompilation_after_warmup():
         max_model_len=64,
     )
     assert len(reachable_shapes(llm.engine.sched_config)) == 8
+    assert len(llm.engine.shapes) == 8  # small enough: the shape set is every reachable shape
     warmup(llm.engine, sampling=("greedy",))
-    compiled = engine_step._cache_size()
+    compiled = compiles.count()
     rng = np.random.default_rng(1)
     prompts = [[1] + rng.integers(3, 512, int(rng.integers(1, 40))).tolist() for _ in range(12)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert llm.stats()["num_steps"] > 60
-    assert engine_step._cache_size() == compiled
+    assert compiles.count() == compiled and llm.stats()["compiles_after_warmup"] == 0
 
 
 def test_stats_report_memory(tiny_llm):
