@@ -345,18 +345,13 @@ class EngineCore:
             self._prompt_mask,
             self._last_tokens,
             batch.pack() if isinstance(batch, StepBatch) else batch,
-            cfg=self.cfg,
-            shape=shape,
-            flags=flags,
-            use_penalties=use_penalties,
-            impl=self.impl,
-            mesh=self.mesh,
+            **self._static_args(shape, flags, use_penalties),
         )
         return packed
 
     def compile_step(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> None:
         """Build the step program of `shape` (compile, or load from the persistent cache)
-        without running it: `jit.lower(...).compile()` fills the same cache a call uses."""
+        without running it: `jit.lower(...).compile()` fills the cache a call then uses."""
         engine_step.lower(
             self.params,
             self.kv,
@@ -364,13 +359,18 @@ class EngineCore:
             self._prompt_mask,
             self._last_tokens,
             StepBatch.zeros(shape).pack(),
+            **self._static_args(shape, flags, use_penalties),
+        ).compile()
+
+    def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
+        return dict(
             cfg=self.cfg,
             shape=shape,
             flags=flags,
             use_penalties=use_penalties,
             impl=self.impl,
             mesh=self.mesh,
-        ).compile()
+        )
 
     def mark_warm(self, warmup_s: float) -> None:
         """Called by engine/warmup.py: programs built from now on are counted as compiles

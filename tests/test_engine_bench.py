@@ -66,9 +66,9 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     import jax
 
     from configs.engine_config import EngineConfig
+    from engine import compiles
     from engine.batch import BatchShape
     from engine.core import _GREEDY_FLAGS, EngineCore
-    from engine.step import engine_step
     from engine.warmup import dummy_batch
     from models.registry import load_model
 
@@ -84,5 +84,5 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     sizes = []
     for shape in (first, second, first):
         jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, _GREEDY_FLAGS, False))
-        sizes.append(engine_step._cache_size())
+        sizes.append(compiles.count())
     assert sizes[2] == sizes[1]
