@@ -7,16 +7,18 @@ A step's shape (engine/batch.py `BatchShape`) is
 each on a power-of-two ladder (Sd: 1..max_num_seqs, Tp: 16..max_num_batched_tokens,
 Sp: 1..min(max_num_seqs, Tp / 2), P: 4..max_pages_per_seq), and max_query_len a function
 of Tp. The full product (`reachable_shapes`) runs into the thousands for a server config,
-too many to compile before serving. So an engine fixes a `ShapeSet` at start-up, at most
-`max_shapes` shapes, and pads every batch to the cheapest shape of the set that fits it
+too many to compile before serving. So an engine fixes a `ShapeSet` at start-up (about
+`max_shapes` shapes) and pads every batch to the cheapest shape of the set that fits it
 (`ShapeSet.fit`): no step ever needs a shape outside the set, so after warming the set
 (engine/warmup.py) nothing compiles while serving.
 
 How the set is chosen (`step_shapes`):
   - every rung of every ladder while the product fits in `max_shapes`;
-  - otherwise decode-only steps (the common case) keep every Sd x P rung, and steps with a
-    prefill keep every Tp rung but only every k-th rung of Sd, Sp and P (counted down from
-    the top, the bottom rung kept too), k growing until the set fits;
+  - otherwise decode-only steps (most steps while serving, where a wider page table would
+    cost every step) keep every Sd x P rung, and steps with a prefill keep every Tp rung
+    but only every k-th rung of Sd, Sp and P (counted down from the top, the bottom rung
+    kept too), k growing until the total fits or every such ladder is down to its top and
+    bottom rungs (so a large config may hold somewhat more than `max_shapes`);
   - the largest shape (every dimension at its top rung) is always in the set, so any batch
     the scheduler can build fits some shape.
 Padding to a coarser shape costs device time (more rows, a wider page table) but never
@@ -85,32 +87,28 @@ def reachable_shapes(sched_config) -> list[BatchShape]:
 
 
 def step_shapes(sched_config, max_shapes: int = DEFAULT_MAX_SHAPES) -> list[BatchShape]:
-    """At most max(max_shapes, the coarsest set) shapes, the largest shape always among
+    """Every decode-only shape, plus steps with a prefill on ladders coarsened until the
+    total fits `max_shapes` or can be coarsened no further; the largest shape always among
     them (see the module docstring)."""
     every = reachable_shapes(sched_config)
     if len(every) <= max_shapes:
         return every
     seqs, tokens, pages = _ladders(sched_config)
     chunk = sched_config.prefill_chunk_size
+    decode_only = [_shape(sd, 0, 0, p, chunk) for sd, p in itertools.product(seqs, pages)]
 
-    def shapes_for(mixed_stride: int, decode_stride: int) -> list[BatchShape]:
-        d_seqs, d_pages = _rungs(seqs, decode_stride), _rungs(pages, decode_stride)
-        shapes = [_shape(sd, 0, 0, p, chunk) for sd, p in itertools.product(d_seqs, d_pages)]
-        m_seqs, m_pages = [0, *_rungs(seqs, mixed_stride)], _rungs(pages, mixed_stride)
+    def with_prefill(stride: int) -> list[BatchShape]:
+        shapes = []
+        m_seqs, m_pages = [0, *_rungs(seqs, stride)], _rungs(pages, stride)
         for sd, tp, p in itertools.product(m_seqs, tokens, m_pages):
-            sps = _rungs(_prefill_seqs(seqs, tp), mixed_stride)
+            sps = _rungs(_prefill_seqs(seqs, tp), stride)
             shapes += [_shape(sd, tp, sp, p, chunk) for sp in sps]
-        return sorted(set(shapes))
+        return shapes
 
-    coarsest = max(len(seqs), len(pages))  # a stride past every ladder: top and bottom only
-    for stride in range(1, coarsest + 1):  # coarsen steps with a prefill first
-        shapes = shapes_for(stride, 1)
+    for stride in range(1, max(len(seqs), len(pages)) + 1):
+        shapes = sorted(set(decode_only + with_prefill(stride)))
         if len(shapes) <= max_shapes:
-            return shapes
-    for stride in range(2, coarsest + 1):  # then decode-only steps
-        shapes = shapes_for(coarsest, stride)
-        if len(shapes) <= max_shapes:
-            return shapes
+            break
     return shapes
 
 

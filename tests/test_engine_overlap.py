@@ -133,26 +133,27 @@ def test_synchronous_engine_matches_overlapped_on_greedy_batches(tiny_model):
 
 
 def test_nothing_compiles_after_warmup_on_a_random_workload(tiny_model):
-    """A coarse shape set (max_step_shapes=6) warmed with every sampler variant; a random
-    workload (lengths, sampling kinds, cancellations, a small pool) then builds no program."""
+    """The shape set (every batch padded to one of its shapes) warmed with every sampler
+    variant; a random workload (lengths, greedy / seeded / penalties / logprobs / stops,
+    a cancellation, a pool small enough to preempt) then builds no program at all."""
     cfg = EngineConfig(
         model="tiny",
-        num_pages=24,
+        num_pages=7,  # 6 usable pages of 8 tokens for 2 sequences of up to 32: preemption
         page_size=8,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
         prefill_chunk_size=16,
-        max_model_len=96,
-        max_step_shapes=6,
+        max_model_len=32,
     )
     core = EngineCore(tiny_model, cfg)
-    assert len(core.shapes) <= 12  # the coarsest set of this config
+    assert len(core.shapes) == 8
     warmup(core)
     before = compiles.count()
     rng = np.random.default_rng(5)
-    prompts = [[1] + rng.integers(3, 512, int(rng.integers(1, 60))).tolist() for _ in range(14)]
+    prompts = [[1] + rng.integers(3, 512, int(rng.integers(0, 15))).tolist() for _ in range(12)]
     out = _drive(core, prompts, stop_id=int(rng.integers(3, 512)), cancel=(2,))
-    assert len(out) == 14 and core.stats()["num_steps"] > 30
+    assert len(out) == 12 and core.stats()["num_steps"] > 30
+    assert core.stats()["num_preemptions"] > 0
     assert compiles.count() == before
     assert core.stats()["compiles_after_warmup"] == 0
 
@@ -170,10 +171,14 @@ _CONFIGS = [
 @pytest.mark.parametrize("sc", _CONFIGS)
 def test_shape_set_is_small_and_holds_every_reachable_shape(sc):
     every = reachable_shapes(sc)
-    for max_shapes in (64, 128):
+    decode_only = {s for s in every if s.num_prefill_tokens == 0}
+    for max_shapes in (64, 128, 10_000):
         shapes = ShapeSet.for_config(sc, max_shapes)
-        assert len(shapes) <= max(max_shapes, 80) and len(shapes) <= len(every)
+        assert len(shapes) <= max(max_shapes, 2 * len(decode_only) + 80)
+        assert decode_only <= set(shapes.shapes)  # decode-only steps are never padded up
         assert max(every) in shapes.shapes
+        if len(every) <= max_shapes:
+            assert sorted(shapes.shapes) == every
         for need in every:  # every bucketed batch fits a shape of the set
             assert shapes.fit(need).fits(need)
 
