@@ -271,7 +271,9 @@ class EngineCore:
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled)
         t2 = time.perf_counter()
-        flags = _FULL_FLAGS if built.full_sampler else _GREEDY_FLAGS
+        # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
+        # penalties) are what warm-up builds. Flags never change a row's token.
+        flags = _FULL_FLAGS if built.full_sampler or built.penalties else _GREEDY_FLAGS
         try:
             packed = self.run_step(built.batch, built.shape, flags, built.penalties)
         except Exception as e:  # a failed step fails only the requests in it
