@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test test-fast lint format install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ demo: install
 
 test: install
 	$(VPY) -m pytest -q tests
+
+# The inner loop (about a minute of CPU): every package, without the three slow kinds of test
+# (markers in pyproject.toml). `make test` and CI run everything.
+FAST := not slow and not interpret and not subprocess and not compile
+test-fast: install
+	$(VPY) -m pytest -q -m "$(FAST)" tests
 
 lint: install
 	$(VPY) -m ruff check .

@@ -40,7 +40,6 @@ Design notes:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import random
 from collections.abc import Sequence
@@ -112,23 +111,7 @@ def resolve_seed(params: SamplingParams, rng: random.Random | None = None) -> in
     return (rng or random.SystemRandom()).getrandbits(63)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "key_data",
-        "step",
-        "min_tokens",
-        "stop_ids",
-    ],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass  # every field is an array (a pytree leaf)
 @dataclasses.dataclass
 class SamplingTensors:
     """Per-slot sampling parameters, one row per batch slot. Padding rows are greedy."""
@@ -171,6 +154,14 @@ class SamplingTensors:
         return cls(**rows)
 
 
+# The SamplingTensors rows copied straight from SamplingParams (same name, one value per row).
+_ROWS_FROM_PARAMS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingTensors)
+    if f.name in {g.name for g in dataclasses.fields(SamplingParams)}
+)
+
+
 def _greedy_rows(num_slots: int) -> dict[str, np.ndarray]:
     S = num_slots
     f32 = lambda fill: np.full(S, fill, np.float32)
@@ -203,16 +194,7 @@ def _fill_row(
             f"row {i} samples (temperature={p.temperature}) but has no seed: "
             "draw one with resolve_seed() when the request arrives"
         )
-    for name in (
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "min_tokens",
-    ):
+    for name in _ROWS_FROM_PARAMS:
         rows[name][i] = getattr(p, name)
     rows["key_data"][i] = seed_to_key_data(seed or 0)
     rows["step"][i] = output_len
@@ -225,11 +207,7 @@ def _fill_row(
 K = MAX_LOGPROBS
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SampleResult:
     tokens: Array  # [S] i32

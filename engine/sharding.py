@@ -41,12 +41,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs.model_config import ModelConfig
-from models.llama import LayerWeights, Params
+from models.llama import Params, param_axes
 
 DATA, MODEL = "data", "model"
 _ALIASES = {"data": DATA, "dp": DATA, "model": MODEL, "tp": MODEL}
 
-# Logical axis -> mesh axis (None: replicated). The one place a layout decision lives.
+# Logical axis -> mesh axis (None: replicated). The one place a layout decision lives. Each
+# param declares its logical axes next to its shape (the fields of models.llama.LayerWeights
+# and Params); the KV cache's are KV_CACHE_AXES below.
 LOGICAL_RULES: dict[str, str | None] = {
     "batch": DATA,
     "layers": None,
@@ -60,21 +62,6 @@ LOGICAL_RULES: dict[str, str | None] = {
     "page_slot": None,
 }
 
-# Logical axes of every param (LayerWeights carry the leading `layers` axis).
-_LAYER_AXES: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("layers", "embed"),
-    "mlp_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "heads", "head_dim"),
-    "wk": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "bq": ("layers", "heads", "head_dim"),
-    "bk": ("layers", "kv_heads", "head_dim"),
-    "bv": ("layers", "kv_heads", "head_dim"),
-    "wo": ("layers", "heads", "head_dim", "embed"),
-    "w_gate": ("layers", "embed", "ffn"),
-    "w_up": ("layers", "embed", "ffn"),
-    "w_down": ("layers", "ffn", "embed"),
-}
 KV_CACHE_AXES = ("layers", "kv_heads", "pages", "page_slot", "head_dim")
 
 
@@ -193,27 +180,27 @@ def _named(mesh: Mesh, axes, shape) -> NamedSharding:
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
-    """NamedShardings matching `models.llama.param_shapes(cfg)` (None where a param is None).
-    For a checkpoint-shaped cfg whose K the model axis does not divide, wk/wv come out
-    replicated (they are repeated and resharded by `shard_params` afterwards)."""
+    """NamedShardings matching `models.llama.param_shapes(cfg)` (None where a param is None),
+    from the logical axes each param field declares in `models/llama.py`. For a
+    checkpoint-shaped cfg whose K the model axis does not divide, wk/wv come out replicated
+    (they are repeated and resharded by `shard_params` afterwards)."""
     from models.llama import param_shapes
 
-    shapes = param_shapes(cfg)
-    layers = {
-        f: (
-            None
-            if getattr(shapes.layers, f) is None
-            else _named(mesh, axes, getattr(shapes.layers, f).shape)
-        )
-        for f, axes in _LAYER_AXES.items()
-    }
-    V, D = cfg.vocab_size, cfg.hidden_size
-    return Params(
-        embed=_named(mesh, ("vocab", "embed"), (V, D)),
-        layers=LayerWeights(**layers),
-        final_norm=_named(mesh, ("embed",), (D,)),
-        lm_head=None if shapes.lm_head is None else _named(mesh, ("embed", "vocab"), (D, V)),
-    )
+    return _field_shardings(param_shapes(cfg), mesh)
+
+
+def _field_shardings(shapes, mesh: Mesh):
+    """The same dataclass tree as `shapes`, each array replaced by its NamedSharding."""
+    out = {}
+    for field in dataclasses.fields(shapes):
+        x = getattr(shapes, field.name)
+        if x is None:
+            out[field.name] = None
+        elif dataclasses.is_dataclass(x):  # Params.layers
+            out[field.name] = _field_shardings(x, mesh)
+        else:
+            out[field.name] = _named(mesh, param_axes(field), x.shape)
+    return type(shapes)(**out)
 
 
 def loader_shardings(mesh: str | Mesh):

@@ -29,51 +29,44 @@ from configs.model_config import ModelConfig
 Array = jax.Array
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "attn_norm",
-        "wq",
-        "wk",
-        "wv",
-        "bq",
-        "bk",
-        "bv",
-        "wo",
-        "mlp_norm",
-        "w_gate",
-        "w_up",
-        "w_down",
-    ],
-    meta_fields=[],
-)
+def _param(*axes: str):
+    """A params field declared with its logical axes, one name per array dim. The names are
+    model-side; `engine.sharding.LOGICAL_RULES` maps them to mesh axes."""
+    return dataclasses.field(metadata={"axes": axes})
+
+
+def param_axes(field: dataclasses.Field) -> tuple[str, ...]:
+    """The logical axes a `LayerWeights` / `Params` field was declared with."""
+    if "axes" not in field.metadata:
+        raise TypeError(f"params field {field.name!r} declares no logical axes: use _param(...)")
+    return field.metadata["axes"]
+
+
+# NOTE: one declaration per param: its shape (comment) and its logical axes side by side.
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    attn_norm: Array  # [L, D]
-    wq: Array  # [L, D, H, hd]
-    wk: Array  # [L, D, K, hd]
-    wv: Array  # [L, D, K, hd]
-    bq: Array | None  # [L, H, hd] (Qwen2) or None
-    bk: Array | None  # [L, K, hd] or None
-    bv: Array | None  # [L, K, hd] or None
-    wo: Array  # [L, H, hd, D]
-    mlp_norm: Array  # [L, D]
-    w_gate: Array  # [L, D, F]
-    w_up: Array  # [L, D, F]
-    w_down: Array  # [L, F, D]
+    attn_norm: Array = _param("layers", "embed")  # [L, D]
+    wq: Array = _param("layers", "embed", "heads", "head_dim")  # [L, D, H, hd]
+    wk: Array = _param("layers", "embed", "kv_heads", "head_dim")  # [L, D, K, hd]
+    wv: Array = _param("layers", "embed", "kv_heads", "head_dim")  # [L, D, K, hd]
+    bq: Array | None = _param("layers", "heads", "head_dim")  # [L, H, hd] (Qwen2) or None
+    bk: Array | None = _param("layers", "kv_heads", "head_dim")  # [L, K, hd] or None
+    bv: Array | None = _param("layers", "kv_heads", "head_dim")  # [L, K, hd] or None
+    wo: Array = _param("layers", "heads", "head_dim", "embed")  # [L, H, hd, D]
+    mlp_norm: Array = _param("layers", "embed")  # [L, D]
+    w_gate: Array = _param("layers", "embed", "ffn")  # [L, D, F]
+    w_up: Array = _param("layers", "embed", "ffn")  # [L, D, F]
+    w_down: Array = _param("layers", "ffn", "embed")  # [L, F, D]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["embed", "layers", "final_norm", "lm_head"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Params:
-    embed: Array  # [V, D]
-    layers: LayerWeights
-    final_norm: Array  # [D]
-    lm_head: Array | None  # [D, V], or None when tied to `embed`
+    embed: Array = _param("vocab", "embed")  # [V, D]
+    layers: LayerWeights  # [L, ...] each, axes declared above
+    final_norm: Array = _param("embed")  # [D]
+    lm_head: Array | None = _param("embed", "vocab")  # [D, V], or None when tied to `embed`
 
 
 def param_shapes(cfg: ModelConfig) -> Params:

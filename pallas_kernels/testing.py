@@ -1,7 +1,7 @@
 """Test and benchmark inputs: a paged cache built from per-sequence contiguous K/V, with every
 slot that should never be read (other layers, unused pages, the null page, slots past
 kv_lens, q padding rows) filled with NaN, plus a naive dense numpy attention to check
-against. Used by tests/test_kernels_*.py and benchmarks/kernels_bench.py."""
+against. Used by tests/test_kernels.py and benchmarks/kernels_bench.py."""
 
 from __future__ import annotations
 

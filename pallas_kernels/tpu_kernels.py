@@ -24,7 +24,7 @@ NOTE: the per-page dots are [BQ*G, ps] (small for the MXU) and each grid step st
 ~0.35 us; a faster version would DMA many pages per step into one VMEM buffer by hand
 (`memory_space=pl.ANY` + `pltpu.make_async_copy`), as JAX's own TPU kernels do. Not yet
 measured on a TPU (none was available): correctness comes from TPU interpret mode and the
-Mosaic lowering check in tests/test_kernels_tpu.py.
+Mosaic lowering check in tests/test_kernels.py.
 """
 
 from __future__ import annotations

@@ -24,21 +24,11 @@ from collections.abc import Callable
 import grpc
 from absl import app, flags
 
+from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
 PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
 
 
 @dataclasses.dataclass

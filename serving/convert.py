@@ -7,6 +7,7 @@ import time
 from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
 
 # Priority class -> engine priority (larger = more important).
@@ -17,17 +18,6 @@ ENGINE_PRIORITY = {
     pb.PRIORITY_HIGH: 2,
 }
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-)
 
 # Token times cross the wire as unix nanoseconds; the engine stamps time.monotonic().
 _UNIX_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
@@ -73,7 +63,7 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None)
 def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> SamplingParams:
     """Raises InvalidRequestError naming the field (SamplingParams validates itself)."""
     s = req.sampling
-    kwargs = {f: getattr(s, f) for f in _SAMPLING_FIELDS if s.HasField(f)}
+    kwargs = {f: getattr(s, f) for f in SAMPLING_FIELDS if s.HasField(f)}
     return SamplingParams(
         **kwargs,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
@@ -120,23 +110,17 @@ def versions_dict(identity) -> dict[str, str]:
     }
 
 
-def final_info(
-    finish_reason: str,
-    prompt_tokens: int,
-    cached_tokens: int,
-    completion_tokens: int,
-    timings: dict,
-    identity,
-) -> pb.FinalInfo:
+def final_info(summary, identity) -> pb.FinalInfo:
+    """`summary`: generation.FinalSummary of the finished request."""
     return pb.FinalInfo(
-        finish_reason=finish_reason,
+        finish_reason=summary.finish_reason,
         usage=pb.Usage(
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            completion_tokens=completion_tokens,
+            prompt_tokens=summary.prompt_tokens,
+            cached_tokens=summary.cached_tokens,
+            completion_tokens=summary.completion_tokens,
         ),
         timings=pb.Timings(
-            **{k: timings.get(k) or 0.0 for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
+            **{k: summary.timings.get(k) or 0.0 for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
         ),
         versions=versions_message(identity),
     )

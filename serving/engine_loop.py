@@ -71,6 +71,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_breaker_change=None,
         on_tick=None,
+        on_start=None,
     ):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
@@ -85,6 +86,7 @@ class EngineLoop:
         self.last_stats: dict = {}
         self._on_breaker_change = on_breaker_change  # called with the new state's name
         self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
+        self._on_start = on_start  # called once on this thread before serving (warm-up)
         self._breaker_state = "closed"
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
 
@@ -115,6 +117,8 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------------
     def run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while not self._stop.is_set():
             try:
                 self._iterate()

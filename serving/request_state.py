@@ -4,7 +4,9 @@ that gives every request exactly one recorded outcome.
 StreamBuffer: the engine thread pushes RequestOutput deltas without ever blocking; when the
 buffer already holds `limit` undelivered deltas, push() returns False and the engine thread
 cancels the request (slow consumer). The final delta is always accepted. The handler thread
-blocks in get() and drains everything buffered into one message.
+blocks in get() and drains everything buffered into one message. An asyncio reader (the HTTP
+API) passes a `listener`, called (on the engine thread) after every push and close, to wake
+its event loop instead of blocking a thread in get().
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -35,8 +38,8 @@ class Terminal:
 
 
 class StreamBuffer:
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, listener: Callable[[], None] | None = None):
+        self.limit, self.listener = limit, listener
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._terminal: Terminal | None = None
         self._cond = threading.Condition()
@@ -47,13 +50,17 @@ class StreamBuffer:
                 return False
             self._items.append(out)
             self._cond.notify()
-            return True
+        if self.listener is not None:
+            self.listener()
+        return True
 
     def close(self, terminal: Terminal) -> None:
         with self._cond:
             if self._terminal is None:
                 self._terminal = terminal
             self._cond.notify()
+        if self.listener is not None:
+            self.listener()
 
     def get(self, timeout_s: float) -> tuple[list[RequestOutput], Terminal | None]:
         """Everything buffered (maybe nothing after timeout_s), and the terminal if closed."""

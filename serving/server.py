@@ -1,12 +1,15 @@
-"""The pagedjax gRPC server: assembles engine, engine thread, admission, tenants, metrics,
-health and reflection (threads and queues: see serving/engine_loop.py).
+"""The pagedjax server: assembles engine, engine thread, admission, tenants, metrics, gRPC
+health and reflection, and the OpenAI-compatible HTTP API beside gRPC (threads and queues:
+see serving/engine_loop.py; both transports call one Generator, serving/generation.py).
 
-    python -m serving.server --model=smollm2-135m --port=50051 --metrics_port=9090
+    python -m serving.server --model=smollm2-135m --port=50051 --metrics_port=9090 --http_port=8000
     python -m serving.server --model=mock --port=0          # MockEngine, no JAX needed
 
-Logs `serving on PORT` once ready. Programmatic use (tests, serving/cli.py):
+Prints `serving on PORT` (and `http on PORT`) once listening; warm-up then runs on the engine
+thread, and generation is refused (UNAVAILABLE / 503 warming_up, gRPC health NOT_SERVING,
+HTTP /ready 503) until it ends. Programmatic use (tests, serving/cli.py):
 
-    server = PagedJaxServer(engine, ServerConfig(...)).start()   # server.port, .metrics_port
+    server = PagedJaxServer(engine, ServerConfig(...)).start()   # .port, .metrics_port, .http_port
     ...
     server.stop()
 """
@@ -28,11 +31,12 @@ from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.dispatch import DispatchLedger
 from serving.engine_loop import EngineLoop
+from serving.generation import Generator, ServiceLimits
 from serving.metrics import ServerMetrics, start_metrics_http
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 from serving.request_state import RequestLedger
-from serving.service import PagedJaxService, ServiceLimits
+from serving.service import PagedJaxService
 from serving.tenants import TenantLimiter, TenantRegistry
 
 log = logging.getLogger("pagedjax.serving")
@@ -52,13 +56,20 @@ class ServerConfig:
     host: str = "[::]"
     port: int = 0  # 0: ephemeral (see PagedJaxServer.port)
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
+    http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
 
 
 class PagedJaxServer:
     def __init__(
-        self, engine, config: ServerConfig | None = None, tenants: TenantRegistry | None = None
+        self,
+        engine,
+        config: ServerConfig | None = None,
+        tenants: TenantRegistry | None = None,
+        warmup=None,
     ):
+        """`warmup`: called with no arguments on the engine thread before it serves (compiles
+        the step shapes); generation is refused as warming_up until it returns."""
         config = config or ServerConfig()
         self.engine, self.config = engine, config
         stats = dict(engine.stats())
@@ -90,10 +101,12 @@ class PagedJaxServer:
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
             on_tick=self.dispatch.reap,
+            on_start=self._warm_up,
         )
+        self._warmup = warmup
         self.loop.last_stats = stats
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
-        self.service = PagedJaxService(
+        self.generator = Generator(
             engine,
             self.limits,
             tenants or TenantRegistry(),
@@ -102,8 +115,8 @@ class PagedJaxServer:
             self.breaker,
             self.loop,
             self.ledger,
-            config.engine_config,
         )
+        self.service = PagedJaxService(self.generator, config.engine_config)
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
@@ -118,28 +131,61 @@ class PagedJaxServer:
         self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
         self.metrics_port: int | None = None
         self._metrics_http = None
+        self.http_port: int | None = None
+        self._http = None
+        if config.http_port is not None:
+            from serving.http_api import HttpApi
+            from serving.http_server import HttpServer
+
+            self.http_api = HttpApi(self.generator, self.metrics)
+            self._http = HttpServer(self.http_api.app, config.host, config.http_port)
+            self.http_port = self._http.port
 
     def start(self) -> PagedJaxServer:
+        if self._warmup is None:  # ready at once, not when the engine thread gets to it
+            self.generator.ready.set()
         self.loop.start()
         if self.config.metrics_port is not None:
             self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
             self.metrics_port = self._metrics_http.server_port
         self.grpc_server.start()
+        if self._http is not None:
+            self._http.start()
         self._set_health("closed")
-        log.info("gRPC server started on port %d (metrics port %s)", self.port, self.metrics_port)
+        log.info(
+            "gRPC server started on port %d (metrics port %s, HTTP port %s)",
+            self.port,
+            self.metrics_port,
+            self.http_port,
+        )
         return self
+
+    def _warm_up(self) -> None:
+        """On the engine thread, before its first iteration."""
+        if self._warmup is None:
+            return
+        try:
+            self._warmup()
+        except Exception:  # stays not ready (503 warming_up); the log says why
+            log.exception("warm-up failed; the server will not become ready")
+            return
+        self.generator.ready.set()
+        self._set_health(self.breaker.state)
 
     def _set_health(self, breaker_state: str) -> None:
         status = (
             health_pb2.HealthCheckResponse.NOT_SERVING
-            if breaker_state == "open"
+            if breaker_state == "open" or not self.generator.ready.is_set()
             else health_pb2.HealthCheckResponse.SERVING
         )
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self.generator.draining = True
         self.health.enter_graceful_shutdown()
+        if self._http is not None:
+            self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
         if self._metrics_http is not None:
@@ -160,6 +206,9 @@ def define_flags() -> None:
     flags.DEFINE_string("host", "[::]", "address to bind")
     flags.DEFINE_integer("port", 50051, "gRPC port (0: ephemeral)")
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none)")
+    flags.DEFINE_integer(
+        "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
+    )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
@@ -244,22 +293,33 @@ def build_engine(
 
     mesh = options.pop("mesh", None)
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
-    config = EngineConfig(
-        model=model,
-        max_model_len=max_model_len,
-        # The warmed set is the set: every batch is padded to a warmed shape.
-        **({"max_step_shapes": warmup_max_shapes} if warmup_max_shapes else {}),
-        **options,
-    )
+    if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
+        options.setdefault("max_step_shapes", warmup_max_shapes)
+    config = EngineConfig(model=model, max_model_len=max_model_len, **options)
     # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
     loaded = load_model(model, shardings_for=loader_shardings(mesh) if mesh else None)
     core = create_engine(loaded, config, mesh=mesh)
-    if warmup_max_shapes:
-        from engine.warmup import warmup
-
-        for replica in getattr(core, "replicas", [core]):
-            warmup(replica, max_shapes=warmup_max_shapes)  # logs how long it took
+    warm = engine_warmup(core, warmup_max_shapes)
+    if warm is not None:
+        warm()
     return core
+
+
+def engine_warmup(engine, max_shapes: int):
+    """A callable building every step program of `engine`'s shape set (engine/shapes.py;
+    its size is EngineConfig.max_step_shapes, which the server sets from
+    --warmup_max_shapes), or None: nothing to do (the mock engine, or max_shapes 0).
+    PagedJaxServer runs it on the engine thread."""
+    replicas = getattr(engine, "replicas", [engine])
+    if not max_shapes or not hasattr(replicas[0], "run_step"):
+        return None
+    from engine.warmup import warmup
+
+    def run() -> None:
+        for replica in replicas:
+            warmup(replica)  # logs how long it took
+
+    return run
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -284,6 +344,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
+        http_port=FLAGS.http_port or None,
         engine_config={"model": FLAGS.model, **engine_config},
     )
 
@@ -311,17 +372,24 @@ def main(argv) -> None:
 
         enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
     options = engine_options_from_flags()
+    # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
+    shapes = {"max_step_shapes": FLAGS.warmup_max_shapes} if FLAGS.warmup_max_shapes else {}
     engine = build_engine(
         FLAGS.model,
-        {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+        {**options, **shapes, "warmup_max_shapes": 0},
         mock_step_time_s=FLAGS.mock_step_time_s,
         max_model_len=FLAGS.max_model_len,
     )
     server = PagedJaxServer(
-        engine, config_from_flags(options), TenantRegistry.from_file(FLAGS.tenants_config)
+        engine,
+        config_from_flags(options),
+        TenantRegistry.from_file(FLAGS.tenants_config),
+        warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
     )
     server.start()
     print(f"serving on {server.port}", flush=True)
+    if server.http_port is not None:
+        print(f"http on {server.http_port}", flush=True)
     try:
         server.wait()
     except KeyboardInterrupt:

@@ -1,239 +1,67 @@
 """The PagedJax gRPC service: one handler thread per call (see engine_loop.py for the
-threads and queues). Generate runs admission on its own thread, in this order, and every
-refusal is recorded as that request's one outcome before the call ends:
-
-    x-api-key -> tenant            UNAUTHENTICATED         rejected{unauthenticated}
-    model / revision pin           FAILED_PRECONDITION     rejected{model_mismatch}
-    prompt, sampling, limits       INVALID_ARGUMENT        rejected{invalid_argument}
-    deadline already passed        DEADLINE_EXCEEDED       timed_out{expired_on_arrival}
-    circuit breaker                UNAVAILABLE + retry     rejected{circuit_open}
-    tenant concurrency / tokens    RESOURCE_EXHAUSTED + retry  rejected{tenant_*}
-    waiting queue / est. wait      RESOURCE_EXHAUSTED + retry  rejected{queue_*, deadline}
+threads and queues). Generate turns the protobuf request into a GenerateCall and hands it to
+the transport-neutral Generator (generation.py: admission order, refusals, outcomes), which
+the HTTP API shares; a refusal becomes the call's status, with trailing `retry-after-ms`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import uuid
 
 import grpc
 
-from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
 from serving import convert
-from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue, check_limits
-from serving.breaker import CircuitBreaker
-from serving.engine_loop import EngineLoop
+from serving.generation import GenerateCall, Generator, Refusal, final_summary, is_done
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
-from serving.request_state import ActiveRequest, RequestLedger, StreamBuffer, Terminal
-from serving.tenants import TenantLimiter, TenantRegistry, UnknownApiKey
+from serving.request_state import ActiveRequest, Terminal
 
 RETRY_AFTER_KEY = "retry-after-ms"
 API_KEY = "x-api-key"
-MAX_REQUEST_ID_CHARS = 256
 _POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
-class _Refusal(Exception):
-    def __init__(
-        self,
-        status: grpc.StatusCode,
-        reason: str,
-        details: str,
-        retry_after_ms: int | None = None,
-        outcome: str = "rejected",
-        tenant: str = "?",
-    ):
-        self.status, self.reason, self.details = status, reason, details
-        self.retry_after_ms, self.outcome, self.tenant = retry_after_ms, outcome, tenant
-        super().__init__(details)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceLimits:
-    admission: AdmissionConfig
-    stream_buffer_messages: int
-    max_inflight: int
+def _time_left_s(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e8 else remaining
 
 
 class PagedJaxService(pb_grpc.PagedJaxServicer):
-    def __init__(
-        self,
-        engine,
-        limits: ServiceLimits,
-        tenants: TenantRegistry,
-        limiter: TenantLimiter,
-        waiting: WaitingQueue,
-        breaker: CircuitBreaker,
-        loop: EngineLoop,
-        ledger: RequestLedger,
-        engine_config: dict,
-    ):
-        self.engine, self.limits, self.tenants, self.limiter = engine, limits, tenants, limiter
-        self.waiting, self.breaker, self.loop, self.ledger = waiting, breaker, loop, ledger
-        self.identity = engine.identity
-        self.engine_config = engine_config
-        self.vocab_size = getattr(engine.tokenizer, "vocab_size", None)
+    def __init__(self, generator: Generator, engine_config: dict):
+        self.generator, self.engine_config = generator, engine_config
+        g = generator
+        self.engine, self.limits, self.waiting = g.engine, g.limits, g.waiting
+        self.breaker, self.loop, self.identity = g.breaker, g.loop, g.identity
 
     # ---- Generate -------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         arrival_s = time.monotonic()
-        request_id = request.request_id or uuid.uuid4().hex
+        call = self._call(request, context)
         try:
-            r = self._admit_call(request, request_id, context, arrival_s)
-        except _Refusal as e:
-            self.ledger.reject(
-                request_id, e.tenant, e.reason, e.status, e.details, arrival_s, outcome=e.outcome
-            )
+            r = self.generator.submit(call, arrival_s)
+        except Refusal as e:
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             context.abort(e.status, e.details)
-        if not context.add_callback(lambda: self._on_call_end(r)):
-            self._on_call_end(r)  # the call already ended (client gone)
-        self.loop.wake.set()
+        if not context.add_callback(lambda: self.generator.client_gone(r)):
+            self.generator.client_gone(r)  # the call already ended (client gone)
         yield from self._relay(r, request.stream, context)
 
-    def _admit_call(self, request, request_id, context, arrival_s) -> ActiveRequest:
-        """Admission, with every failure turned into a _Refusal (one recorded outcome)."""
-        tenant_name = "?"
-        try:
-            tenant = self._authenticate(context)
-            tenant_name = tenant.name
-            return self._admit(request, request_id, tenant, context, arrival_s)
-        except _Refusal as e:
-            e.tenant = tenant_name
-            raise
-        except ValueError as e:  # e.g. the model has no chat template
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e), tenant=tenant_name
-            ) from e
-        except Exception as e:  # a bug here must still end in one recorded outcome
-            raise _Refusal(grpc.StatusCode.INTERNAL, "internal", repr(e), tenant=tenant_name) from e
-
-    def _authenticate(self, context):
-        api_key = dict(context.invocation_metadata()).get(API_KEY)
-        try:
-            return self.tenants.authenticate(api_key)
-        except UnknownApiKey as e:
-            raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", str(e)) from e
-
-    def _check_model(self, model: str, revision: str) -> None:
-        if model and model != self.identity.name:
-            raise _Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "model_mismatch",
-                f"model {model!r} is not served here (loaded: {self.identity.name!r})",
-            )
-        if revision and revision != self.identity.revision:
-            raise _Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "model_mismatch",
-                f"revision {revision!r} is pinned but {self.identity.revision!r} is loaded",
-            )
-
-    def _deadline_s(self, context, arrival_s: float) -> float | None:
-        remaining = context.time_remaining()
-        if remaining is None or remaining > 1e8:
-            return None
-        if remaining <= 0:
-            raise _Refusal(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "expired_on_arrival",
-                "deadline passed before the request was admitted",
-                outcome="timed_out",
-            )
-        return arrival_s + remaining
-
-    def _admit(self, request, request_id, tenant, context, arrival_s) -> ActiveRequest:
-        self._check_model(request.model, request.revision)
-        try:
-            prompt = convert.prompt_token_ids(request, self.engine.tokenizer, self.vocab_size)
-            a = self.limits.admission
-            # NOTE: unset max_tokens is the default, shrunk to what the context leaves.
-            default = max(1, min(a.default_max_tokens, a.max_tokens, a.max_model_len - len(prompt)))
-            sp = convert.sampling_params(request, default)
-            check_limits(a, len(prompt), sp)
-        except InvalidRequestError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "invalid_argument",
-                f"request_id of {len(request_id)} characters is invalid: at most "
-                f"{MAX_REQUEST_ID_CHARS}",
-            )
-        if self.loop.is_active(request_id):
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "invalid_argument",
-                f"request_id={request_id!r} is invalid: already in flight",
-            )
-        deadline_s = self._deadline_s(context, arrival_s)
-        retry_ms = self.breaker.allow()
-        if retry_ms is not None:
-            raise _Refusal(
-                grpc.StatusCode.UNAVAILABLE,
-                "circuit_open",
-                "engine steps are failing; circuit breaker open",
-                retry_ms,
-            )
-        try:
-            reservation = self.limiter.acquire(tenant, len(prompt), sp.max_tokens)
-        except InvalidRequestError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e)) from e
-        except Rejected as e:
-            raise _Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
-            ) from e
-        priority = convert.ENGINE_PRIORITY.get(request.priority, 1)
-        engine_request = EngineRequest(
-            request_id, prompt, sp, priority=priority, tenant=tenant.name, deadline_s=deadline_s
+    def _call(self, request: pb.GenerateRequest, context) -> GenerateCall:
+        tokenizer, vocab_size = self.engine.tokenizer, self.generator.vocab_size
+        return GenerateCall(
+            request_id=request.request_id or uuid.uuid4().hex,
+            api_key=dict(context.invocation_metadata()).get(API_KEY),
+            prompt_ids=lambda: convert.prompt_token_ids(request, tokenizer, vocab_size),
+            sampling=lambda default: convert.sampling_params(request, default),
+            model=request.model,
+            revision=request.revision,
+            priority=convert.ENGINE_PRIORITY.get(request.priority, 1),
+            time_left_s=_time_left_s(context),
         )
-        r = ActiveRequest(
-            request_id,
-            tenant,
-            reservation,
-            engine_request,
-            arrival_s,
-            StreamBuffer(self.limits.stream_buffer_messages),
-        )
-        self.loop.register(r)
-        try:
-            self.waiting.offer(
-                QueuedRequest(
-                    request_id,
-                    len(prompt) + sp.max_tokens,
-                    priority,
-                    arrival_s,
-                    deadline_s,
-                    payload=None,
-                )
-            )
-        except Rejected as e:
-            self.loop.unregister(request_id)
-            self.limiter.release(tenant, reservation, 0, refund_all=True)
-            raise _Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
-            ) from e
-        return r
-
-    def _on_call_end(self, r: ActiveRequest) -> None:
-        """gRPC callback when the call ends for any reason: a call that ends before its
-        request did was cancelled by the client (or its deadline passed)."""
-        if r.outcome is not None:
-            return
-        deadline = r.engine_request.deadline_s
-        late = deadline is not None and time.monotonic() >= deadline
-        outcome, reason, status = (
-            ("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
-            if late
-            else ("cancelled", "client", grpc.StatusCode.CANCELLED)
-        )
-        if self.ledger.settle(r, outcome, reason, status, "call ended by the client"):
-            self.loop.abort(r.request_id)
 
     def _relay(self, r: ActiveRequest, stream: bool, context):
         """Stream buffer -> gRPC messages; ends with the final message or the terminal status."""
@@ -242,19 +70,10 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             items, terminal = r.stream.get(_POLL_S)
             if items:
                 msg = convert.delta_message(r.request_id, items)
-                last = items[-1]
-                done = last.finished and last.finish_reason in ("stop", "length")
+                done = is_done(items)
                 if done:
-                    msg.final.CopyFrom(
-                        convert.final_info(
-                            last.finish_reason,
-                            r.num_prompt_tokens,
-                            r.num_cached_tokens,
-                            r.num_output_tokens,
-                            r.timings or {},
-                            self.identity,
-                        )
-                    )
+                    summary = final_summary(r, items[-1].finish_reason)
+                    msg.final.CopyFrom(convert.final_info(summary, self.identity))
                 if stream and (msg.token_ids or msg.text or done):
                     yield msg
                 elif not stream:
@@ -277,8 +96,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
     # ---- the other RPCs -------------------------------------------------------------------
     def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
-            self._check_model(request.model, "")
-        except _Refusal as e:
+            self.generator.check_model(request.model, "")
+        except Refusal as e:
             context.abort(e.status, e.details)
         kind = request.WhichOneof("input")
         if kind == "chat":

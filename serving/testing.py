@@ -20,12 +20,14 @@ def running_server(
     tenants: TenantRegistry | None = None,
     admission: AdmissionConfig | None = None,
     api_key: str | None = None,
+    warmup: Callable[[], None] | None = None,
     **config,
 ) -> Iterator[tuple[PagedJaxServer, GenerateClient]]:
-    """Starts a server (MockEngine unless given) on 127.0.0.1:0 and a client for it."""
+    """Starts a server (MockEngine unless given) on 127.0.0.1:0 and a gRPC client for it;
+    `http_port=0` also serves the HTTP API on an ephemeral port (`server.http_port`)."""
     engine = engine if engine is not None else MockEngine(step_time_s=0.002)
     cfg = ServerConfig(host="127.0.0.1", port=0, admission=admission or AdmissionConfig(), **config)
-    server = PagedJaxServer(engine, cfg, tenants).start()
+    server = PagedJaxServer(engine, cfg, tenants, warmup=warmup).start()
     client = GenerateClient(f"127.0.0.1:{server.port}", api_key=api_key)
     try:
         yield server, client

@@ -72,6 +72,7 @@ def check_report(out_dir, plots=True):
     return report
 
 
+@pytest.mark.subprocess
 def test_cli_run_bursty_mixed_with_cancellations(mock_server, tmp_path):
     port, metrics_port = mock_server
     out = tmp_path / "run"
@@ -114,6 +115,7 @@ def test_cli_run_bursty_mixed_with_cancellations(mock_server, tmp_path):
     assert len((tmp_path / "sent.jsonl").read_text().splitlines()) == report["requests_sent"]
 
 
+@pytest.mark.subprocess
 def test_closed_loop_counts_add_up(mock_server, tmp_path):
     port, _ = mock_server
     cfg = RunConfig(

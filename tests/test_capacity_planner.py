@@ -1,6 +1,7 @@
 """The planner's worked examples from the seeds (benchmarks/planner.py)."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -10,6 +11,16 @@ from configs.model_config import from_name
 
 GIB = 1024**3
 SEED_MODEL = dataclasses.replace(from_name("llama-3.1-8b"), name="seed")  # 32 layers, 8x128
+# The seed's 80 GiB device: 16 GiB of bf16 weights, 4 GiB of workspace, 16-token pages.
+seed_plan = functools.partial(
+    planner.plan,
+    SEED_MODEL,
+    kv_dtype="bfloat16",
+    device_memory_bytes=80 * GIB,
+    weights_bytes=16 * GIB,
+    workspace_bytes=4 * GIB,
+    page_size=16,
+)
 
 
 def test_seed_kv_arithmetic():
@@ -60,13 +71,7 @@ def test_output_token_demand():
 
 def test_plan_budgets_max_tokens_more_than_expected_lengths():
     samples = [(100, 50), (300, 150)]  # totals 150, 450
-    out = planner.plan(
-        SEED_MODEL,
-        kv_dtype="bfloat16",
-        device_memory_bytes=80 * GIB,
-        weights_bytes=16 * GIB,
-        workspace_bytes=4 * GIB,
-        page_size=16,
+    out = seed_plan(
         samples=samples,
         max_tokens=1024,
         seq_lens=[8192],
@@ -88,13 +93,7 @@ def test_plan_budgets_max_tokens_more_than_expected_lengths():
 
 
 def test_render_plan_states_replicas_and_caution():
-    out = planner.plan(
-        SEED_MODEL,
-        kv_dtype="bfloat16",
-        device_memory_bytes=80 * GIB,
-        weights_bytes=16 * GIB,
-        workspace_bytes=4 * GIB,
-        page_size=16,
+    out = seed_plan(
         samples=[(100, 50)],
         max_tokens=1024,
         seq_lens=[8192],

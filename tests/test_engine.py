@@ -64,12 +64,14 @@ def test_32_mixed_prompts_match_dense_loop(tiny_llm, tiny_reference):
     assert len(m.itl_s) == len(outs[0].token_ids) - 1
 
 
+@pytest.mark.compile
 def test_tiny_pool_forces_preemption_and_still_matches(tiny_reference):
     llm = LLM("tiny", num_pages=24, **TINY_OPTS)  # 23 pages of 8 tokens for 8 slots
     check_against_dense(llm, *tiny_reference)
     assert llm.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.compile
 def test_small_prefill_chunk_matches(tiny_reference):
     llm = LLM(
         "tiny",
@@ -79,6 +81,7 @@ def test_small_prefill_chunk_matches(tiny_reference):
     check_against_dense(llm, *tiny_reference)
 
 
+@pytest.mark.compile
 def test_prefix_cache_off_matches(tiny_reference):
     llm = LLM("tiny", num_pages=200, prefix_caching=False, **TINY_OPTS)
     check_against_dense(llm, *tiny_reference)
@@ -163,6 +166,7 @@ def test_bad_requests_name_the_field(tiny_llm):
     assert not core.has_unfinished()
 
 
+@pytest.mark.compile
 def test_no_recompilation_after_warmup():
     from engine.warmup import reachable_shapes, warmup
 

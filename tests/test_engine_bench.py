@@ -4,9 +4,12 @@ written as JSON. No timing assertions (the figures depend on the machine and its
 import json
 import math
 
+import pytest
+
 from benchmarks import engine_bench
 
 
+@pytest.mark.compile
 def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     r = engine_bench.main(["--smoke", f"--out={out}"])
@@ -57,6 +60,7 @@ def test_mixed_workload_is_seeded_and_bounded():
     assert all(4 <= m <= 30 for m in a.max_tokens) and len(set(a.max_tokens)) > 5
 
 
+@pytest.mark.compile
 def test_warm_shape_does_not_compile_again_with_committed_params():
     """Loaded weights are committed arrays; the engine's KV cache and penalty state must be
     too, or the first shape warm-up compiles gets compiled again on its first real step

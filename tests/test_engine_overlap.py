@@ -91,6 +91,7 @@ def stop_id(tiny_model):
     return toks[3]  # a token greedy decoding reaches: some requests stop on it
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("num_pages", [200, 20])  # 20: a tiny pool, preemptions
 def test_overlapped_outputs_equal_synchronous(tiny_model, stop_id, num_pages):
     prompts = _workload()
@@ -114,6 +115,7 @@ def test_overlapped_outputs_equal_synchronous(tiny_model, stop_id, num_pages):
     assert over_stats["num_steps"] <= sync_stats["num_steps"] + len(prompts)
 
 
+@pytest.mark.compile
 def test_synchronous_engine_matches_overlapped_on_greedy_batches(tiny_model):
     prompts = _workload(12, seed=3)
     params = SamplingParams(temperature=0, max_tokens=10)
@@ -132,6 +134,7 @@ def test_synchronous_engine_matches_overlapped_on_greedy_batches(tiny_model):
     assert got[0] == got[1]
 
 
+@pytest.mark.compile
 def test_nothing_compiles_after_warmup_on_a_random_workload(tiny_model):
     """The shape set (every batch padded to one of its shapes) warmed with every sampler
     variant; a random workload (lengths, greedy / seeded / penalties / logprobs / stops,

@@ -4,9 +4,12 @@ produced and written as JSON. No timing assertions (the figures depend on the lo
 import json
 import math
 
+import pytest
+
 from benchmarks import host_bench
 
 
+@pytest.mark.compile
 def test_smoke_run_reports_every_phase_and_ratio(tmp_path, capsys):
     out = tmp_path / "host.json"
     r = host_bench.main(["--smoke", f"--out={out}"])

@@ -2,9 +2,12 @@
 
 import math
 
+import pytest
+
 from benchmarks import kernels_bench
 
 
+@pytest.mark.compile
 def test_benchmark_main_runs_at_smoke_size(capsys):
     rows = kernels_bench.main(["--sizes=smoke", "--iters=1"])
     assert {(r["kind"], r["impl"]) for r in rows} == {("decode", "ours"), ("mixed", "ours")}
@@ -18,29 +21,10 @@ def test_benchmark_main_runs_at_smoke_size(capsys):
 def test_bytes_and_flops_arithmetic():
     """Decode of 2 sequences x 64 tokens, K=2, hd=64, f32, pages of 16: the K and V pages
     (2 * 2 * 64 * 2 * 64 * 4 bytes) plus q and the output; 4 * keys * H * hd FLOPs."""
-    inputs = kernels_bench.make_inputs(
-        "decode",
-        2,
-        64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        chunk=16,
-        dtype="float32",
-    )
+    sizes = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16, "chunk": 16}
+    inputs = kernels_bench.make_inputs("decode", 2, 64, **sizes, dtype="float32")
     assert inputs.bytes_moved == 2 * 2 * 64 * 2 * 64 * 4 + 2 * (2 * 4 * 64 * 4)
     assert inputs.flops == 4 * (2 * 64) * 4 * 64
-    mixed = kernels_bench.make_inputs(
-        "mixed",
-        2,
-        64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        chunk=16,
-        dtype="float32",
-    )
+    mixed = kernels_bench.make_inputs("mixed", 2, 64, **sizes, dtype="float32")
     assert mixed.q.shape[0] == 17 and mixed.max_query_len == 16
     assert mixed.flops == 4 * (sum(range(49, 65)) + 64) * 4 * 64

@@ -15,6 +15,8 @@ from configs import from_name
 from models.dense_generate import DenseKVCache, dense_attention, generate_dense
 from models.llama import forward
 
+pytestmark = pytest.mark.slow  # transformers and torch, every test
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

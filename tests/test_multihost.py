@@ -62,6 +62,7 @@ def _tagged(stdout: str, tag: str) -> dict:
     return json.loads(lines[-1][len(tag) + 1 :])
 
 
+@pytest.mark.subprocess
 def test_two_processes_generate_like_one(tiny_model):
     procs = _launch(2, "model:4")
     try:

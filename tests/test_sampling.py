@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,27 +150,49 @@ def test_top_k_alone_samples_its_k_tokens_with_renormalized_probs():
     assert chi_square(toks, probs) < 13.8  # 2 dof, p = 0.001
 
 
-def test_penalties_follow_vllm_definitions_by_hand():
-    logits = jnp.array([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, -1.0, 0.0, 4.0]])
-    counts = jnp.array([[0, 2, 0, 1, 0], [0, 0, 3, 0, 0]], jnp.int32)
-    prompt = jnp.array([[True, False, False, False, False], [False, True, False, False, False]])
-    t = SamplingTensors.from_params(
-        [
-            SamplingParams(
-                repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, seed=0
-            ),
-            SamplingParams(repetition_penalty=0.5, presence_penalty=-1.0, seed=0),
-        ],
-        [0, 0],
-        None,
-        2,
-    )
-    got = np.asarray(jax.jit(apply_penalties)(logits, counts, prompt, t))
-    # row 0: rep 2 on tokens {0 (prompt), 1, 3 (output)}; then -0.5*count -0.25*(count>0)
-    want0 = [2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, -2.0]
-    # row 1: rep 0.5 on {1 (prompt), 2 (output)}; presence -1 on token 2
-    want1 = [1.0, 1.0 / 0.5, -1.0 * 0.5 + 1.0, 0.0, 4.0]
-    np.testing.assert_allclose(got, [want0, want1], rtol=1e-6)
+class TestPenaltiesJittedAndEager(chex.TestCase):
+    """The device-side penalty functions are pure: the same answer traced under jit and run
+    eagerly (chex variants run each test both ways)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_penalties_follow_vllm_definitions_by_hand(self):
+        logits = jnp.array([[2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, -1.0, 0.0, 4.0]])
+        counts = jnp.array([[0, 2, 0, 1, 0], [0, 0, 3, 0, 0]], jnp.int32)
+        prompt = jnp.array([[True, False, False, False, False], [False, True, False, False, False]])
+        t = SamplingTensors.from_params(
+            [
+                SamplingParams(
+                    repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, seed=0
+                ),
+                SamplingParams(repetition_penalty=0.5, presence_penalty=-1.0, seed=0),
+            ],
+            [0, 0],
+            None,
+            2,
+        )
+        got = self.variant(apply_penalties)(logits, counts, prompt, t)
+        chex.assert_shape(got, (2, 5))
+        chex.assert_type(got, jnp.float32)
+        # row 0: rep 2 on tokens {0 (prompt), 1, 3 (output)}; then -0.5*count -0.25*(count>0)
+        want0 = [2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, -2.0]
+        # row 1: rep 0.5 on {1 (prompt), 2 (output)}; presence -1 on token 2
+        want1 = [1.0, 1.0 / 0.5, -1.0 * 0.5 + 1.0, 0.0, 4.0]
+        np.testing.assert_allclose(got, [want0, want1], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_counts_reset_and_update(self):
+        counts, prompt = init_counts(3, 10)
+        counts = counts.at[1].set(7)  # stale state from an earlier request in slot 1
+        counts, prompt = self.variant(reset_slot_counts)(
+            counts, prompt, 1, jnp.array([4, 4, 9, 0, 0]), 3, jnp.array([5, 5, 2, 0]), 3
+        )
+        assert np.flatnonzero(prompt[1]).tolist() == [4, 9]
+        assert np.asarray(counts[1]).tolist() == [0, 0, 1, 0, 0, 2, 0, 0, 0, 0]
+        counts = self.variant(update_counts)(
+            counts, jnp.array([1, 0, 2]), jnp.array([2, 3, 3]), jnp.array([True, True, False])
+        )
+        chex.assert_type(counts, jnp.int32)
+        assert int(counts[1, 2]) == 2 and int(counts[0, 3]) == 1 and int(counts[2].sum()) == 0
 
 
 def test_penalties_change_the_greedy_pick_and_logprobs_use_penalized_logits():
@@ -183,20 +206,6 @@ def test_penalties_change_the_greedy_pick_and_logprobs_use_penalized_logits():
     want = log_softmax(np.array([2.0, 4.0, 0.0]))
     np.testing.assert_allclose(res.logprobs[0], want[1], atol=1e-6)
     np.testing.assert_array_equal(res.top_ids[0, :3], [1, 0, 2])
-
-
-def test_counts_reset_and_update_on_device():
-    counts, prompt = init_counts(3, 10)
-    counts = counts.at[1].set(7)  # stale state from an earlier request in slot 1
-    counts, prompt = jax.jit(reset_slot_counts)(
-        counts, prompt, 1, jnp.array([4, 4, 9, 0, 0]), 3, jnp.array([5, 5, 2, 0]), 3
-    )
-    assert np.flatnonzero(prompt[1]).tolist() == [4, 9]
-    assert np.asarray(counts[1]).tolist() == [0, 0, 1, 0, 0, 2, 0, 0, 0, 0]
-    counts = jax.jit(update_counts)(
-        counts, jnp.array([1, 0, 2]), jnp.array([2, 3, 3]), jnp.array([True, True, False])
-    )
-    assert int(counts[1, 2]) == 2 and int(counts[0, 3]) == 1 and int(counts[2].sum()) == 0
 
 
 def test_same_seed_same_tokens_whatever_the_slot_and_companions():

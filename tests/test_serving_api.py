@@ -246,6 +246,7 @@ def test_identity_is_configurable():
         assert client.generate("a", max_tokens=1, revision="r2").versions["revision"] == "r2"
 
 
+@pytest.mark.subprocess
 def test_client_cli_prints_tokens_and_summary(served):
     server, _ = served
     out = subprocess.run(

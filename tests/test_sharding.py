@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given
@@ -103,6 +104,28 @@ def test_rules_table_specs():
     assert spec(("batch",), (6,)) == P("data")
 
 
+@pytest.mark.parametrize("name", ["tiny", "smollm2-135m", "qwen2.5-0.5b"])
+def test_every_param_declares_one_known_logical_axis_per_dim(name):
+    """The axes declared on the params fields (models/llama.py) match param_shapes' ranks
+    and are all in the rules table; the shardings derived from them keep the tree."""
+    from models.llama import param_axes, param_shapes
+
+    shapes = param_shapes(from_name(name))
+    checked = 0
+    for tree in (shapes, shapes.layers):
+        for field in dataclasses.fields(tree):
+            x = getattr(tree, field.name)
+            if x is None or dataclasses.is_dataclass(x):
+                continue
+            axes = param_axes(field)
+            assert len(axes) == len(x.shape), (field.name, axes, x.shape)
+            assert set(axes) <= set(sharding.LOGICAL_RULES), (field.name, axes)
+            checked += 1
+    assert checked == len(jax.tree.leaves(shapes))  # every param, biases and lm_head if any
+    shardings = sharding.param_shardings(from_name(name), sharding.make_mesh("model:1"))
+    assert jax.tree.structure(shardings) == jax.tree.structure(shapes)
+
+
 # ---- 8 virtual CPU devices, in a subprocess -------------------------------------------------
 def _worker(scenario: str, timeout_s: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -126,6 +149,7 @@ def tiny_runs():
     return _worker("tiny", 900)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mesh", ["model:1", "model:2", "model:4", "data:2", "data:2,model:2"])
 def test_tiny_greedy_matches_one_device_and_does_not_recompile(tiny_runs, mesh):
     run = tiny_runs[mesh]
@@ -133,6 +157,7 @@ def test_tiny_greedy_matches_one_device_and_does_not_recompile(tiny_runs, mesh):
     assert run["recompiled"] == 0
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mesh,m", [("model:2", 2), ("model:4", 4), ("data:2,model:2", 2)])
 def test_tiny_weights_and_cache_carry_the_megatron_layout(tiny_runs, mesh, m):
     specs = tiny_runs[mesh]["specs"]
@@ -147,6 +172,7 @@ def test_tiny_weights_and_cache_carry_the_megatron_layout(tiny_runs, mesh, m):
     assert tiny_runs[mesh]["loaded_wq_spec"] == [None, None, "model"]  # placed by the loader
 
 
+@pytest.mark.subprocess
 def test_tiny_kv_bytes_per_device_shrink_and_replicate(tiny_runs):
     ref = tiny_runs["ref_kv_bytes"]  # one device, 2 KV heads
     two, four = tiny_runs["model:2"], tiny_runs["model:4"]
@@ -158,12 +184,14 @@ def test_tiny_kv_bytes_per_device_shrink_and_replicate(tiny_runs):
     assert tiny_runs["model:1"]["kv_bytes_per_device"] == [ref]
 
 
+@pytest.mark.subprocess
 def test_data_replicas_use_disjoint_device_groups(tiny_runs):
     assert tiny_runs["data:2"]["replica_devices"] == [[0], [1]]
     assert tiny_runs["data:2,model:2"]["replica_devices"] == [[0, 1], [2, 3]]
     assert tiny_runs["data:2"]["kv_bytes_per_device"] == [tiny_runs["ref_kv_bytes"]]
 
 
+@pytest.mark.subprocess
 def test_eight_kv_heads_model_axis_8_matches_one_device():
     res = _worker("kv8", 900)
     run = res["model:8"]
@@ -173,6 +201,7 @@ def test_eight_kv_heads_model_axis_8_matches_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_smollm2_model_axis_3_matches_one_device():
     pytest.importorskip("gguf")
     res = _worker("smollm2", 1200)

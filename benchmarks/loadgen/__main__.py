@@ -5,8 +5,12 @@ r"""python -m benchmarks.loadgen: one load run, or a rate sweep, against a local
         --arrival=gamma --burstiness=4 --rate=2 --duration_s=60 --cancel_fraction=0.1 \
         --slo=ttft_s=2,tpot_s=0.2,e2e_s=60 --price_per_device_hour=2.5 --out=/tmp/cap
 
-    add --sweep_rates=0.5,1,2,4 (or --sweep_start=0.5 --sweep_factor=2 --sweep_steps=6) for a
+    add --protocol=http --target=127.0.0.1:8000 to drive the OpenAI-compatible HTTP API
+    (server --http_port=8000) with the same workloads and report; add
+    --sweep_rates=0.5,1,2,4 (or --sweep_start=0.5 --sweep_factor=2 --sweep_steps=6) for a
     sweep: OUT/sweep.{json,md}, OUT/latency_vs_rate.png, and one report per rate.
+
+Needs the `bench` extra (matplotlib, tqdm): pip install -e '.[bench]'.
 """
 
 from __future__ import annotations
@@ -16,12 +20,19 @@ import pathlib
 
 from absl import app, flags
 
+from benchmarks.extras import require
+
+require("bench", "matplotlib", "tqdm")  # plots, progress bar: fail before any load is sent
+
 from benchmarks.loadgen import arrivals, report, sweep
 from benchmarks.loadgen.metrics import parse_slo_policy
 from benchmarks.loadgen.run import RunConfig, run_load
 
 F = flags.FLAGS
-flags.DEFINE_string("target", "127.0.0.1:50051", "gRPC HOST:PORT (loopback only)")
+flags.DEFINE_string("target", "127.0.0.1:50051", "server HOST:PORT (loopback only)")
+flags.DEFINE_enum(
+    "protocol", "grpc", ["grpc", "http"], "gRPC Generate, or the OpenAI-compatible HTTP API"
+)
 flags.DEFINE_string(
     "metrics_url", None, "Prometheus endpoint to scrape, e.g. http://127.0.0.1:9090/metrics"
 )
@@ -89,6 +100,7 @@ def config_from_flags(rate: float | None = None, step: int = 0) -> RunConfig:
     )
     return RunConfig(
         target=F.target,
+        protocol=F.protocol,
         metrics_url=F.metrics_url,
         workload=F.workload,
         length_scale=F.length_scale,

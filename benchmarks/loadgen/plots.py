@@ -1,17 +1,21 @@
-"""PNG plots of a run and of a sweep (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of a run and of a sweep (matplotlib, Agg backend: no display needed). matplotlib
+is in the `bench` extra: only this module imports it, and only when a report is plotted."""
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
+from benchmarks.extras import require
 from benchmarks.loadgen import metrics as m
 from benchmarks.loadgen.metrics import RequestRecord
+
+require("bench", "matplotlib")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 # NOTE: fixed margins instead of tight_layout, which measures every tick label and doubled
 # the plotting time (seconds on a loaded 2-core CI machine).

@@ -2,12 +2,15 @@
 
 RunConfig --> specs (workload mix + arrival schedule, or a trace)
           --> asyncio loop: open- or closed-loop dispatch over one grpc.aio channel
+              (protocol "grpc", driver.py) or one httpx.AsyncClient streaming the
+              OpenAI-compatible API (protocol "http", http_driver.py)
           --> records + scraped server metrics --> build_report --> write_report
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import pathlib
@@ -15,20 +18,24 @@ import socket
 import time
 
 import grpc
+import httpx
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from benchmarks.loadgen import arrivals, driver, report, trace
+from benchmarks.loadgen import arrivals, driver, http_driver, report, trace
 from benchmarks.loadgen.metrics import SloPolicy
 from benchmarks.loadgen.scrape import Scraper, summarize_scrape
 from benchmarks.loadgen.workloads import Corpus, WorkloadGenerator, mix_to_dict, parse_mix
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
+PROTOCOLS = ("grpc", "http")
+
 
 @dataclasses.dataclass
 class RunConfig:
-    target: str = "127.0.0.1:50051"
+    target: str = "127.0.0.1:50051"  # gRPC HOST:PORT, or the HTTP API's HOST:PORT
+    protocol: str = "grpc"  # or "http": the OpenAI-compatible API (POST /v1/completions)
     metrics_url: str | None = None  # e.g. http://127.0.0.1:9090/metrics; None: no scraping
     workload: str = (
         "short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1,multi_tenant:0.1"
@@ -58,7 +65,7 @@ class RunConfig:
 
 def check_loopback(target: str) -> None:
     """The load generator only drives a server on this machine."""
-    host = target.rsplit(":", 1)[0].strip("[]")
+    host = target.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     try:
         addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as e:
@@ -123,21 +130,36 @@ def make_specs(cfg: RunConfig, corpus: Corpus):
     return [gen.next(t) for t in times], None, mix
 
 
-async def _drive(cfg: RunConfig, specs, gen, bar, sent: list) -> list:
-    async with grpc.aio.insecure_channel(cfg.target) as channel:
-        stub = pb_grpc.PagedJaxStub(channel)
+def _connect(cfg: RunConfig):
+    """An async context manager giving the send(spec, scheduled_s) coroutine function."""
 
-        async def send(spec, scheduled_s):
-            return await driver.run_one(
-                stub,
-                spec,
-                scheduled_s=scheduled_s,
-                ignore_eos=cfg.ignore_eos,
-                temperature=cfg.temperature,
-                seed=cfg.seed,
-                timeout_s=cfg.request_timeout_s,
-                api_keys=cfg.api_keys,
-            )
+    @contextlib.asynccontextmanager
+    async def connection():
+        options = dict(
+            ignore_eos=cfg.ignore_eos,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            timeout_s=cfg.request_timeout_s,
+            api_keys=cfg.api_keys,
+        )
+        if cfg.protocol == "http":
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            async with httpx.AsyncClient(
+                base_url=http_driver.base_url(cfg.target), limits=limits, timeout=None
+            ) as client:
+                yield lambda spec, t: http_driver.run_one_http(
+                    client, spec, scheduled_s=t, **options
+                )
+            return
+        async with grpc.aio.insecure_channel(cfg.target) as channel:
+            stub = pb_grpc.PagedJaxStub(channel)
+            yield lambda spec, t: driver.run_one(stub, spec, scheduled_s=t, **options)
+
+    return connection()
+
+
+async def _drive(cfg: RunConfig, specs, gen, bar, sent: list) -> list:
+    async with _connect(cfg) as send:
 
         def next_spec():
             sent.append(gen.next())
@@ -164,13 +186,25 @@ async def _drive(cfg: RunConfig, specs, gen, bar, sent: list) -> list:
         )
 
 
+def _conditions(cfg: RunConfig) -> dict:
+    if cfg.protocol == "http":
+        return http_driver.server_conditions(cfg.target)
+    return server_conditions(cfg.target)
+
+
 def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
     """Runs the load, writes the report into `out_dir`, returns the report dict."""
+    if cfg.protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={cfg.protocol!r} is invalid: one of {PROTOCOLS}")
     check_loopback(cfg.target)
-    conditions = server_conditions(cfg.target)
+    conditions = _conditions(cfg)
     corpus = Corpus()
     if cfg.calibrate_prompts:
-        measured = measure_tokens_per_word(cfg.target, corpus)
+        measured = (
+            http_driver.measure_tokens_per_word(cfg.target, " ".join(corpus.words[:2000]))
+            if cfg.protocol == "http"
+            else measure_tokens_per_word(cfg.target, corpus)
+        )
         corpus.tokens_per_word = measured or corpus.tokens_per_word
     specs, gen, workload = make_specs(cfg, corpus)
     scraper = Scraper(cfg.metrics_url, cfg.scrape_interval_s).start() if cfg.metrics_url else None
@@ -184,6 +218,7 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
     conditions.update(
         {
             "target": cfg.target,
+            "protocol": cfg.protocol,
             "workload_mix": workload,
             "arrival": arrivals.to_dict(cfg.arrival) if not cfg.trace_path else {"kind": "trace"},
             "duration_s": cfg.duration_s,
@@ -200,7 +235,7 @@ def run_load(cfg: RunConfig, out_dir: str | pathlib.Path) -> dict:
             "concurrency": (
                 cfg.arrival.concurrency if cfg.arrival.kind == "closed" else "open loop (unbounded)"
             ),
-            "server_info_at_end": server_conditions(cfg.target).get("stats_at_start", {}),
+            "server_info_at_end": _conditions(cfg).get("stats_at_start", {}),
         }
     )
     scrape = summarize_scrape(scraper.series, t_start) if scraper else {}

@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PY:-.venv/bin/python}"
+"$PY" -c "import grpc_tools" 2>/dev/null || {
+  echo "grpc_tools not installed: this needs the proto extra (pip install -e '.[proto]')" >&2
+  exit 1
+}
 "$PY" -m grpc_tools.protoc -I . \
   --python_out=. --grpc_python_out=. --pyi_out=. \
   serving/proto/pagedjax.proto
