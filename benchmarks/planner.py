@@ -27,13 +27,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
-import sys
 
 from absl import app, flags
 
 from configs import kv_memory
 from configs.model_config import ModelConfig, from_name
+from serving import flags as shared
 
 GIB = 1024**3
 
@@ -257,36 +258,92 @@ def _samples_from_flags() -> list[tuple[int, int]]:
     return length_samples(F.prompt_median, F.output_median, F.prompt_sigma, F.output_sigma, F.rho)
 
 
+def check_flags(argv) -> None:
+    """Every input mistake, as a UsageError (one line, exit 2)."""
+    from configs.model_config import PRESETS
+
+    shared.require(
+        "",
+        "",
+        argv[1:] == ["plan"],
+        f"expected the command 'plan' (got {' '.join(argv[1:]) or 'none'}): "
+        "python -m benchmarks.planner plan [--flags]",
+    )
+    shared.require("model", F.model, F.model in PRESETS, f"unknown model; one of {sorted(PRESETS)}")
+    for flag in ("kv_dtype", "weight_dtype"):
+        shared.require(
+            flag,
+            getattr(F, flag),
+            getattr(F, flag) in kv_memory.DTYPE_BYTES,
+            f"one of {sorted(kv_memory.DTYPE_BYTES)}",
+        )
+    for flag in ("device_memory_gib", "prompt_median", "output_median"):
+        shared.check_positive(flag, getattr(F, flag))
+    for flag in ("workspace_gib", "prompt_sigma", "output_sigma", "reserve"):
+        shared.check_positive(flag, getattr(F, flag), allow_zero=True)
+    shared.check_positive("weights_gib", F.weights_gib, allow_zero=True, allow_none=True)
+    shared.check_positive("rate", F.rate, allow_none=True)
+    shared.check_positive("goodput_per_replica", F.goodput_per_replica, allow_none=True)
+    shared.check_fraction("utilization", F.utilization, low_open=True)
+    shared.require("rho", F.rho, -1 <= F.rho <= 1, "-1 <= rho <= 1")
+    shared.require("page_size", F.page_size, F.page_size >= 1, ">= 1")
+    shared.require("max_tokens", F.max_tokens, F.max_tokens >= 1, ">= 1")
+    bad = [s for s in F.seq_lens if not s.isdigit() or int(s) < 1]
+    shared.require("seq_lens", ",".join(F.seq_lens), not bad, "positive integers, e.g. 1024,4096")
+    for flag in ("trace", "sweep_json"):
+        path = getattr(F, flag)
+        shared.require(flag, path, path is None or os.path.isfile(path), "no such file")
+
+
+def _goodput_from_sweep(path: str) -> float:
+    try:
+        with open(path) as f:
+            goodput = json.load(f).get("operating_goodput_rps")
+    except (ValueError, AttributeError) as e:
+        raise shared.UsageError("sweep_json", path, f"not a sweep.json: {e}") from None
+    shared.require(
+        "sweep_json",
+        path,
+        bool(goodput),
+        "the sweep found no operating point (operating_goodput_rps is empty); rerun the sweep "
+        "at lower rates",
+    )
+    return goodput
+
+
 def main(argv):
-    if len(argv) != 2 or argv[1] != "plan":
-        sys.exit("usage: python -m benchmarks.planner plan [--flags]")
+    check_flags(argv)
     cfg = from_name(F.model)
     weights = (
         F.weights_gib * GIB
         if F.weights_gib is not None
         else cfg.num_params * kv_memory.dtype_bytes(F.weight_dtype)
     )
-    goodput = F.goodput_per_replica
-    if F.sweep_json:
-        with open(F.sweep_json) as f:
-            goodput = json.load(f)["operating_goodput_rps"]
-    result = plan(
-        cfg,
-        kv_dtype=F.kv_dtype,
-        device_memory_bytes=int(F.device_memory_gib * GIB),
-        weights_bytes=int(weights),
-        workspace_bytes=int(F.workspace_gib * GIB),
-        page_size=F.page_size,
-        samples=_samples_from_flags(),
-        max_tokens=F.max_tokens,
-        seq_lens=[int(s) for s in F.seq_lens],
-        rate_rps=F.rate,
-        goodput_per_replica_rps=goodput,
-        reserve=F.reserve,
-        utilization=F.utilization,
-    )
+    goodput = _goodput_from_sweep(F.sweep_json) if F.sweep_json else F.goodput_per_replica
+    try:
+        result = plan(
+            cfg,
+            kv_dtype=F.kv_dtype,
+            device_memory_bytes=int(F.device_memory_gib * GIB),
+            weights_bytes=int(weights),
+            workspace_bytes=int(F.workspace_gib * GIB),
+            page_size=F.page_size,
+            samples=_samples_from_flags(),
+            max_tokens=F.max_tokens,
+            seq_lens=[int(s) for s in F.seq_lens],
+            rate_rps=F.rate,
+            goodput_per_replica_rps=goodput,
+            reserve=F.reserve,
+            utilization=F.utilization,
+        )
+    except ValueError as e:  # e.g. weights + workspace leave no KV memory
+        raise shared.UsageError("", "", str(e)) from None
     print(json.dumps(result, indent=1) if F.format == "json" else render_plan(result))
 
 
+def run() -> None:
+    app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

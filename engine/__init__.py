@@ -10,7 +10,7 @@ engine.llm.LLM                           the notebook API
 
 def __getattr__(name):
     # Lazy, so `import engine.scheduler` does not pull in JAX.
-    if name in ("LLM", "CompletionOutput"):
+    if name in ("LLM", "CompletionOutput", "GenerateOutput"):
         from engine import llm
 
         return getattr(llm, name)
@@ -25,4 +25,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineCore", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineCore", "CompletionOutput", "GenerateOutput"]

@@ -67,3 +67,60 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when finish_reason == "failed"
+
+
+# ---- what LLM.generate returns (vLLM's shapes) ----------------------------------------------
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of a prompt's `n` completions (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None
+    request_id: str = ""  # the engine request that produced it
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the sampled tokens' logprobs (None unless logprobs were requested)."""
+        return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """One prompt's result: vLLM's RequestOutput (`.prompt`, `.prompt_token_ids`, `.outputs`).
+
+    The flat fields of the first completion (`.text`, `.token_ids`, `.finish_reason`,
+    `.logprobs`, `.metrics`) stay readable on the result itself, as before `n` existed.
+    """
+
+    request_id: str
+    prompt: str | None  # the text given or rendered from chat messages; None for token ids
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        return self.outputs[0].metrics

@@ -207,7 +207,7 @@ class EngineCore:
         )
         req = Request.from_engine_request(er, now_s=now, cache_salt=salt)
         self.scheduler.add_request(req)
-        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids)
+        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
         self._states[er.request_id] = _RequestState(
             StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok),
             resolve_seed(er.sampling, self._rng),
@@ -511,6 +511,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
             "num_step_shapes": len(self.shapes),
+            "num_compiled_steps": compiles.count("engine_step"),  # in this process
             "warmup_s": self.warmup_s,
             "compiles_after_warmup": (
                 None

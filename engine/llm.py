@@ -1,14 +1,28 @@
-"""The notebook API.
+"""The notebook API, shaped like vLLM's offline `LLM` so a vLLM user's first tries work.
 
     from engine import LLM, SamplingParams
     llm = LLM("smollm2-135m")                      # or a GGUF path / HF directory / "tiny"
-    outs = llm.generate(["Hello", [{"role": "user", "content": "Hi!"}]],
-                        SamplingParams(temperature=0, max_tokens=32))
-    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].metrics.ttft_s
+    outs = llm.generate(["Hello", {"prompt": "Hi"}, {"prompt_token_ids": [1, 2, 3]}],
+                        SamplingParams(temperature=0, max_tokens=32, n=2))
+    outs[0].prompt, outs[0].prompt_token_ids, outs[0].outputs[1].text, .token_ids, .finish_reason
+    outs[0].text, outs[0].metrics.ttft_s          # flat fields: the first completion
+    llm.chat([{"role": "user", "content": "Hi!"}])  # one conversation, or a list of them
     for delta in llm.generate_stream("Tell me a story"): print(delta.new_text, end="")
 
-A string prompt is used as is (BOS added if the tokenizer adds one); a list of chat messages
-gets the model's chat template; a list of ints is used as token ids.
+Prompts: a string is used as is (BOS added if the tokenizer adds one); a list of chat messages
+gets the model's chat template; a list of ints is token ids; `{"prompt": str}` and
+`{"prompt_token_ids": [...]}` are vLLM's dict prompts.
+
+Everything a caller gets wrong fails before work starts: unknown or mistyped engine options
+before the model loads, bad prompts and sampling params before any request is added. What a
+caller abandons is cancelled: closing (or breaking out of) a `generate_stream` aborts its
+request, and a `generate` that raises aborts every request it added.
+
+Differences from vLLM kept on purpose: `.logprobs` is a list of TokenLogprob (sampled token,
+its logprob, the top-N) rather than a list of dicts; `mesh="data:2,model:4"` is the general
+form of `tensor_parallel_size`; `gpu_memory_utilization` sizes the KV pool from what the
+device reports after the weights are loaded (on CPU, which reports nothing, it is ignored
+with a warning and `kv_cache_bytes` is used).
 """
 
 from __future__ import annotations
@@ -17,27 +31,34 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from configs.engine_config import EngineConfig
-from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.api_types import CompletionOutput, EngineRequest, GenerateOutput, RequestOutput
+from engine.errors import InvalidRequestError
+from engine.llm_options import (
+    check_engine_options,
+    check_fraction,
+    describe,
+    mesh_from,
+    with_memory_fraction,
+)
 from engine.sampling_params import SamplingParams
 from engine.sharding import create_engine, loader_shardings
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[dict] | list[int]
+Prompt = str | list[dict] | list[int] | dict
+PROMPT_TYPES = (
+    "a str, a list of chat messages ({'role', 'content'} dicts), a list of token ids (int), "
+    "or a dict with 'prompt' or 'prompt_token_ids'"
+)
 
 
-@dataclasses.dataclass
-class CompletionOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
+@dataclasses.dataclass(frozen=True)
+class ResolvedPrompt:
+    text: str | None  # None when given as token ids
     token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    metrics: RequestMetrics | None
 
 
 class LLM:
@@ -47,6 +68,8 @@ class LLM:
         model="smollm2-135m",
         *,
         mesh: str | None = None,
+        tensor_parallel_size: int | None = None,
+        gpu_memory_utilization: float | None = None,
         warmup: bool = False,
         impl: str = "auto",
         compilation_cache_dir: str | None = None,
@@ -61,68 +84,136 @@ class LLM:
         program up front (a server's choice: no compile while serving)."""
         from engine.compilation_cache import enable as enable_compilation_cache
         from models.registry import load_model
+        from models.source import check_model_source
 
         enable_compilation_cache(compilation_cache_dir)  # before anything compiles
         t0 = time.perf_counter()
+        mesh = mesh_from(mesh, tensor_parallel_size)
+        check_engine_options(engine_options)
+        check_fraction(gpu_memory_utilization)
         # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
         # that build several engines over one set of weights).
+        if isinstance(model, str):
+            check_model_source(model)
+        name = model if isinstance(model, str) else model.identity.name
+        config = EngineConfig(model=name, **engine_options)  # range errors before loading
         # With a mesh, each param shard goes straight to its devices.
         shardings_for = None if mesh is None else loader_shardings(mesh)
         self.model = (
             load_model(model, shardings_for=shardings_for) if isinstance(model, str) else model
         )
-        name = model if isinstance(model, str) else self.model.identity.name
-        self.config = EngineConfig(model=name, **engine_options)
+        if gpu_memory_utilization is not None:
+            config = with_memory_fraction(config, gpu_memory_utilization)
+        self.config = config
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()
-        log.info("LLM(%s) ready in %.1fs", model, time.perf_counter() - t0)
+        log.info("LLM(%s) ready in %.1fs", name, time.perf_counter() - t0)
         if warmup:
             from engine.warmup import warmup as run_warmup
 
             for engine in getattr(self.engine, "replicas", [self.engine]):  # data replicas
                 run_warmup(engine)
 
+    # ---- prompts ---------------------------------------------------------------------------
+    def get_tokenizer(self):
+        """The model's tokenizer (encode, decode, apply_chat_template, eos_token_ids)."""
+        return self.tokenizer
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return self.resolve_prompt(prompt).token_ids
+
+    def resolve_prompt(self, prompt: Prompt, where: str = "prompt") -> ResolvedPrompt:
+        """Text and token ids of one prompt; TypeError/InvalidRequestError naming `where`."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return [int(t) for t in prompt]
+            return ResolvedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            return self._resolve_dict(prompt, where)
+        if isinstance(prompt, (list, tuple)) and prompt:
+            if all(isinstance(m, dict) for m in prompt):
+                _check_messages(prompt, where)
+                text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+                return ResolvedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return ResolvedPrompt(None, [int(t) for t in prompt])
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise InvalidRequestError(where, prompt, "must not be empty")
+        raise TypeError(f"{where}: expected {PROMPT_TYPES}; got {describe(prompt)}")
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, tenant: str) -> str:
-        rid = f"llm-{next(self._ids)}"
-        self.engine.add_request(
-            EngineRequest(rid, self.encode_prompt(prompt), params, priority=priority, tenant=tenant)
+    def _resolve_dict(self, prompt: dict, where: str) -> ResolvedPrompt:
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return self.resolve_prompt(prompt["prompt"], where)
+        if keys == {"prompt_token_ids"}:
+            return self.resolve_prompt(list(prompt["prompt_token_ids"]), where)
+        raise TypeError(
+            f"{where}: a dict prompt holds exactly one of 'prompt' (str) or "
+            f"'prompt_token_ids' (list of int); got keys {sorted(keys)}"
         )
-        return rid
 
+    # ---- generation ------------------------------------------------------------------------
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        use_tqdm: bool | Callable = False,
         priority: int = 0,
         tenant: str = "default",
-    ) -> list[CompletionOutput]:
-        """Runs all prompts together (continuous batching); returns outputs in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+    ) -> list[GenerateOutput]:
+        """Runs all prompts together (continuous batching); returns one result per prompt, in
+        order. `sampling_params.n` > 1 adds n requests per prompt; they share the prompt's
+        KV pages through the prefix cache, and with a seed, completion i uses seed + i."""
+        prompts = _as_prompt_list(prompts)
+        resolved = [self.resolve_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        params = _params_per_prompt(sampling_params, len(prompts))
+        results = [
+            GenerateOutput("", r.text, r.token_ids, [CompletionOutput(i) for i in range(sp.n)])
+            for r, sp in zip(resolved, params)
+        ]
+        completion_of: dict[str, CompletionOutput] = {}
+        try:
+            for res, sp in zip(results, params):
+                for c in res.outputs:
+                    sp_i = _nth(sp, c.index)
+                    c.request_id = self._add(res.prompt_token_ids, sp_i, priority, tenant)
+                    completion_of[c.request_id] = c
+                res.request_id = res.outputs[0].request_id
+            self._run_until_done(completion_of, use_tqdm)
+        except BaseException:  # also KeyboardInterrupt: leave nothing running behind
+            for rid, c in completion_of.items():
+                if c.finish_reason is None:
+                    self.engine.abort_request(rid)
+            raise
+        return results
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable = False,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> list[GenerateOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, each
+        rendered with the model's chat template and a generation prompt."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [list(messages)]
+        elif isinstance(messages, (list, tuple)) and messages:
+            conversations = [list(m) if isinstance(m, (list, tuple)) else m for m in messages]
+        else:
+            raise TypeError(
+                f"messages: expected a list of {{'role', 'content'}} dicts or a list of such "
+                f"lists; got {describe(messages)}"
             )
-        ids = [self._add(p, sp, priority, tenant) for p, sp in zip(prompts, params)]
-        results = {rid: CompletionOutput(rid, [], "", [], None, None, None) for rid in ids}
-        for rid in ids:
-            results[rid].prompt_token_ids = []
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                self._accumulate(results.get(out.request_id), out)
-        return [results[rid] for rid in ids]
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, list) or not conv:
+                raise TypeError(f"messages[{i}]: expected a non-empty list of message dicts")
+            _check_messages(conv, f"messages[{i}]")
+        return self.generate(
+            conversations, sampling_params, use_tqdm=use_tqdm, priority=priority, tenant=tenant
+        )
 
     def generate_stream(
         self,
@@ -132,26 +223,55 @@ class LLM:
         priority: int = 0,
         tenant: str = "default",
     ) -> Iterator[RequestOutput]:
-        """Yields this request's deltas as they come (other requests keep running)."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), priority, tenant)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.request_id == rid:
-                    yield out
+        """Yields this request's deltas as they come (other requests keep running). Validates
+        now; the request is added at the first `next()`. Closing the generator (break, del,
+        an exception in the loop body) before the last delta aborts the request."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        _params_per_prompt(params, 1)
+        if params.n != 1:
+            raise InvalidRequestError("n", params.n, "generate_stream streams one completion: 1")
+        return self._stream(self.resolve_prompt(prompt).token_ids, params, priority, tenant)
+
+    def _stream(self, ids: list[int], params: SamplingParams, priority: int, tenant: str):
+        rid = self._add(ids, params, priority, tenant)
+        finished = False
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+                        if finished:
+                            return
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
+
+    def _add(self, ids: list[int], params: SamplingParams, priority: int, tenant: str) -> str:
+        rid = f"llm-{next(self._ids)}"
+        self.engine.add_request(EngineRequest(rid, ids, params, priority=priority, tenant=tenant))
+        return rid
+
+    def _run_until_done(self, completion_of: dict[str, CompletionOutput], use_tqdm) -> None:
+        """Steps the engine until every request in `completion_of` has finished."""
+        pending = set(completion_of)
+        bar = _progress_bar(use_tqdm, len(pending))
+        try:
+            while pending and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    c = completion_of.get(out.request_id)
+                    if c is None:
+                        continue
+                    _accumulate(c, out)
                     if out.finished:
-                        return
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
 
-    @staticmethod
-    def _accumulate(res: CompletionOutput | None, out: RequestOutput) -> None:
-        if res is None:
-            return
-        res.text += out.new_text
-        res.token_ids += out.new_token_ids
-        if out.logprobs is not None:
-            res.logprobs = (res.logprobs or []) + out.logprobs
-        if out.finished:
-            res.finish_reason, res.metrics = out.finish_reason, out.metrics
-
+    # ---- engine ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
 
@@ -162,3 +282,77 @@ class LLM:
         """New weights of the same architecture (a LoadedModel); clears the prefix cache."""
         self.engine.reload_model(model)
         self.model, self.tokenizer = model, model.tokenizer
+
+
+# ---- helpers (pure) -------------------------------------------------------------------------
+def _accumulate(c: CompletionOutput, out: RequestOutput) -> None:
+    c.text += out.new_text
+    c.token_ids += out.new_token_ids
+    if out.logprobs is not None:
+        c.logprobs = (c.logprobs or []) + out.logprobs
+    if out.finished:
+        c.finish_reason, c.metrics = out.finish_reason, out.metrics
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt or a list of them (a list of role dicts is ONE chat prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        first = prompts[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            return [prompts]
+        if isinstance(first, dict) and "role" in first:
+            return [prompts]
+        return list(prompts)
+    raise TypeError(f"prompts: expected a prompt or a non-empty list of prompts ({PROMPT_TYPES})")
+
+
+def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)) or not all(
+        isinstance(p, SamplingParams) for p in sampling_params
+    ):
+        raise TypeError(
+            f"sampling_params: expected SamplingParams or a list of them; "
+            f"got {describe(sampling_params)}"
+        )
+    if len(sampling_params) != num_prompts:
+        raise ValueError(
+            f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
+        )
+    return list(sampling_params)
+
+
+def _nth(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of n: one engine request (n=1), its own seed when one is set."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _check_messages(messages: Sequence[dict], where: str) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TypeError(
+                f"{where}[{i}]: a chat message is a dict with 'role' (str) and 'content' (str); "
+                f"got {m!r:.80}"
+            )
+
+
+def _progress_bar(use_tqdm, total: int):
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm) and not isinstance(use_tqdm, bool):
+        return use_tqdm(total=total, desc="Processed prompts", unit="req")
+    try:
+        from tqdm.auto import tqdm
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "use_tqdm=True needs tqdm: pip install tqdm (or the `bench` extra)", name="tqdm"
+        ) from None
+    return tqdm(total=total, desc="Processed prompts", unit="req")

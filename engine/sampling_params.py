@@ -1,8 +1,15 @@
-"""Per-request sampling parameters and stop conditions (host side, validated on creation)."""
+"""Per-request sampling parameters and stop conditions (host side, validated on creation).
+
+vLLM's spellings are accepted where they mean the same thing: `top_k=-1` (off, stored as 0),
+`stop=None` or one string, `stop_token_ids=None`, `n`, `include_stop_str_in_output`,
+`skip_special_tokens`. A value of the wrong type raises SamplingTypeError (a TypeError and an
+InvalidRequestError) naming the field and the expected type, before any range check.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from engine.errors import InvalidRequestError
 
@@ -10,18 +17,76 @@ MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 # EOS ids + stop_token_ids are banned on device before min_tokens in a fixed 16-entry list.
 MAX_STOP_TOKEN_IDS = 12
+MAX_N = 64  # completions per prompt (LLM.generate adds one engine request per completion)
+
+
+class SamplingTypeError(InvalidRequestError, TypeError):
+    """A field has the wrong type: names the field, the value and the expected type."""
+
+    def __init__(self, field: str, value, expected: str):
+        InvalidRequestError.__init__(
+            self, field, value, f"expected {expected}, got {type(value).__name__}"
+        )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+# field -> (predicate, expected type in words); None values are checked by validate().
+_TYPES = {
+    "temperature": (_is_real, "a number (float)"),
+    "top_k": (_is_int, "an int"),
+    "top_p": (_is_real, "a number (float)"),
+    "min_p": (_is_real, "a number (float)"),
+    "repetition_penalty": (_is_real, "a number (float)"),
+    "presence_penalty": (_is_real, "a number (float)"),
+    "frequency_penalty": (_is_real, "a number (float)"),
+    "seed": (lambda v: v is None or _is_int(v), "an int or None"),
+    "max_tokens": (_is_int, "an int"),
+    "min_tokens": (_is_int, "an int"),
+    "n": (_is_int, "an int"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "a bool"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "a bool"),
+    "logprobs": (lambda v: v is None or _is_int(v), "an int or None"),
+}
+
+
+def _as_tuple(field: str, value, item_ok, expected: str) -> tuple:
+    """None -> (); one string -> (string,); else a tuple whose items pass `item_ok`."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise SamplingTypeError(field, value, expected) from None
+    for item in items:
+        if not item_ok(item):
+            raise SamplingTypeError(field, item, expected)
+    return items
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 is greedy. top_k 0 disables top-k; top_p 1 and min_p 0 disable those
-    filters. Penalties follow vLLM: repetition_penalty (1 = off) divides positive / multiplies
-    negative logits of tokens seen in prompt or output; presence/frequency penalties (0 = off)
-    subtract from logits of tokens seen in the output. `seed` makes a request's samples
+    temperature 0 is greedy. top_k 0 (or vLLM's -1) disables top-k; top_p 1 and min_p 0
+    disable those filters. Penalties follow vLLM: repetition_penalty (1 = off) divides
+    positive / multiplies negative logits of tokens seen in prompt or output;
+    presence/frequency penalties (0 = off) subtract from logits of tokens seen in the
+    output. `seed` makes a request's samples
     independent of what else is in the batch. `logprobs` = N returns the sampled token's
-    logprob and the top-N alternatives per step.
+    logprob and the top-N alternatives per step. `n` completions per prompt (LLM.generate; they
+    share the prompt's KV pages through the prefix cache). `include_stop_str_in_output` keeps
+    a matched stop string at the end of the text; `skip_special_tokens` (default) drops special
+    tokens from the text (token ids are always complete).
     """
 
     temperature: float = 1.0
@@ -38,10 +103,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for field, (ok, expected) in _TYPES.items():
+            value = getattr(self, field)
+            if not ok(value):
+                raise SamplingTypeError(field, value, expected)
+        stop = _as_tuple("stop", self.stop, lambda s: isinstance(s, str), "str or list of str")
+        stop_ids = _as_tuple("stop_token_ids", self.stop_token_ids, _is_int, "list of int")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        if self.top_k == -1:  # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
         self.validate()
 
     @property
@@ -51,7 +127,7 @@ class SamplingParams:
     def validate(self) -> None:
         checks = [
             ("temperature", self.temperature, 0.0 <= self.temperature <= 100.0, "0 <= x <= 100"),
-            ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0 disables)"),
+            ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0 or -1 disables)"),
             ("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "0 < x <= 1"),
             ("min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "0 <= x <= 1"),
             (
@@ -73,6 +149,7 @@ class SamplingParams:
                 "-2 <= x <= 2",
             ),
             ("max_tokens", self.max_tokens, self.max_tokens >= 1, ">= 1"),
+            ("n", self.n, 1 <= self.n <= MAX_N, f"1 <= n <= {MAX_N}"),
             (
                 "min_tokens",
                 self.min_tokens,

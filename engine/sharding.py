@@ -349,7 +349,12 @@ class DataParallelEngine:
         out["num_data_replicas"] = len(self.replicas)
         out["max_model_len"] = per[0]["max_model_len"]
         out["page_size"] = per[0]["page_size"]
-        for key in ("num_step_shapes", "compiles_total", "compile_seconds_total"):
+        for key in (
+            "num_step_shapes",
+            "num_compiled_steps",
+            "compiles_total",
+            "compile_seconds_total",
+        ):
             out[key] = per[0][key]  # per process (engine/compiles.py), not per replica
         return out
 

@@ -6,8 +6,9 @@ Rules, checked in this order for every new token (output index i = tokens before
      the stopping token's text is not emitted. (The sampler already bans them before
      min_tokens; if one still arrives it is treated as an ordinary token.)
   2. The token's text is appended; a stop string ends the request with "stop" when an
-     occurrence of it ends in text of a token with i >= min_tokens. The stop string and
-     everything after it is never emitted, also when it spans several tokens.
+     occurrence of it ends in text of a token with i >= min_tokens. Everything after the stop
+     string is never emitted, nor the stop string itself unless `include_stop_str_in_output`,
+     also when it spans several tokens.
   3. max_tokens reached ends the request with "length".
 
 Streaming without leaking a stop string: text whose tail could still grow into a stop string
@@ -88,23 +89,25 @@ class StopChecker:
         """(text to emit, whether a stop string was found) after appending new_text."""
         buf = self._held + new_text
         if check:
-            cut = self._earliest_stop(buf, len(self._held))
-            if cut is not None:
+            found = self._earliest_stop(buf, len(self._held))
+            if found is not None:
+                start, stop = found
                 self._held = ""
-                return buf[:cut], True
+                keep_stop = self.params.include_stop_str_in_output
+                return buf[: start + len(stop) if keep_stop else start], True
         keep = self._longest_partial_stop(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
-    def _earliest_stop(self, buf: str, held_len: int) -> int | None:
-        """Start of the earliest stop string occurrence that ends in the new text."""
-        starts = []
+    def _earliest_stop(self, buf: str, held_len: int) -> tuple[int, str] | None:
+        """(start, stop string) of the earliest occurrence that ends in the new text."""
+        found = []
         for stop in self.params.stop:
             # Occurrences lying wholly inside the held text ended before min_tokens.
             start = buf.find(stop, max(0, held_len - len(stop) + 1))
             if start >= 0:
-                starts.append(start)
-        return min(starts, default=None)
+                found.append((start, stop))
+        return min(found, default=None)
 
     def _longest_partial_stop(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of a stop string."""

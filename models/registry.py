@@ -27,6 +27,7 @@ from models.errors import ModelLoadError
 from models.identity import ModelIdentity, engine_version, file_content_hash
 from models.llama import Params, init_params
 from models.loaders import orbax_cache
+from models.source import check_model_source
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def load_model(
 ) -> LoadedModel:
     """Loads a preset name, a GGUF file or a Hugging Face directory (see module doc).
     `shardings_for(cfg) -> Params of Shardings` places the params (engine/sharding.py)."""
+    check_model_source(name_or_path)
     dtype = dtype or _default_dtype()
     times: dict[str, float] = {}
     if name_or_path == "tiny":

@@ -1,6 +1,8 @@
 """gRPC client for the pagedjax server.
 
-    python -m serving.client --target=localhost:50051 --prompt="Hello" --stream
+    pagedjax-client --target=127.0.0.1:50051 --prompt="Hello"          # generate (chat)
+    pagedjax-client tokenize --prompt="Hello" | models | info            # JSON replies
+    (or: python -m serving.client ...; --raw sends the prompt text without the chat template)
 
 Importable: `GenerateClient` (used by the load generator).
 
@@ -17,6 +19,7 @@ the raw messages and raises grpc.RpcError.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +27,7 @@ from collections.abc import Callable
 import grpc
 from absl import app, flags
 
+from serving import flags as shared
 from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
@@ -209,46 +213,93 @@ class GenerateClient:
 
 # ---- command line -------------------------------------------------------------------------
 FLAGS = flags.FLAGS
+COMMANDS = ("generate", "tokenize", "models", "info")
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("target", "localhost:50051", "server address")
-    flags.DEFINE_string("prompt", "Hello", "prompt text")
-    flags.DEFINE_bool("chat", False, "send the prompt as one user chat message")
-    flags.DEFINE_bool("stream", True, "stream tokens as they arrive")
-    flags.DEFINE_integer("max_tokens", 64, "")
-    flags.DEFINE_float("temperature", 0.0, "")
-    flags.DEFINE_string("model", "", "model name to check against the server's")
-    flags.DEFINE_string("revision", "", "revision pin")
-    flags.DEFINE_string("api_key", None, "sent as x-api-key")
-    flags.DEFINE_enum("priority", "normal", list(PRIORITIES), "")
-    flags.DEFINE_float("timeout_s", None, "gRPC deadline")
+    shared.define_target()
+    shared.define_prompt()
+    shared.define_sampling()
+    shared.define_log_level()
+    flags.DEFINE_alias("timeout_s", "request_timeout_s")  # the name before the shared vocabulary
+    flags.DEFINE_bool("chat", True, "deprecated, chat is the default (--raw sends the text as is)")
+    flags.DEFINE_bool("stream", True, "print tokens as they arrive")
+    flags.DEFINE_string("model", "", "model name the server must be serving ('': any)")
+    flags.DEFINE_string("revision", "", "revision the server must be serving ('': any)")
+    flags.DEFINE_enum("priority", "normal", list(PRIORITIES), "request priority class")
+
+
+def check_flags(argv) -> str:
+    """The command (generate by default), after checking every flag; UsageError if wrong."""
+    command = argv[1] if len(argv) > 1 else "generate"
+    shared.require(
+        "", command, len(argv) <= 2 and command in COMMANDS, f"command: one of {list(COMMANDS)}"
+    )
+    shared.check_target("target", FLAGS.target)
+    shared.check_positive("request_timeout_s", FLAGS.request_timeout_s, allow_none=True)
+    if command in ("generate", "tokenize"):
+        shared.require("prompt", "''", bool(FLAGS.prompt), "must not be empty")
+    if command == "generate":
+        shared.check_sampling(
+            max_tokens=FLAGS.max_tokens,
+            temperature=FLAGS.temperature,
+            top_p=FLAGS.top_p,
+            top_k=FLAGS.top_k,
+            seed=FLAGS.seed,
+        )
+    return command
 
 
 def main(argv) -> int:
-    del argv
+    shared.setup_logging(FLAGS.log_level)
+    command = check_flags(argv)
+    shared.wait_for_server(FLAGS.target)
+    with GenerateClient(FLAGS.target, FLAGS.api_key) as client:
+        try:
+            if command != "generate":
+                print(_query(client, command))
+                return 0
+        except grpc.RpcError as e:
+            print(f"[{e.code().name}] {e.details()}", file=sys.stderr)
+            return 1
+        res = client.generate(timeout_s=FLAGS.request_timeout_s, on_delta=_show, **_fields())
+    print()
+    print(format_summary(res))
+    return 0 if res.ok else 1
+
+
+def _fields() -> dict:
     fields = {
         "model": FLAGS.model,
         "revision": FLAGS.revision,
         "max_tokens": FLAGS.max_tokens,
         "temperature": FLAGS.temperature,
+        "top_p": FLAGS.top_p,
+        "top_k": max(FLAGS.top_k, 0),
+        "seed": FLAGS.seed,
         "priority": FLAGS.priority,
         "stream": FLAGS.stream,
     }
-    if FLAGS.chat:
-        fields["messages"] = [{"role": "user", "content": FLAGS.prompt}]
-    else:
-        fields["prompt"] = FLAGS.prompt
+    if FLAGS.raw or not FLAGS.chat:
+        return {**fields, "prompt": FLAGS.prompt}
+    system = [{"role": "system", "content": FLAGS.system}] if FLAGS.system else []
+    return {**fields, "messages": [*system, {"role": "user", "content": FLAGS.prompt}]}
 
-    def show(msg):
-        sys.stdout.write(msg.text)
-        sys.stdout.flush()
 
-    with GenerateClient(FLAGS.target, FLAGS.api_key) as client:
-        res = client.generate(timeout_s=FLAGS.timeout_s, on_delta=show, **fields)
-    print()
-    print(format_summary(res))
-    return 0 if res.ok else 1
+def _show(msg) -> None:
+    sys.stdout.write(msg.text)
+    sys.stdout.flush()
+
+
+def _query(client: GenerateClient, command: str) -> str:
+    """tokenize / models / info, printed as JSON."""
+    from google.protobuf.json_format import MessageToJson
+
+    if command == "tokenize":
+        ids = client.tokenize(FLAGS.prompt, model=FLAGS.model)
+        return json.dumps({"text": FLAGS.prompt, "token_ids": ids, "num_tokens": len(ids)})
+    reply = client.list_models() if command == "models" else client.server_info()
+    return MessageToJson(reply, preserving_proto_field_name=True)
 
 
 def format_summary(res: GenerateResult) -> str:
@@ -269,7 +320,7 @@ def format_summary(res: GenerateResult) -> str:
 
 def run() -> None:
     define_flags()
-    app.run(main)
+    app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,7 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_step(exc)
             return
+        self.metrics.observe_step(outputs)
         failed = False
         for out in outputs:
             failed |= out.finish_reason == "failed"

@@ -166,9 +166,12 @@ class RequestLedger:
             r.tenant, r.reservation, r.num_output_tokens, refund_all=r.added_s is None
         )  # never reached the engine
         self.metrics.record_outcome(outcome, reason)
+        self.metrics.record_finish_reason(r.finish_reason)
         if outcome == "success":
             self.metrics.observe_finished(
-                **{k: r.timings[k] for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")}
+                **{k: r.timings[k] for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s")},
+                prompt_tokens=r.num_prompt_tokens,
+                generation_tokens=r.num_output_tokens,
             )
         record = {
             "request_id": r.request_id,

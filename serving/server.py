@@ -17,8 +17,11 @@ HTTP /ready 503) until it ends. Programmatic use (tests, serving/cli.py):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -27,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving import convert
+from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.dispatch import DispatchLedger
@@ -82,6 +86,7 @@ class PagedJaxServer:
         max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
         identity = engine.identity
         self.metrics = ServerMetrics(identity.name, identity.revision)
+        self.metrics.set_cache_config(stats)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         self.waiting = WaitingQueue(admission)
         self.limiter = TenantLimiter()
@@ -146,7 +151,15 @@ class PagedJaxServer:
             self.generator.ready.set()
         self.loop.start()
         if self.config.metrics_port is not None:
-            self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
+            try:
+                self._metrics_http = start_metrics_http(self.metrics, self.config.metrics_port)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                self.loop.stop()
+                raise shared.UsageError(
+                    "metrics_port", self.config.metrics_port, "port already in use"
+                ) from None
             self.metrics_port = self._metrics_http.server_port
         self.grpc_server.start()
         if self._http is not None:
@@ -201,11 +214,13 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The server's absl flags; defined on demand so importing this module defines none."""
-    flags.DEFINE_string("model", "mock", "model preset / path, or 'mock' for the MockEngine")
+    """The server's absl flags; defined on demand so importing this module defines none.
+    Names shared with the other commands come from serving/flags.py."""
+    shared.define_model(mock=True)
+    shared.define_log_level()
     flags.DEFINE_string("host", "[::]", "address to bind")
-    flags.DEFINE_integer("port", 50051, "gRPC port (0: ephemeral)")
-    flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none)")
+    flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
+    flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
     )
@@ -216,7 +231,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_pages", None, "KV pages (None: engine default from memory)")
     flags.DEFINE_integer("max_num_seqs", 32, "requests in one batch")
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
-    flags.DEFINE_integer("prefill_chunk_size", 256, "prefill chunk")
+    flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
@@ -231,16 +246,18 @@ def define_flags() -> None:
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
     )
     # admission
-    flags.DEFINE_integer("max_prompt_tokens", 8192, "")
+    flags.DEFINE_integer("max_prompt_tokens", 8192, "longest prompt accepted (tokens)")
     flags.DEFINE_integer("max_tokens_limit", 4096, "largest max_tokens accepted")
-    flags.DEFINE_integer("default_max_tokens", 256, "")
+    flags.DEFINE_integer("default_max_tokens", 256, "max_tokens of a request that does not set it")
     flags.DEFINE_integer(
         "max_model_len", None, "prompt + max_tokens limit (None: the model's context)"
     )
-    flags.DEFINE_integer("max_stop_strings", 16, "")
+    flags.DEFINE_integer("max_stop_strings", 16, "most stop strings one request may give")
     flags.DEFINE_integer("max_queue_requests", 256, "waiting queue bound (requests)")
     flags.DEFINE_integer("max_queue_tokens", 2_000_000, "waiting queue bound (prompt + max_tokens)")
-    flags.DEFINE_float("queue_timeout_s", 60.0, "")
+    flags.DEFINE_float(
+        "queue_timeout_s", 60.0, "a request waiting longer than this is rejected (seconds)"
+    )
     flags.DEFINE_float(
         "aging_s", 10.0, "seconds of waiting that raise a request one priority class"
     )
@@ -249,8 +266,73 @@ def define_flags() -> None:
         "max_inflight", None, "requests in the engine at once (None: max_num_seqs)"
     )
     flags.DEFINE_integer("breaker_failures", 3, "consecutive failed steps that open the breaker")
-    flags.DEFINE_float("breaker_cooldown_s", 5.0, "")
-    flags.DEFINE_integer("max_workers", None, "gRPC handler threads")
+    flags.DEFINE_float(
+        "breaker_cooldown_s", 5.0, "seconds the open breaker waits before trying a step again"
+    )
+    flags.DEFINE_integer("max_workers", None, "gRPC handler threads (None: queue + inflight + 32)")
+
+
+# flag -> (lowest allowed value, None allowed): every numeric server flag, checked at start.
+_LOWER_BOUNDS = {
+    "page_size": (1, False),
+    "num_pages": (2, True),
+    "max_num_seqs": (1, False),
+    "max_num_batched_tokens": (1, False),
+    "prefill_chunk_size": (1, False),
+    "mock_step_time_s": (0, False),
+    "warmup_max_shapes": (0, False),
+    "max_prompt_tokens": (1, False),
+    "max_tokens_limit": (1, False),
+    "default_max_tokens": (1, False),
+    "max_model_len": (2, True),
+    "max_stop_strings": (0, False),
+    "max_queue_requests": (0, False),
+    "max_queue_tokens": (1, False),
+    "stream_buffer_messages": (1, False),
+    "max_inflight": (1, True),
+    "breaker_failures": (1, False),
+    "breaker_cooldown_s": (0, False),
+    "max_workers": (1, True),
+}
+
+
+def check_flags() -> None:
+    """Every user mistake the server can see before loading a model (UsageError)."""
+    shared.check_model(FLAGS.model, mock=True)
+    for name, (low, none_ok) in _LOWER_BOUNDS.items():
+        value = getattr(FLAGS, name)
+        allowed = f">= {low}" + (" (or unset)" if none_ok else "")
+        shared.require(
+            name,
+            value,
+            (value is None and none_ok) or (value is not None and value >= low),
+            allowed,
+        )
+    for name in ("queue_timeout_s", "aging_s"):
+        shared.check_positive(name, getattr(FLAGS, name))
+    shared.require(
+        "default_max_tokens",
+        FLAGS.default_max_tokens,
+        FLAGS.default_max_tokens <= FLAGS.max_tokens_limit,
+        f"<= --max_tokens_limit ({FLAGS.max_tokens_limit})",
+    )
+    shared.check_host("host", FLAGS.host)
+    shared.check_port("port", FLAGS.port, FLAGS.host)
+    shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
+    shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
+    _check_file("tenants_config", FLAGS.tenants_config)
+    if FLAGS.model != "mock":
+        shared.check_mesh(FLAGS.mesh)
+
+
+def _check_file(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    shared.require(flag, path, os.path.isfile(path), "no such file")
+    try:
+        TenantRegistry.from_file(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise shared.UsageError(flag, path, f"not a valid tenants file: {e!r}") from None
 
 
 def engine_options_from_flags() -> dict:
@@ -296,9 +378,12 @@ def build_engine(
     if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
         options.setdefault("max_step_shapes", warmup_max_shapes)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
+    shared.progress(f"loading {model} ...")
+    t0 = time.perf_counter()
     # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
     loaded = load_model(model, shardings_for=loader_shardings(mesh) if mesh else None)
     core = create_engine(loaded, config, mesh=mesh)
+    shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
     warm = engine_warmup(core, warmup_max_shapes)
     if warm is not None:
         warm()
@@ -313,13 +398,37 @@ def engine_warmup(engine, max_shapes: int):
     replicas = getattr(engine, "replicas", [engine])
     if not max_shapes or not hasattr(replicas[0], "run_step"):
         return None
-    from engine.warmup import warmup
 
     def run() -> None:
         for replica in replicas:
-            warmup(replica)  # logs how long it took
+            _warmup_with_progress(replica)
 
     return run
+
+
+def _warmup_with_progress(engine, num_reports: int = 8) -> None:
+    """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
+    line after each."""
+    from engine.warmup import warmup
+
+    shapes = engine.shapes.shapes
+    chunk = max(1, -(-len(shapes) // num_reports))
+    t0 = time.perf_counter()
+    # NOTE: warmup() logs a summary per call; the progress lines below replace them.
+    warmup_log = logging.getLogger(warmup.__module__)
+    level = warmup_log.level
+    warmup_log.setLevel(logging.ERROR)
+    try:
+        for start in range(0, len(shapes), chunk):
+            warmup(engine, shapes[start : start + chunk])
+            done = min(start + chunk, len(shapes))
+            elapsed_s = time.perf_counter() - t0
+            shared.progress(
+                f"warm-up: {done}/{len(shapes)} step shapes compiled ({elapsed_s:.0f}s)"
+            )
+    finally:
+        warmup_log.setLevel(level)
+    engine.mark_warm(time.perf_counter() - t0)  # compiles after this count as while serving
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -360,12 +469,10 @@ def _setup_request_log(path: str | None) -> None:
 
 
 def main(argv) -> None:
-    del argv
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if len(argv) > 1:
+        raise shared.UsageError("", " ".join(argv[1:]), "the server takes no arguments, only flags")
+    shared.setup_logging(FLAGS.log_level)
+    check_flags()
     _setup_request_log(FLAGS.request_log)
     if FLAGS.model != "mock":
         from engine.compilation_cache import enable as enable_compilation_cache
@@ -387,7 +494,7 @@ def main(argv) -> None:
         warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
     )
     server.start()
-    print(f"serving on {server.port}", flush=True)
+    print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)
     if server.http_port is not None:
         print(f"http on {server.http_port}", flush=True)
     try:
@@ -398,7 +505,7 @@ def main(argv) -> None:
 
 def run() -> None:
     define_flags()
-    app.run(main)
+    app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
 
 
 if __name__ == "__main__":

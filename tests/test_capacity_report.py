@@ -208,3 +208,47 @@ def test_gates_pass_undefined_tpot_but_not_missing_ttft():
     assert all(sweep.check_gates(step, sweep.Gates()).values())
     step["ttft_s"] = {"p50": None, "p95": None, "p99": None}
     assert not sweep.check_gates(step, sweep.Gates())["ttft_s_p95"]
+
+
+def test_report_md_opens_with_the_answer_and_tables(tmp_path):
+    records = sample_records()
+    r = build(records)
+    r["conditions"] = {
+        "model": "mock",
+        "workload_mix": {"short_qa": {"weight": 0.75}, "long_context": {"weight": 0.25}},
+        "arrival": {"kind": "poisson", "rate": 2.0},
+    }
+    report.write_report(tmp_path, r, records, plots=False)
+    md = (tmp_path / "report.md").read_text()
+    title = "short_qa 75%, long_context 25% | poisson 2 req/s | SLO TTFT<=2s, TPOT<=0.1s, E2E<=5s"
+    assert md.splitlines()[0] == f"# Capacity report: {title}"
+    answer, appendix = md.index("## Answer"), md.index("## Appendix A: conditions")
+    assert answer < md.index("### Outcomes") < md.index("### SLO misses") < appendix
+    assert "**goodput 0.043 req/s**" in md[answer:appendix]
+    assert "Beyond capacity at this load" in md  # 1 rejection of 6 > 1% errors
+    assert "| ttft_s | 2 s | 1 | 16.7% |" in md  # SLO misses as a table, not a dict
+    assert "| outcome:rejected | must succeed | 1 | 16.7% |" in md
+
+
+def test_default_warm_window_is_a_fifth_of_the_run():
+    recs = [rec(i, float(i), 0.2, 3, 0.05) for i in range(10)]  # sends at 0..9 s
+    wc = build(recs)["warm_vs_cold"]
+    assert wc["warm_window_s"] == pytest.approx(0.2 * (9.3 - 0.0))
+    assert (wc["cold"]["requests"], wc["steady"]["requests"]) == (2, 8)
+
+
+def test_sweep_says_when_the_knee_was_not_reached(tmp_path):
+    flat = {1.0: (0.3, 1.0), 2.0: (0.31, 1.0)}
+    result = sweep.run_sweep(list(flat), lambda r, d: fake_step_report(r, *flat[r]), tmp_path)
+    assert result["knee_rate"] is None and not result["knee_reached"]
+    assert result["operating_rate"] == 2.0
+    assert "knee was not reached" in result["advice"]
+    assert "--sweep_start=2" in result["advice"]
+    assert "not reached" in (tmp_path / "sweep.md").read_text()
+
+
+def test_sweep_says_when_even_the_lowest_rate_failed(tmp_path):
+    bad = {4.0: (5.0, 0.5), 8.0: (9.0, 0.3)}
+    result = sweep.run_sweep(list(bad), lambda r, d: fake_step_report(r, *bad[r]), tmp_path)
+    assert result["operating_rate"] is None
+    assert "no operating point" in result["advice"] and "--sweep_start=1" in result["advice"]

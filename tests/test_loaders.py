@@ -122,7 +122,7 @@ def test_missing_truncated_and_foreign_gguf(tmp_path):
 
 
 def test_unknown_model_name_is_a_clear_error():
-    with pytest.raises(ModelLoadError, match="neither a preset"):
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
         load_model("no-such-model")
 
 

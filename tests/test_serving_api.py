@@ -256,6 +256,7 @@ def test_client_cli_prints_tokens_and_summary(served):
             "serving.client",
             f"--target=127.0.0.1:{server.port}",
             "--prompt=abc",
+            "--raw",
             "--max_tokens=5",
             "--stream",
         ],

@@ -119,10 +119,11 @@ async def run_one(
     """Sends one request, reads its stream to the end, returns what it observed.
 
     The server knows tenants by API key: `api_keys` maps the spec's tenant to the key sent as
-    `x-api-key` (no key: the server's anonymous/default tenant).
+    `x-api-key` ("*": the key of every other tenant; no key: the server's anonymous tenant).
     """
     rec = new_record(spec, scheduled_s)
-    key = (api_keys or {}).get(spec.tenant)
+    keys = api_keys or {}
+    key = keys.get(spec.tenant, keys.get("*"))
     md = (("x-api-key", key),) if key else None
     rec.send_s = time.perf_counter()
     call = stub.Generate(

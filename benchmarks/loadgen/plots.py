@@ -16,6 +16,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 # NOTE: fixed margins instead of tight_layout, which measures every tick label and doubled
 # the plotting time (seconds on a loaded 2-core CI machine).
@@ -27,9 +28,40 @@ def _cdf(ax, values, label):
         ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], label=label)
 
 
-def latency_cdf(path: pathlib.Path, records: Sequence[RequestRecord], slo: dict) -> None:
+def _seconds(v: float, _pos=None) -> str:
+    """Tick label of a duration: '12ms', '0.5s', '30s'."""
+    if v <= 0:
+        return "0"
+    return f"{v * 1e3:.3g}ms" if v < 1 else f"{v:.3g}s"
+
+
+def _time_axis(ax, values: list[float], axis: str = "x") -> None:
+    """Log scale only when the values span more than a decade and a half; either way at most
+    ~6 labelled ticks, written in ms or s (minor labels overprinted each other before)."""
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    span_ok = values and min(values) > 0 and max(values) / min(values) > 30
+    if span_ok:
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+        subs = (1.0, 2.0, 5.0) if max(values) / min(values) < 1000 else (1.0,)
+        which.set_major_locator(LogLocator(base=10, subs=subs, numticks=8))
+        which.set_minor_formatter(NullFormatter())
+    else:
+        which.set_major_locator(MaxNLocator(5))
+    which.set_major_formatter(FuncFormatter(_seconds))
+
+
+def _wrap(title: str, width: int = 110) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(title, width))
+
+
+def latency_cdf(
+    path: pathlib.Path, records: Sequence[RequestRecord], slo: dict, title: str = ""
+) -> None:
     ok = [r for r in records if r.outcome == "success"]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    axes = axes.flat
     series = [
         ("TTFT", [m.ttft(r) for r in ok], slo.get("ttft_s")),
         ("TPOT", [m.tpot(r) for r in ok], slo.get("tpot_s")),
@@ -39,22 +71,30 @@ def latency_cdf(path: pathlib.Path, records: Sequence[RequestRecord], slo: dict)
     for ax, (name, vals, limit) in zip(axes, series):
         vals = [v for v in vals if v is not None]
         _cdf(ax, vals, name)
-        if limit:
-            ax.axvline(limit, color="red", linestyle="--", label=f"SLO {limit:g} s")
-        if vals and min(vals) > 0:
-            ax.set_xscale("log")
-        ax.set_xlabel(f"{name} (s)")
-        ax.set_ylabel("fraction of successful requests")
-        ax.legend(fontsize=8)
+        # An SLO line far right of every value would squeeze the curve into one corner.
+        on_scale = limit is not None and (not vals or limit <= 10 * max(vals))
+        if on_scale:
+            ax.axvline(limit, color="red", linestyle="--", label=f"SLO {_seconds(limit)}")
+        _time_axis(ax, vals + ([limit] if on_scale else []))
+        note = f", SLO {_seconds(limit)} off scale" if limit and not on_scale else ""
+        ax.set_title(f"{name}: {len(vals)} values{note}", fontsize=9)
+        ax.set_xlabel(name)
+        ax.set_ylabel(
+            "fraction of token gaps" if name.startswith("ITL") else "fraction of requests"
+        )
+        ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.15, top=0.95, wspace=0.3)
+    fig.suptitle(f"Latency CDFs, successful requests\n{_wrap(title)}", fontsize=10)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.88, wspace=0.25, hspace=0.4)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict) -> None:
+def timeline(
+    path: pathlib.Path, records: Sequence[RequestRecord], server: dict, title: str = ""
+) -> None:
     t0 = min(r.send_s for r in records)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.8), sharex=True)
     colors = {
         "success": "tab:blue",
         "cancelled": "tab:gray",
@@ -70,7 +110,8 @@ def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict)
         ]
         if pts:
             ax1.scatter(*zip(*pts), s=8, color=color, label=outcome)
-    ax1.set_ylabel("TTFT (s) by send time")
+    ax1.set_ylabel("TTFT by send time")
+    ax1.yaxis.set_major_formatter(FuncFormatter(_seconds))
     if ax1.get_legend_handles_labels()[0]:
         ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
@@ -87,7 +128,8 @@ def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict)
     if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=8, loc="upper left")
     ax2.grid(alpha=0.3)
-    fig.subplots_adjust(left=0.08, right=0.9, bottom=0.09, top=0.97, hspace=0.1)
+    fig.suptitle(f"TTFT and server queues over the run\n{_wrap(title, 90)}", fontsize=10)
+    fig.subplots_adjust(left=0.08, right=0.9, bottom=0.08, top=0.86, hspace=0.1)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -95,18 +137,26 @@ def timeline(path: pathlib.Path, records: Sequence[RequestRecord], server: dict)
 def run_plots(
     out: pathlib.Path, report: dict, records: Sequence[RequestRecord]
 ) -> list[pathlib.Path]:
+    from benchmarks.loadgen.report import run_label
+
     paths = [out / "latency_cdf.png", out / "timeline.png"]
-    latency_cdf(paths[0], records, report["slo"]["default"])
-    timeline(paths[1], records, report.get("server_metrics", {}))
+    title = run_label(report)
+    latency_cdf(paths[0], records, report["slo"]["default"], title)
+    timeline(paths[1], records, report.get("server_metrics", {}), title)
     return paths
 
 
 def latency_vs_rate(
-    path: pathlib.Path, steps: list[dict], knee: float | None, operating: float | None, slo: dict
+    path: pathlib.Path,
+    steps: list[dict],
+    knee: float | None,
+    operating: float | None,
+    slo: dict,
+    title: str = "",
 ) -> None:
     """p50/p95 TTFT, TPOT, E2E against offered rate, throughput and goodput below."""
     rates = [s["rate"] for s in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
     for ax, key in zip(axes.flat, ("ttft_s", "tpot_s", "e2e_s")):
         for p, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^:")):
             ax.plot(
@@ -120,6 +170,7 @@ def latency_vs_rate(
         ax.set_ylabel(f"{key[:-2].upper()} (s)")
         ax.set_xlabel("offered rate (req/s)")
         ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax = axes.flat[3]
     ax.plot(rates, rates, "k:", label="offered")
     ax.plot(rates, [s["throughput"]["rps"] for s in steps], "o-", label="successful req/s")
@@ -133,6 +184,11 @@ def latency_vs_rate(
             a.axvline(operating, color="tab:green", alpha=0.6, label="operating point")
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.97, wspace=0.25, hspace=0.3)
+        a.set_xticks(rates, [f"{r:g}" for r in rates])
+    knee_note = "" if knee is not None else " (knee not reached: capacity is above the rates tried)"
+    fig.suptitle(
+        f"Rate sweep: latency and goodput vs offered rate{knee_note}\n{_wrap(title)}", fontsize=10
+    )
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.9, wspace=0.25, hspace=0.3)
     fig.savefig(path, dpi=90)
     plt.close(fig)

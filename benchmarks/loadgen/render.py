@@ -45,91 +45,122 @@ def outcome_table(blocks: dict[str, dict]) -> list[str]:
     return lines
 
 
+def slo_miss_table(r: dict) -> list[str]:
+    """Gate | limit | requests that missed it | share of sent (outcomes count as gates)."""
+    limits = r["slo"]["default"]
+    if not r["slo_misses"]:
+        return ["Every request sent met every SLO gate."]
+    lines = ["| gate | limit | requests missing it | share of sent |", "|---|---|---|---|"]
+    for gate, n in sorted(r["slo_misses"].items(), key=lambda kv: -kv[1]):
+        limit = limits.get(gate)
+        shown = f"{limit:g} s" if limit is not None else "must succeed"
+        lines.append(f"| {gate} | {shown} | {n} | {n / r['requests_sent']:.1%} |")
+    return lines
+
+
+def verdict(r: dict) -> str:
+    """Whether this rate passes the sweep's gates (the operating point's test)."""
+    from benchmarks.loadgen import sweep
+
+    gates = sweep.check_gates(sweep.step_summary(0.0, r), sweep.Gates())
+    failed = [k for k, ok in gates.items() if not ok]
+    if not failed:
+        return (
+            "**Within capacity**: every gate passed at this load (p95 latencies within the SLO, "
+            ">= 90% of requests good, <= 1% errors). A sweep (`--sweep_start`) finds how far above "
+            "it the operating point lies."
+        )
+    return (
+        f"**Beyond capacity at this load**: gates failing: {', '.join(failed)}. Run a sweep "
+        "(`--sweep_start=<lower rate>`) to find the highest rate that passes."
+    )
+
+
 def markdown(r: dict) -> str:
-    c = r["conditions"]
-    t = r["throughput"]
+    """The answer first (goodput, verdict, cost, outcomes, latency), conditions last."""
+    from benchmarks.loadgen.report import run_label
+
+    c, t, g = r["conditions"], r["throughput"], r["goodput"]
+    sent = r["requests_sent"]
     lines = [
-        "# Capacity report",
+        f"# Capacity report: {run_label(r)}",
         "",
         (
-            f"Model **{c.get('model', '?')}** revision `{c.get('revision', '?')}`, "
-            f"engine {c.get('engine_version', '?')}; target `{c.get('target', '?')}`."
+            f"Model **{c.get('model', '?')}** revision `{str(c.get('revision', '?'))[:16]}`; "
+            f"{sent} requests over {r['wall_s']:.1f} s."
         ),
         "",
-        "## Conditions",
+        "## Answer",
         "",
-        "```json",
-        json.dumps(c, indent=1, default=str),
-        "```",
-        "",
-        "## SLOs",
-        "",
-        "```json",
-        json.dumps(r["slo"], indent=1),
-        "```",
-        "",
-        "## Summary",
-        "",
-        f"- requests sent: **{r['requests_sent']}** over {r['wall_s']:.1f} s",
         (
-            f"- throughput: input {t['input_tps']:.1f} tok/s, output {t['output_tps']:.1f} "
-            f"tok/s, {t['rps']:.2f} successful req/s ({t['completed_rps']:.2f} ended req/s)"
+            f"- **goodput {r['goodput_rps']:.3f} req/s** ({g['good_requests']} of {sent} "
+            f"requests met every SLO, {g['good_requests'] / sent:.0%}); "
+            f"{g['output_tps']:.1f} good output tok/s"
+        ),
+        f"- {verdict(r)}",
+        (
+            f"- cost per successful request: **{_f(r['cost_per_success'], 4)}** (per "
+            f"SLO-meeting request {_f(r['cost']['cost_per_good_request'], 4)}; price per "
+            f"device-hour {r['cost']['price_per_device_hour']})"
         ),
         (
-            f"- **goodput: {r['goodput_rps']:.3f} req/s**, {r['goodput']['output_tps']:.1f} "
-            f"output tok/s ({r['goodput']['good_requests']} requests met every SLO)"
+            f"- throughput: {t['rps']:.2f} successful req/s, {t['output_tps']:.1f} output tok/s, "
+            f"{t['input_tps']:.1f} input tok/s"
         ),
-        f"- SLO misses by gate: {r['slo_misses'] or 'none'}",
-        (
-            f"- cost per successful request: {_f(r['cost_per_success'], 4)} "
-            f"(per SLO-meeting request: {_f(r['cost']['cost_per_good_request'], 4)}; "
-            f"price/device-hour {r['cost']['price_per_device_hour']})"
-        ),
-        (
-            f"- prefix cache: {_f(r['prefix_cache']['hit_rate'])} of prompt tokens cached "
-            f"(server-reported per request; scraped counters: "
-            f"{_f(r['server_metrics'].get('prefix_cache_hit_rate'))}); preemptions during "
-            f"the run: {_f(r['server_metrics'].get('preemptions'))}"
-        ),
-        (
-            f"- requests in flight at the client: mean "
-            f"{_f(r['observed_concurrency']['mean'])}, max {r['observed_concurrency']['max']}"
-        ),
-        f"- load generator dispatch lag p99: {_ms(r['dispatch_lag_s']['p99'])} ms",
         "",
-        "## Latency (successful requests)",
+        "### Outcomes",
         "",
     ]
-    lines += latency_table(
-        {
-            "all": r,
-            **{f"class {k}": v for k, v in r["by_class"].items()},
-            **{f"priority {k}": v for k, v in r["by_priority"].items()},
-        }
-    )
+    lines += outcome_table({"all": r})
+    lines += ["", "### Latency of successful requests", ""]
+    lines += latency_table({"all": r})
+    lines += ["", "### SLO misses", ""]
+    lines += slo_miss_table(r)
+    lines += _breakdown(r)
+    lines += _appendix(r)
+    return "\n".join(lines)
+
+
+def _breakdown(r: dict) -> list[str]:
+    groups = {
+        **{f"class {k}": v for k, v in r["by_class"].items()},
+        **{f"priority {k}": v for k, v in r["by_priority"].items()},
+    }
+    lines = ["", "## By class and priority", ""]
+    lines += latency_table(groups)
+    lines += [""]
+    lines += outcome_table({**groups, **{f"tenant {k}": v for k, v in r["by_tenant"].items()}})
+    reasons = r["outcomes"]["by_reason"]
+    if reasons:
+        lines += ["", "| outcome: reason | requests |", "|---|---|"]
+        for outcome, by in reasons.items():
+            lines += [f"| {outcome}: {k.replace('|', '/')} | {n} |" for k, n in by.items()]
     lines += [
         "",
         "Chunk-level ITL (network messages) p50/p95/p99 ms: "
         + "/".join(_ms(r["chunk_itl_s"][p]) for p in ("p50", "p95", "p99")),
-        "",
-        "## Outcomes and goodput",
-        "",
+        (
+            f"Prefix cache: {_f(r['prefix_cache']['hit_rate'])} of prompt tokens cached "
+            f"(scraped counters: {_f(r['server_metrics'].get('prefix_cache_hit_rate'))}); "
+            f"preemptions: {_f(r['server_metrics'].get('preemptions'))}; requests in flight "
+            f"at the client: mean {_f(r['observed_concurrency']['mean'])}, max "
+            f"{r['observed_concurrency']['max']}; dispatch lag p99 "
+            f"{_ms(r['dispatch_lag_s']['p99'])} ms."
+        ),
     ]
-    lines += outcome_table(
-        {
-            "all": r,
-            **{f"class {k}": v for k, v in r["by_class"].items()},
-            **{f"priority {k}": v for k, v in r["by_priority"].items()},
-            **{f"tenant {k}": v for k, v in r["by_tenant"].items()},
-        }
-    )
+    wc = r["warm_vs_cold"]
     lines += [
         "",
-        f"Reasons: `{json.dumps(r['outcomes']['by_reason'])}`",
-        "",
-        "## Server metrics (scraped)",
+        f"## Warm vs cold (cold = requests sent in the first {wc['warm_window_s']:.1f} s)",
         "",
     ]
+    lines += latency_table(
+        {
+            f"cold ({wc['cold']['requests']} sent)": wc["cold"],
+            f"steady ({wc['steady']['requests']} sent)": wc["steady"],
+        }
+    )
+    lines += ["", "## Server metrics (scraped)", ""]
     sm = r["server_metrics"]
     for name, s in sm.get("found", {}).items():
         lines.append(
@@ -138,15 +169,16 @@ def markdown(r: dict) -> str:
         )
     if sm.get("missing"):
         lines.append(f"- not found on the metrics endpoint: {', '.join(sm['missing'])}")
-    wc = r["warm_vs_cold"]
-    lines += ["", f"## Warm vs cold (cold = first {wc['warm_window_s']} s)", ""]
-    lines += latency_table(
-        {
-            f"cold ({wc['cold']['requests']} sent)": wc["cold"],
-            f"steady ({wc['steady']['requests']} sent)": wc["steady"],
-        }
-    )
-    lines += ["", "## Definitions", ""]
+    if not sm:
+        lines.append("- not scraped (no --metrics_url)")
+    return lines
+
+
+def _appendix(r: dict) -> list[str]:
+    lines = ["", "## Appendix A: conditions", "", "```json"]
+    lines += [json.dumps(r["conditions"], indent=1, default=str), "```", ""]
+    lines += ["## Appendix B: SLOs", "", "```json", json.dumps(r["slo"], indent=1), "```", ""]
+    lines += ["## Appendix C: definitions", ""]
     lines += [f"- **{k}**: {v}" for k, v in r["definitions"].items()]
     lines += ["", "Plots: `latency_cdf.png`, `timeline.png`.", ""]
-    return "\n".join(lines)
+    return lines

@@ -31,8 +31,8 @@ DEFINITIONS = {
     "failed requests never count",
     "cost_per_success": "(device-hours x price per device-hour + energy kWh x price per kWh) / "
     "successful requests; cost_per_good_request divides by SLO-meeting ones",
-    "warm_vs_cold": "cold = requests sent in the first warm_window_s after the run started; "
-    "steady = the rest",
+    "warm_vs_cold": "cold = requests sent in the first warm_window_s after the run started "
+    "(default: a fifth of the wall time); steady = the rest",
 }
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "chunk_itl_s", "e2e_s", "queue_s")
@@ -133,13 +133,16 @@ def build_report(
     policy: SloPolicy,
     cost: CostConfig = CostConfig(),
     scrape: dict | None = None,
-    warm_window_s: float = 60.0,
+    warm_window_s: float | None = None,
 ) -> dict:
-    """Everything the report holds, as one JSON-able dict."""
+    """Everything the report holds, as one JSON-able dict. `warm_window_s` None: a fifth of
+    the wall time, so both the cold and the steady window hold requests."""
     if not records:
         raise ValueError("no requests were sent: nothing to report")
     t0, t1 = wall_span(records)
     wall_s = t1 - t0
+    if warm_window_s is None:
+        warm_window_s = 0.2 * wall_s
     outcomes = m.outcome_counts(records)
     good = m.goodput(records, policy, wall_s)
     admitted = [r for r in records if r.num_prompt_tokens]
@@ -191,6 +194,29 @@ def build_report(
             "steady": latency_block(steady) | {"requests": len(steady)},
         },
     }
+
+
+def run_label(report: dict) -> str:
+    """'workload | arrival at rate | SLO' in one line, for titles of the report and plots."""
+    c = report.get("conditions", {})
+    mix = c.get("workload_mix") or {}
+    if "trace" in mix:
+        workload = f"trace {pathlib.Path(str(mix['trace'])).name}"
+    else:
+        workload = ", ".join(
+            f"{name} {v['weight']:.0%}" if isinstance(v, dict) else str(name)
+            for name, v in mix.items()
+        )
+    a = c.get("arrival") or {}
+    if a.get("kind") == "closed":
+        load = f"closed loop, {a.get('concurrency')} streams"
+    elif "rate" in a:
+        load = f"{a['kind']} {a['rate']:g} req/s"
+    else:
+        load = str(a.get("kind", "?"))
+    slo = report.get("slo", {}).get("default", {})
+    gates = ", ".join(f"{k[:-2].upper()}<={v:g}s" for k, v in slo.items() if v is not None)
+    return f"{workload or '?'} | {load} | SLO {gates or 'none'}"
 
 
 def write_report(

@@ -14,7 +14,9 @@ Each step is a full run (its own report in `OUT/rate_<r>/`). From the steps:
                      queueing starts to dominate. (Achieved vs offered req/s is not used: over
                      a short step, Poisson noise and the drain tail move it by 10-20%.)
 
-The sweep stops after `stop_after_failures` consecutive failing steps.
+The sweep stops after `stop_after_failures` consecutive failing steps. It says when its rates
+did not bracket the answer (`advice`): no knee and every gate passing means capacity lies above
+the highest rate tried; the lowest rate already failing means it lies below the lowest.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ def step_summary(rate: float, report: dict) -> dict:
         "slo",
         "cost_per_success",
     )
+    from benchmarks.loadgen.report import run_label
+
     return {
         "rate": rate,
         "good_requests": report["goodput"]["good_requests"],
+        "label": run_label(report) if "conditions" in report else "",
         **{k: report[k] for k in keys},
     }
 
@@ -137,6 +142,8 @@ def run_sweep(
     }
     op = [s for s in steps if s["rate"] == result["operating_rate"]]
     result["operating_goodput_rps"] = op[0]["goodput_rps"] if op else None
+    result["knee_reached"] = result["knee_rate"] is not None
+    result["advice"] = advice(steps, result["knee_rate"], result["operating_rate"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(result, indent=2, default=str))
     (out_dir / "sweep.md").write_text(sweep_markdown(result))
@@ -146,20 +153,56 @@ def run_sweep(
         result["knee_rate"],
         result["operating_rate"],
         steps[0]["slo"]["default"] if steps else {},
+        _sweep_title(steps),
     )
     return result
+
+
+def _sweep_title(steps: list[dict]) -> str:
+    """The steps' shared label without the per-step rate: 'workload | SLO ...'."""
+    if not steps or not steps[0].get("label"):
+        return ""
+    parts = steps[0]["label"].split(" | ")
+    rates = ", ".join(f"{s['rate']:g}" for s in steps)
+    return f"{parts[0]} | rates {rates} req/s | {parts[-1]}"
+
+
+def advice(steps: list[dict], knee: float | None, operating: float | None) -> str:
+    """What the sweep shows, and what to run next when its rates did not bracket the answer."""
+    if not steps:
+        return "no step ran"
+    low, high = steps[0]["rate"], steps[-1]["rate"]
+    if operating is None:
+        failed = [k for k, ok in steps[0]["gates"].items() if not ok]
+        return (
+            f"no operating point: the lowest rate, {low:g} req/s, already failed "
+            f"({', '.join(failed)}). Capacity is below it: rerun with "
+            f"--sweep_start={low / 4:g}, or check the SLO is attainable on this hardware."
+        )
+    if knee is None:
+        return (
+            f"the knee was not reached: latency stayed flat and errors low up to {high:g} "
+            f"req/s, so {operating:g} req/s is a lower bound, not the capacity. Rerun with "
+            f"--sweep_start={high:g} --sweep_factor=2 (or more --sweep_steps)."
+        )
+    return (
+        f"knee at {knee:g} req/s (p95 TTFT doubled or errors appeared); operating point "
+        f"{operating:g} req/s is the highest rate where every gate passed."
+    )
 
 
 def sweep_markdown(result: dict) -> str:
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"
     lines = [
-        "# Rate sweep",
+        "# Rate sweep" + (f": {_sweep_title(result['steps'])}" if result["steps"] else ""),
         "",
         (
-            f"- knee: **{result['knee_rate']}** req/s; operating point (highest rate where "
+            f"- knee: **{result['knee_rate'] or 'not reached'}** req/s; operating point "
+            f"(highest rate where "
             f"every gate passed): **{result['operating_rate']}** req/s, goodput "
             f"{result['operating_goodput_rps']} req/s"
         ),
+        f"- **{result['advice']}**",
         f"- gates: `{json.dumps(result['gates'])}`",
         "",
         (

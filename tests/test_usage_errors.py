@@ -1,0 +1,198 @@
+"""User mistakes on every command line: one line on stderr naming the flag, the value and what
+is allowed, exit status 2, no traceback, and nothing slow started first (no "loading" line:
+every check runs before a model loads or a request is sent)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.subprocess  # each command runs as a subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = ["-m", "serving.cli", "generate"]
+SERVER = ["-m", "serving.server"]
+CLIENT = ["-m", "serving.client"]
+LOADGEN = ["-m", "benchmarks.loadgen"]
+PLANNER = ["-m", "benchmarks.planner"]
+
+
+def run(args, timeout=60):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_usage_error(proc, *fragments):
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert "loading" not in proc.stderr + proc.stdout  # failed before any model load
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    (d / "notes.txt").write_text("just some text\n")
+    (d / "fake.gguf").write_bytes(b"PK\x03\x04 a zip file, not a GGUF")
+    (d / "empty_dir").mkdir()
+    return d
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed on exit: nothing listens there
+
+
+@pytest.mark.parametrize("command", [CLI, SERVER], ids=["cli", "server"])
+def test_model_paths(command, files):
+    assert_usage_error(
+        run([*command, "--model=/no/such/model.gguf"]),
+        "--model='/no/such/model.gguf'",
+        "no such file or directory",
+        "smollm2-135m",
+    )
+    assert_usage_error(
+        run([*command, f"--model={files / 'notes.txt'}"]),
+        "not a GGUF file (starts with b'just som'",
+    )
+    assert_usage_error(run([*command, f"--model={files / 'fake.gguf'}"]), "not a GGUF file")
+    assert_usage_error(run([*command, f"--model={files / 'empty_dir'}"]), "no config.json")
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--max_tokens=-5", "--max_tokens=-5: must be >= 1"),
+        ("--temperature=-1", "--temperature=-1.0: must be 0 <= x <= 100"),
+        ("--top_p=0", "--top_p=0.0: must be 0 < x <= 1"),
+        ("--max_tokens=abc", "--max_tokens=abc"),
+        ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'"),
+        ("--mesh=model:64", "--mesh=model:64: needs 64 devices, 1 available"),
+        ("--mesh=rows:2", "bad entry 'rows:2'"),
+        ("--prompt=", "--prompt='': must not be empty"),
+    ],
+)
+def test_cli_sampling_flags(flag, message):
+    assert_usage_error(run([*CLI, flag]), message)
+
+
+def test_cli_needs_a_command():
+    assert_usage_error(run(["-m", "serving.cli"]), "expected one of ['generate']")
+
+
+def test_server_flags_and_busy_ports(busy_port):
+    assert_usage_error(
+        run([*SERVER, f"--metrics_port={busy_port}"]),
+        f"--metrics_port={busy_port}: port already in use",
+        "-1 for none",
+    )
+    assert_usage_error(run([*SERVER, f"--port={busy_port}"]), f"--port={busy_port}: port already")
+    assert_usage_error(run([*SERVER, "--port=70000"]), "--port=70000: must be 0 <= port <= 65535")
+    assert_usage_error(run([*SERVER, "--max_num_seqs=0"]), "--max_num_seqs=0: must be >= 1")
+    assert_usage_error(run([*SERVER, "--host=no.such.host.invalid"]), "cannot resolve")
+    assert_usage_error(run([*SERVER, "--tenants_config=/nope.json"]), "no such file")
+
+
+def test_client_flags_and_dead_target():
+    assert_usage_error(run([*CLIENT, "--max_tokens=-5"]), "--max_tokens=-5: must be >= 1")
+    assert_usage_error(run([*CLIENT, "--target=nohost"]), "--target=nohost: expected HOST:PORT")
+    assert_usage_error(run([*CLIENT, "frobnicate"]), "one of ['generate', 'tokenize'")
+    port = dead_port()
+    assert_usage_error(
+        run([*CLIENT, f"--target=127.0.0.1:{port}", "info"]),
+        f"--target=127.0.0.1:{port}: no server answers there",
+    )
+
+
+def test_loadgen_refuses_a_dead_target(tmp_path):
+    port = dead_port()
+    out = tmp_path / "out"
+    proc = run([*LOADGEN, f"--target=127.0.0.1:{port}", "--duration_s=1", f"--out={out}"])
+    assert_usage_error(proc, f"--target=127.0.0.1:{port}: no server answers there")
+    assert not out.exists()  # no report of a run that never happened
+    proc = run([*LOADGEN, f"--target=127.0.0.1:{port}", "--protocol=http", f"--out={out}"])
+    assert_usage_error(proc, f"--target=127.0.0.1:{port}: no HTTP server answers there")
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--rate=-1", "--rate=-1.0: must be > 0"),
+        ("--cancel_fraction=2", "--cancel_fraction=2.0: must be 0 <= x <= 1"),
+        ("--workload=bogus", "workload 'bogus': expected one of"),
+        ("--slo=latency=1", "slo field 'latency'"),
+        ("--target=8.8.8.8:443", "only loopback addresses"),
+        ("--sweep_rates=1,x", "--sweep_rates=1,x: numbers"),
+        ("--gate_percentile=p90", "one of p50, p95, p99"),
+    ],
+)
+def test_loadgen_flags(flag, message):
+    assert_usage_error(run([*LOADGEN, flag]), message)
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--rate=-2", "--rate=-2.0: must be > 0"),
+        ("--model=no-such-model", "--model=no-such-model: unknown model; one of"),
+        ("--utilization=1.5", "--utilization=1.5: must be 0 < x <= 1"),
+        ("--seq_lens=1024,abc", "--seq_lens=1024,abc: positive integers"),
+        ("--device_memory_gib=1", "leaves no KV budget"),
+        ("--kv_dtype=fp7", "--kv_dtype=fp7: one of"),
+    ],
+)
+def test_planner_flags(flag, message):
+    assert_usage_error(run([*PLANNER, "plan", flag]), message)
+
+
+def test_planner_needs_the_plan_command():
+    assert_usage_error(run(PLANNER), "expected the command 'plan'")
+
+
+def test_server_prints_warmup_progress(monkeypatch, capsys):
+    import types
+
+    import engine.warmup
+    from serving import server
+
+    compiled, marked = [], []
+    monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
+    eng = types.SimpleNamespace(
+        shapes=types.SimpleNamespace(shapes=list(range(10))), mark_warm=marked.append
+    )
+    server._warmup_with_progress(eng, num_reports=4)
+    assert compiled == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == [
+        f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)
+    ]
+    assert len(marked) == 1 and marked[0] >= 0
+
+
+def test_console_scripts_resolve():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert {"pagedjax", "pagedjax-server", "pagedjax-client", "pagedjax-loadgen"} <= set(scripts)
+    for target in scripts.values():  # one process each: every command defines its own flags
+        module, _, func = target.partition(":")
+        code = f"import {module} as m; assert callable(m.{func})"
+        assert run(["-c", code]).returncode == 0, target
