@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format install clean
+.PHONY: demo test test-fast lint format install clean reliability
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ demo: install
 
 test: install
 	$(VPY) -m pytest -q tests
+
+# Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of
+# benchmarks/reliability.py, e.g. make reliability RELIABILITY_ARGS="--soak_model_n=200".
+RELIABILITY_ARGS ?=
+reliability: install
+	$(VPY) -m benchmarks.reliability $(RELIABILITY_ARGS)
 
 # The inner loop (about a minute of CPU): every package, without the three slow kinds of test
 # (markers in pyproject.toml). `make test` and CI run everything.

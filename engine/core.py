@@ -66,7 +66,7 @@ from engine.sampling import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
-from engine.step import engine_step
+from engine.step import NONFINITE_TOKEN, engine_step
 from engine.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
@@ -297,6 +297,8 @@ class EngineCore:
         t1 = time.perf_counter()
         result = SampleResult.unpack(packed)
         tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
+        now = time.monotonic()
+        self._fail_nonfinite(step.plan, tokens, now, outputs)
         sampled = {
             s.request.request_id: int(t)
             for s, t in zip(step.plan.scheduled, tokens)
@@ -306,7 +308,6 @@ class EngineCore:
             s.request.request_id: int(r)
             for s, r in zip(step.plan.scheduled, step.built.sampler_rows)
         }
-        now = time.monotonic()
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
         received = self.scheduler.update_after_step(step.plan, sampled, now)
@@ -319,6 +320,18 @@ class EngineCore:
         self.timings.outputs_s += time.perf_counter() - t2
         self.timings.num_steps += 1
         self._check_compiles(step.built.shape)
+
+    def _fail_nonfinite(self, plan: SchedulerOutput, tokens, now: float, outputs) -> None:
+        """Requests whose logits held NaN/inf (flagged on device: NONFINITE_TOKEN) end
+        "failed" instead of receiving a token."""
+        for s, token in zip(plan.scheduled, tokens):
+            if token != NONFINITE_TOKEN or s.request.is_finished:
+                continue
+            if self.scheduler.finish_request(s.request.request_id, "failed", now):
+                log.error("request %s: non-finite logits; failed", s.request.request_id)
+                outputs.append(
+                    self._finished_output(s.request, [], error="model produced non-finite logits")
+                )
 
     def _fail(self, plan: SchedulerOutput, e: Exception, outputs: list[RequestOutput]) -> None:
         log.exception("engine step failed", exc_info=e)

@@ -5,12 +5,14 @@
 
 The KV cache, the penalty state and `last_tokens` are donated, so XLA updates them in place.
 The results come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens
-bit-cast), the only device->host transfer of a step.
+bit-cast), the only device->host transfer of a step. A row whose logits hold a NaN or inf
+has its token set to NONFINITE_TOKEN on device (the flag travels in the same array); the
+engine fails that request instead of emitting a token sampled from garbage.
 
 `last_tokens [max_num_seqs] int32` is the last token sampled for each slot. A row whose
 input token the host has not read yet (`batch.token_slots[row] >= 0`: overlapped steps,
 engine/core.py) takes it from there, so step N+1 can be dispatched before step N's tokens
-reach the host; each step then writes the tokens it samples back into their slots.
+reach the host; each step then writes the (finite) tokens it samples back into their slots.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingFlags, sample, update_counts
 from models.llama import Params, forward
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
+
+NONFINITE_TOKEN = -1  # sampled-token value of a row whose logits were not all finite
 
 
 def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str, mesh=None):
@@ -152,10 +156,13 @@ def engine_step(
         counts = update_counts(counts, batch.slot_ids, result.tokens, batch.sample_mask)
     else:
         result = sample(logits, batch.sampling, flags=flags)
-    # Padding and non-sampling rows scatter out of range (dropped).
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [Sd + Sp]
+    # Padding, non-sampling and non-finite rows scatter out of range (dropped); a request
+    # whose row is non-finite is failed by the host one step later.
     num_slots = last_tokens.shape[0]
-    write_to = jnp.where(batch.sample_mask, batch.slot_ids, num_slots)  # [Sd + Sp]
+    write_to = jnp.where(batch.sample_mask & finite, batch.slot_ids, num_slots)  # [Sd + Sp]
     last_tokens = last_tokens.at[write_to].set(result.tokens, mode="drop")
+    result.tokens = jnp.where(finite, result.tokens, NONFINITE_TOKEN)
     packed = result.pack()
     if mesh is not None:  # replicated: every process can read it; one jit key for the state
         packed, counts, last_tokens = jax.lax.with_sharding_constraint(

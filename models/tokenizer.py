@@ -213,7 +213,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # NOTE: encode_batch releases the interpreter lock while it works (encode holds
+            # it: a 4 MB prompt stalled every other thread for ~2 s); same ids.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError as e:  # the Rust side refuses lone surrogates, which are not UTF-8
             bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
             if bad is None:
@@ -261,9 +263,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> list[int]:
-        """Prompt token ids for `messages` (template rendered, then encoded without extra BOS)."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(prompt, add_special_tokens=False)
+        """Prompt token ids for `messages` (template rendered, then encoded without extra BOS).
+        Message content is encoded as literal text: special-token strings in it do not become
+        special ids (models/chat_encoding.py)."""
+        from models.chat_encoding import encode_chat
+
+        return encode_chat(self, messages, add_generation_prompt, **kwargs)
 
     def new_detokenizer(
         self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True

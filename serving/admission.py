@@ -5,15 +5,20 @@ popped by the engine thread), so a rejection is decided within milliseconds of a
 
   check_limits(cfg, prompt, sampling)   -> InvalidRequestError (field, value, limit)
   WaitingQueue.offer(item)              -> Rejected(reason, retry_after_ms) when the queue is
-                                           full by count or tokens, or the estimated wait is
-                                           already past the request's deadline
+                                           full by count or tokens, when the estimated
+                                           completion (queue wait + own prefill + max_tokens
+                                           decode steps, serving/capacity_model.py) is past
+                                           the request's deadline ("deadline"), or, without a
+                                           deadline, the estimated wait is past the queue
+                                           timeout ("queue_timeout")
   WaitingQueue.pop()                    -> highest effective priority: class + waited / aging_s,
                                            so a LOW request waiting 2 * aging_s ranks with HIGH
                                            (no starvation); FIFO among equals
 
 The drain rate (DrainMeter: requests and tokens the saturated engine lets through per second,
 recorded by the engine thread) turns queue length into an estimated wait and a
-`retry-after-ms` hint.
+`retry-after-ms` hint; until it has measured one, the capacity model (seeded at start-up)
+gives a modelled drain rate, so the first burst is judged as well as later ones.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from serving.capacity_model import CapacityModel, Estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,9 @@ class AdmissionConfig:
     max_model_len: int = 8192  # prompt + max_tokens must fit; the server takes the engine's
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_prompt_bytes: int = 262_144  # UTF-8 bytes of text / chat content, checked before tokenizing
+    max_chat_messages: int = 1024
     max_queue_requests: int = 256
     max_queue_tokens: int = 2_000_000  # sum of prompt + max_tokens over queued requests
     queue_timeout_s: float = 60.0
@@ -47,6 +56,9 @@ class AdmissionConfig:
     min_retry_after_ms: int = 10
     max_retry_after_ms: int = 60_000
     default_retry_after_ms: int = 1_000  # when no drain rate has been measured yet
+    # With a capacity model, a request is admitted only if its estimated completion x this
+    # fits its deadline: estimates err, and a timed-out request wasted its whole run.
+    deadline_margin: float = 1.2
 
     def __post_init__(self):
         assert self.max_queue_requests >= 0, self.max_queue_requests
@@ -158,15 +170,26 @@ class QueuedRequest:
     deadline_s: float | None = None  # absolute, time.monotonic()
     payload: Any = None
     seq: int = 0  # FIFO tie-break, set by the queue
+    prompt_tokens: int = 0  # for the capacity model (0: unknown, num_tokens counts as prompt)
+    max_tokens: int = 0
 
 
 class WaitingQueue:
     """Bounded by count and by tokens; thread-safe. `clock` is injectable for tests."""
 
-    def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float] = time.monotonic):
-        self.cfg, self.clock = cfg, clock
+    def __init__(
+        self,
+        cfg: AdmissionConfig,
+        clock: Callable[[], float] = time.monotonic,
+        capacity: CapacityModel | None = None,
+    ):
+        self.cfg, self.clock, self.capacity = cfg, clock, capacity
+        self.num_in_engine = 0  # set by the engine thread
+        self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
+        self._prompt_sum = 0
+        self._max_tokens_sum = 0
         self._lock = threading.Lock()
         self._counter = itertools.count()
         self.drain = DrainMeter(cfg.drain_window_s)
@@ -182,7 +205,7 @@ class WaitingQueue:
         """Enqueue, or raise Rejected at once."""
         with self._lock:
             now = self.clock()
-            rates = self.drain.rates(now)
+            rates = self._rates(now)
             count, tokens = len(self._items), self._tokens
             if count + 1 > self.cfg.max_queue_requests:
                 raise Rejected(
@@ -198,33 +221,79 @@ class WaitingQueue:
                     f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
                     f"{self.cfg.max_queue_tokens}",
                 )
-            wait_s = None if rates is None else count / rates[0]
-            if (
-                wait_s is not None
-                and item.deadline_s is not None
-                and now + wait_s > item.deadline_s
-            ):
-                late_s = now + wait_s - item.deadline_s
-                raise Rejected(
-                    "deadline",
-                    self._clamp(1000 * late_s),
-                    f"estimated queue wait {wait_s:.3f}s exceeds the deadline "
-                    f"({item.deadline_s - now:.3f}s left)",
-                )
+            self._check_estimate(item, now, rates)
             item.seq = next(self._counter)
             item.enqueued_s = now
             self._items[item.request_id] = item
             self._tokens += item.num_tokens
+            self._prompt_sum += item.prompt_tokens
+            self._max_tokens_sum += item.max_tokens
+
+    def _check_estimate(self, item: QueuedRequest, now: float, rates) -> None:
+        est = self._estimate(item, rates)
+        if est is None:
+            return
+        margin = self.cfg.deadline_margin if self.capacity is not None else 1.0
+        completion_s = est.completion_s * margin
+        if item.deadline_s is not None and now + completion_s > item.deadline_s:
+            late_s = now + completion_s - item.deadline_s
+            raise Rejected(
+                "deadline",
+                self._clamp(1000 * late_s),
+                f"estimated completion {est.completion_s:.3f}s (queue wait {est.wait_s:.3f}s + "
+                f"own prefill and {item.max_tokens or '?'} tokens {est.service_s:.3f}s) "
+                f"exceeds the deadline ({item.deadline_s - now:.3f}s left)",
+            )
+        if item.deadline_s is None and est.wait_s > self.cfg.queue_timeout_s:
+            raise Rejected(
+                "queue_timeout",
+                self._clamp(1000 * (est.wait_s - self.cfg.queue_timeout_s)),
+                f"estimated queue wait {est.wait_s:.3f}s exceeds the queue timeout "
+                f"({self.cfg.queue_timeout_s}s)",
+            )
+
+    def _estimate(self, item: QueuedRequest, rates) -> Estimate | None:
+        """Completion estimate for `item` behind everything queued and in the engine; without
+        a capacity model, the wait alone from the measured drain (None before one)."""
+        ahead = self.num_in_engine + len(self._items)
+        if self.capacity is None:
+            if rates is None:
+                return None
+            return Estimate(len(self._items) / rates[0], 0.0, 0.0)
+        n = max(1, len(self._items))
+        prefill_ahead = self.unprefilled_engine_tokens
+        if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
+            prefill_ahead += self._prompt_sum
+        return self.capacity.estimate(
+            prefill_tokens_ahead=prefill_ahead,
+            ahead=ahead,
+            prompt_tokens=item.prompt_tokens or item.num_tokens,
+            max_tokens=item.max_tokens,
+            mean_prompt_tokens=self._prompt_sum / n if self._items else item.prompt_tokens,
+            mean_max_tokens=self._max_tokens_sum / n if self._items else item.max_tokens,
+            drain_per_s=None if rates is None else rates[0],
+        )
 
     def estimated_wait_s(self) -> float | None:
         with self._lock:
-            rates = self.drain.rates(self.clock())
+            rates = self._rates(self.clock())
             return None if rates is None else len(self._items) / rates[0]
 
     def retry_after_hint_ms(self) -> int:
-        """When one more request could get in, from the measured drain rate."""
+        """When one more request could get in, from the measured (or modelled) drain."""
         with self._lock:
-            return self._retry_ms(self.drain.rates(self.clock()), 1, 0)
+            return self._retry_ms(self._rates(self.clock()), 1, 0)
+
+    def _rates(self, now: float) -> tuple[float, float] | None:
+        """(requests/s, tokens/s) the queue drains at: measured, else modelled, else None."""
+        rates = self.drain.rates(now)
+        if rates is not None or self.capacity is None or not self._items:
+            return rates
+        n = len(self._items)
+        mean_prompt, mean_max = self._prompt_sum / n, self._max_tokens_sum / n
+        c = self.capacity.max_inflight
+        per_s = c / max(self.capacity.service_s(round(mean_prompt), round(mean_max), c), 1e-9)
+        return per_s, per_s * self._tokens / n
 
     def pop(self) -> QueuedRequest | None:
         """The request with the highest class + waited / aging_s; FIFO among equals."""
@@ -263,6 +332,8 @@ class WaitingQueue:
     def _take(self, item: QueuedRequest) -> None:
         del self._items[item.request_id]
         self._tokens -= item.num_tokens
+        self._prompt_sum -= item.prompt_tokens
+        self._max_tokens_sum -= item.max_tokens
 
     def _retry_ms(self, rates, excess_requests: int, excess_tokens: int) -> int:
         """Time for the measured drain to take out the excess."""

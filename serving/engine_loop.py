@@ -12,7 +12,8 @@ Threads and queues (JetStream orchestrator style):
       v
     engine thread (EngineLoop.run), each iteration:
       1. apply aborts: drop from WaitingQueue, or engine.abort_request (pages freed next step)
-      2. expire queued requests past their deadline or the queue timeout
+      2. expire queued requests past their deadline or the queue timeout (also done every
+         20 ms by the queue-reaper thread, and a cancelled call leaves the queue at once)
       3. feed the engine from WaitingQueue while fewer than `max_inflight` are in it
       4. engine.step() -> per-step deltas, routed to each request's StreamBuffer
          (push never blocks; a full buffer cancels that request: slow consumer);
@@ -42,7 +43,7 @@ from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from serving.admission import WaitingQueue
 from serving.breaker import CircuitBreaker
-from serving.request_state import ActiveRequest, RequestLedger, Terminal
+from serving.request_state import ActiveRequest, RequestLedger, SlowConsumerPolicy, Terminal
 
 log = logging.getLogger("pagedjax.serving")
 
@@ -71,6 +72,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_breaker_change=None,
         on_tick=None,
+        slow_consumer: SlowConsumerPolicy | None = None,
         on_start=None,
     ):
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
@@ -88,7 +90,13 @@ class EngineLoop:
         self._on_tick = on_tick  # called every stats_interval_s (reaps undispatched calls)
         self._on_start = on_start  # called once on this thread before serving (warm-up)
         self._breaker_state = "closed"
+        self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
+        self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
+        self.on_swap = None  # called on the engine thread with the new engine
+        self.slow_consumer = slow_consumer or SlowConsumerPolicy()
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+        self.reap_interval_s = 0.02
+        self._reaper = threading.Thread(target=self._reap_queue, name="queue-reaper", daemon=True)
 
     # ---- called from handler threads ------------------------------------------------------
     def register(self, r: ActiveRequest) -> None:
@@ -103,17 +111,58 @@ class EngineLoop:
         with self._active_lock:
             return request_id in self._active
 
+    def num_active(self) -> int:
+        """Admitted requests not yet done with the engine (queued or running)."""
+        with self._active_lock:
+            return len(self._active)
+
+    def active_requests(self) -> list[ActiveRequest]:
+        with self._active_lock:
+            return list(self._active.values())
+
+    def request_swap(self, engine) -> threading.Event:
+        """Reload: the engine thread stops feeding the current engine, steps it until its
+        requests are done, then serves from `engine` (requests queued meanwhile wait in the
+        queue). The returned event is set once the swap happened."""
+        done = threading.Event()
+        self._swap = (engine, done)
+        self.wake.set()
+        return done
+
     def abort(self, request_id: str) -> None:
+        """Cancel a request whose outcome the caller recorded. A queued one leaves the queue
+        now (it must not hold a slot until the engine's next step); one in the engine is
+        aborted by the engine thread."""
+        if self.waiting.remove(request_id) is not None:
+            self._drop_queued(request_id, "cancelled while queued")
+            return
         self._aborts.put(request_id)
         self.wake.set()
 
+    def _drop_queued(self, request_id: str, details: str) -> None:
+        r = self._lookup(request_id)
+        if r is not None:  # its outcome was recorded by whoever aborted it
+            r.stream.close(Terminal(grpc.StatusCode.CANCELLED, details))
+        self.unregister(request_id)
+
     def start(self) -> None:
         self.thread.start()
+        self._reaper.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self.wake.set()
         self.thread.join(timeout_s)
+        self._reaper.join(timeout_s)
+
+    def _reap_queue(self) -> None:
+        """Expire queued requests as their time comes, not at the engine's next step (which
+        can take seconds): expired entries must not fill the queue."""
+        while not self._stop.wait(self.reap_interval_s):
+            try:
+                self._expire_queued()
+            except Exception:
+                log.exception("queue reaper failed")
 
     # ---- the engine thread ----------------------------------------------------------------
     def run(self) -> None:
@@ -129,16 +178,32 @@ class EngineLoop:
     def _iterate(self) -> None:
         self._apply_aborts()
         self._expire_queued()
-        self._feed()
+        if self._swap is not None:
+            self._try_swap()
+        if self._swap is None:
+            self._feed()
+        self.waiting.num_in_engine = len(self._in_engine)
+        self.waiting.unprefilled_engine_tokens = self._unprefilled_tokens()
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
         )
         if self.engine.has_unfinished():
             self._step()
         else:
+            self._last_step = None  # idle: the next step does not follow this one
             self.wake.wait(self.idle_wait_s)
             self.wake.clear()
         self._publish_stats()
+
+    def _try_swap(self) -> None:
+        if self._in_engine or self.engine.has_unfinished():
+            return  # the old engine finishes what it holds first
+        engine, done = self._swap
+        log.info("engine swapped: %s -> %s", self.engine.identity, engine.identity)
+        self.engine, self._swap = engine, None
+        if self.on_swap is not None:
+            self.on_swap(engine)
+        done.set()
 
     def _lookup(self, request_id: str) -> ActiveRequest | None:
         with self._active_lock:
@@ -151,10 +216,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self.waiting.remove(request_id) is not None:
-                r = self._lookup(request_id)
-                if r is not None:  # its outcome was recorded by whoever aborted it
-                    r.stream.close(Terminal(grpc.StatusCode.CANCELLED, "cancelled while queued"))
-                self.unregister(request_id)
+                self._drop_queued(request_id, "cancelled while queued")
             elif request_id in self._in_engine:
                 self.engine.abort_request(request_id)
 
@@ -192,6 +254,7 @@ class EngineLoop:
                 self.unregister(item.request_id)
                 continue
             r.added_s = time.monotonic()
+            r.identity = self.engine.identity
             try:
                 self.engine.add_request(r.engine_request)
             except InvalidRequestError as e:
@@ -204,6 +267,8 @@ class EngineLoop:
             self.metrics.prompt_tokens.inc(len(r.engine_request.prompt_token_ids))
 
     def _step(self) -> None:
+        concurrency, start = len(self._in_engine), time.monotonic()
+        self._observe_iteration(concurrency, start)
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -218,6 +283,30 @@ class EngineLoop:
             self.breaker.record_failure()
         else:
             self.breaker.record_success()
+
+    def _observe_iteration(self, concurrency: int, start: float) -> None:
+        """Back-to-back steps: the time from the previous step's start to this one's is what
+        a token costs each running request (the step plus this thread's routing and feeding),
+        which is what the capacity model must predict."""
+        previous, self._last_step = self._last_step, (concurrency, start)
+        if previous is not None and self.waiting.capacity is not None:
+            prev_concurrency, prev_start = previous
+            if start - prev_start < 10.0:  # not across an idle spell
+                self.waiting.capacity.observe_step(prev_concurrency, start - prev_start)
+
+    def _unprefilled_tokens(self) -> int:
+        """Prompt tokens of the requests in the engine that have no first token yet."""
+        total = 0
+        for request_id in self._in_engine:
+            r = self._lookup(request_id)
+            if r is not None and not r.token_times_s:
+                total += len(r.engine_request.prompt_token_ids)
+        return total
+
+    def _observe_prefill(self, r: ActiveRequest, first_token_s: float) -> None:
+        if self.waiting.capacity is not None:
+            num_tokens = len(r.engine_request.prompt_token_ids)
+            self.waiting.capacity.observe_prefill(num_tokens, first_token_s - r.added_s)
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail the requests of the failed step: those named by the engine's exception
@@ -264,19 +353,28 @@ class EngineLoop:
         r = self._lookup(out.request_id)
         if r is None:
             return
+        if not r.token_times_s and out.token_times_s and r.added_s is not None:
+            self._observe_prefill(r, out.token_times_s[0])
         r.token_times_s.extend(out.token_times_s)
         r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         if out.finished:
             self._finish(r, out)
-        elif r.outcome is None and not r.stream.push(out):
+            return
+        if r.outcome is not None:
+            return
+        why = (
+            None
+            if r.stream.push(out)
+            else f"stream buffer overflowed ({r.stream.limit} undelivered messages)"
+        ) or self.slow_consumer.violation(r, time.monotonic())
+        if why is not None:
             self.engine.abort_request(r.request_id)
             self._end(
                 r,
                 "cancelled",
                 "slow_consumer",
                 grpc.StatusCode.ABORTED,
-                f"stream buffer overflowed ({r.stream.limit} undelivered messages): "
-                "client reads too slowly; request cancelled",
+                f"client reads too slowly: {why}; request cancelled",
             )
 
     def _finish(self, r: ActiveRequest, out: RequestOutput) -> None:
@@ -286,7 +384,9 @@ class EngineLoop:
         r.timings = r.compute_timings(time.monotonic())
         outcome, reason, status = _FINISH.get(out.finish_reason, _FINISH["failed"])
         details = out.error or f"finish_reason={out.finish_reason}"
-        self.ledger.settle(r, outcome, reason, status, "" if outcome == "success" else details)
+        if outcome != "success" or not r.success_on_delivery:
+            self.ledger.settle(r, outcome, reason, status, details)
+        # else: the transport settles success once it has sent the final message
         r.stream.push(out)
         if status != grpc.StatusCode.OK:
             r.stream.close(Terminal(status, details))

@@ -46,6 +46,7 @@ from serving.request_state import ActiveRequest, RequestLedger, StreamBuffer
 from serving.tenants import TenantLimiter, TenantPolicy, TenantRegistry, UnknownApiKey
 
 MAX_REQUEST_ID_CHARS = 256
+DEADLINE_SLACK_S = 0.1
 SUCCESS_FINISH_REASONS = ("stop", "length")
 
 
@@ -98,6 +99,7 @@ class GenerateCall:
     priority: int = 1  # engine priority: 0 low, 1 normal, 2 high
     time_left_s: float | None = None  # None: no deadline
     stream_listener: Callable[[], None] | None = None  # called when the stream has news
+    success_on_delivery: bool = False  # the transport records success after the final send
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +135,20 @@ class Generator:
         loop: EngineLoop,
         ledger: RequestLedger,
     ):
-        self.engine, self.limits, self.tenants, self.limiter = engine, limits, tenants, limiter
+        self.limits, self.tenants, self.limiter = limits, tenants, limiter
         self.waiting, self.breaker, self.loop, self.ledger = waiting, breaker, loop, ledger
-        self.identity = engine.identity
         self.vocab_size = getattr(engine.tokenizer, "vocab_size", None)
         self.ready = threading.Event()  # set when warm-up has ended
         self.draining = False  # set when the server stops taking new requests
+
+    @property
+    def engine(self):
+        """The engine now loaded (a reload swaps it: EngineLoop.request_swap)."""
+        return self.loop.engine
+
+    @property
+    def identity(self):
+        return self.loop.engine.identity
 
     # ---- admission --------------------------------------------------------------------------
     def submit(self, call: GenerateCall, arrival_s: float) -> ActiveRequest:
@@ -270,6 +280,7 @@ class Generator:
         )
         stream = StreamBuffer(self.limits.stream_buffer_messages, call.stream_listener)
         r = ActiveRequest(call.request_id, tenant, reservation, engine_request, arrival_s, stream)
+        r.success_on_delivery = call.success_on_delivery
         self._enqueue(r, call.priority)
         return r
 
@@ -277,7 +288,13 @@ class Generator:
         self.loop.register(r)
         num_tokens = len(r.engine_request.prompt_token_ids) + r.engine_request.sampling.max_tokens
         item = QueuedRequest(
-            r.request_id, num_tokens, priority, r.arrival_s, r.engine_request.deadline_s
+            r.request_id,
+            num_tokens,
+            priority,
+            r.arrival_s,
+            r.engine_request.deadline_s,
+            prompt_tokens=len(r.engine_request.prompt_token_ids),
+            max_tokens=r.engine_request.sampling.max_tokens,
         )
         try:
             self.waiting.offer(item)
@@ -294,7 +311,9 @@ class Generator:
         if r.outcome is not None:
             return
         deadline = r.engine_request.deadline_s
-        late = deadline is not None and time.monotonic() >= deadline
+        # NOTE: a client deadline reaches the server as an HTTP/2 cancel a little before the
+        # server's own deadline: a call ending this close to it ended by the deadline.
+        late = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
         outcome, reason, status = (
             ("timed_out", "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
             if late

@@ -97,7 +97,7 @@ def api_key(tenants, request) -> str | None:
     """The `Authorization: Bearer KEY` token (or an `x-api-key` header, as on gRPC). Ignored
     when no API keys are configured: the OpenAI SDK always sends one, so anonymous use must
     not fail on it."""
-    if not tenants.api_keys:
+    if not tenants.has_api_keys:
         return None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():

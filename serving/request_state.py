@@ -4,9 +4,16 @@ that gives every request exactly one recorded outcome.
 StreamBuffer: the engine thread pushes RequestOutput deltas without ever blocking; when the
 buffer already holds `limit` undelivered deltas, push() returns False and the engine thread
 cancels the request (slow consumer). The final delta is always accepted. The handler thread
-blocks in get() and drains everything buffered into one message. An asyncio reader (the HTTP
-API) passes a `listener`, called (on the engine thread) after every push and close, to wake
-its event loop instead of blocking a thread in get().
+blocks in get() and drains everything buffered into one message.
+
+SlowConsumerPolicy: the buffer bound alone rarely trips, because the handler drains the
+buffer into one message whenever the transport lets it, and HTTP/2 windows hold thousands of
+tokens. So the engine thread also cancels a request (ABORTED, its KV pages freed at the next
+step) when it has generated more than `max_tokens_ahead` tokens beyond what the transport
+accepted, or one message has waited more than `stall_timeout_s` for the transport to take it.
+
+An asyncio reader (the HTTP API) passes a `listener`, called (on the engine thread) after
+every push and close, to wake its event loop instead of blocking a thread in get().
 """
 
 from __future__ import annotations
@@ -72,6 +79,31 @@ class StreamBuffer:
             return items, self._terminal
 
 
+@dataclasses.dataclass(frozen=True)
+class SlowConsumerPolicy:
+    max_tokens_ahead: int = 256  # generated but not yet accepted by the transport
+    stall_timeout_s: float = 5.0  # one message not taken by the transport for this long
+
+    def __post_init__(self):
+        assert self.max_tokens_ahead >= 1 and self.stall_timeout_s > 0, self
+
+    def violation(self, r: ActiveRequest, now: float) -> str | None:
+        """Why `r`'s reader counts as too slow, or None."""
+        ahead = r.num_output_tokens - r.tokens_sent
+        if ahead > self.max_tokens_ahead:
+            return (
+                f"{ahead} tokens generated ahead of what the transport accepted "
+                f"(limit {self.max_tokens_ahead})"
+            )
+        started = r.send_started_s
+        if started is not None and now - started > self.stall_timeout_s:
+            return (
+                f"a message waited {now - started:.1f}s for the transport "
+                f"(limit {self.stall_timeout_s}s)"
+            )
+        return None
+
+
 @dataclasses.dataclass
 class ActiveRequest:
     request_id: str
@@ -82,6 +114,7 @@ class ActiveRequest:
     stream: StreamBuffer
     # Written by the engine thread:
     added_s: float | None = None  # handed to the engine
+    identity: object | None = None  # the ModelIdentity of the engine that ran it
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -89,6 +122,12 @@ class ActiveRequest:
     timings: dict | None = None  # queue_s, ttft_s, tpot_s, e2e_s once finished
     finish_reason: str | None = None
     outcome: str | None = None
+    # True: success is recorded by the transport once the final message was sent (gRPC);
+    # False: when the engine finishes (the HTTP API).
+    success_on_delivery: bool = False
+    # Written by the handler thread (read by the engine thread for the slow-consumer policy):
+    tokens_sent: int = 0  # tokens in messages the transport has accepted
+    send_started_s: float | None = None  # a message is waiting for the transport since
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property

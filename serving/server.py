@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -33,15 +34,19 @@ from serving import convert
 from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
+from serving.capacity_model import probe
 from serving.dispatch import DispatchLedger
 from serving.engine_loop import EngineLoop
 from serving.generation import Generator, ServiceLimits
+from serving.guard import RequestGuard
 from serving.metrics import ServerMetrics, start_metrics_http
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
-from serving.request_state import RequestLedger
+from serving.request_state import RequestLedger, SlowConsumerPolicy
 from serving.service import PagedJaxService
+from serving.shutdown import install_signal_handlers
 from serving.tenants import TenantLimiter, TenantRegistry
+from serving.transport import PortInUseError, bind_port, grpc_options
 
 log = logging.getLogger("pagedjax.serving")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
@@ -52,6 +57,9 @@ GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 class ServerConfig:
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
+    slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
+    max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
+    capacity_probe: bool = True  # measure step times at start-up (serving/capacity_model.py)
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -88,7 +96,13 @@ class PagedJaxServer:
         self.metrics = ServerMetrics(identity.name, identity.revision)
         self.metrics.set_cache_config(stats)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
-        self.waiting = WaitingQueue(admission)
+        _warm_tokenizer(engine.tokenizer)
+        # The capacity probe runs after warm-up (on the engine thread, see _warm_up) when there
+        # is one, so that it measures compiled steps.
+        capacity = None
+        if config.capacity_probe and warmup is None:
+            capacity = probe(engine, max_inflight)
+        self.waiting = WaitingQueue(admission, capacity=capacity)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
         self.dispatch = DispatchLedger(
@@ -106,15 +120,25 @@ class PagedJaxServer:
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
             on_tick=self.dispatch.reap,
+            slow_consumer=config.slow_consumer,
             on_start=self._warm_up,
         )
         self._warmup = warmup
         self.loop.last_stats = stats
+        self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
+        tenants = tenants or TenantRegistry()
+        self.guard = RequestGuard(
+            tenants,
+            f"/{SERVICE_NAME}/",
+            config.max_request_bytes,
+            GENERATE_METHOD,
+            on_generate_refused=self._record_refused_call,
+        )
         self.generator = Generator(
             engine,
             self.limits,
-            tenants or TenantRegistry(),
+            tenants,
             self.limiter,
             self.waiting,
             self.breaker,
@@ -125,7 +149,8 @@ class PagedJaxServer:
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
-            interceptors=(self.dispatch,),
+            interceptors=(self.dispatch, self.guard),  # dispatch counts, then guard checks
+            options=grpc_options(config.max_request_bytes),
         )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         self.health = health.HealthServicer()
@@ -133,7 +158,7 @@ class PagedJaxServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
         )
-        self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = bind_port(self.grpc_server, config.host, config.port)
         self.metrics_port: int | None = None
         self._metrics_http = None
         self.http_port: int | None = None
@@ -145,6 +170,12 @@ class PagedJaxServer:
             self.http_api = HttpApi(self.generator, self.metrics)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
+
+    def _record_refused_call(self, reason: str, status: grpc.StatusCode, details: str) -> None:
+        """A Generate call refused by the guard (before parsing): its one outcome."""
+        self.ledger.reject(
+            f"refused-{uuid.uuid4().hex}", "?", reason, status, details, time.monotonic()
+        )
 
     def start(self) -> PagedJaxServer:
         if self._warmup is None:  # ready at once, not when the engine thread gets to it
@@ -179,6 +210,8 @@ class PagedJaxServer:
             return
         try:
             self._warmup()
+            if self.config.capacity_probe:
+                self.waiting.capacity = probe(self.loop.engine, self.limits.max_inflight)
         except Exception:  # stays not ready (503 warming_up); the log says why
             log.exception("warm-up failed; the server will not become ready")
             return
@@ -188,11 +221,36 @@ class PagedJaxServer:
     def _set_health(self, breaker_state: str) -> None:
         status = (
             health_pb2.HealthCheckResponse.NOT_SERVING
-            if breaker_state == "open" or not self.generator.ready.is_set()
+            if breaker_state == "open"
+            or not self.generator.ready.is_set()
+            or self.generator.draining
             else health_pb2.HealthCheckResponse.SERVING
         )
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+
+    def reload(self, engine, timeout_s: float | None = None) -> bool:
+        """Serve from `engine` (e.g. a new revision of the model) without failing a request:
+        the current engine finishes what it holds, queued and new requests go to the new one.
+        Each final message names the revision that produced it. The tokenizer must be the
+        same (prompts already queued were tokenized with the current one)."""
+        old, new = self.loop.engine.identity, engine.identity
+        if getattr(old, "tokenizer_hash", None) != getattr(new, "tokenizer_hash", None):
+            raise ValueError(
+                f"reload: tokenizer_hash {new.tokenizer_hash!r} differs from the loaded "
+                f"{old.tokenizer_hash!r}; restart the server to change tokenizers"
+            )
+        return self.loop.request_swap(engine).wait(timeout_s)
+
+    def _on_swap(self, engine) -> None:
+        self.ledger.versions = convert.versions_dict(engine.identity)
+
+    def begin_drain(self) -> None:
+        """Refuse new Generate calls (UNAVAILABLE) and report NOT_SERVING; admitted requests
+        go on (serving/shutdown.py finishes the job)."""
+        self.generator.draining = True
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.generator.draining = True
@@ -207,6 +265,15 @@ class PagedJaxServer:
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
+
+
+def _warm_tokenizer(tokenizer) -> None:
+    """One-time costs of the first chat encoding (models/chat_encoding.literal_backend), paid
+    before serving rather than by the first burst of calls."""
+    if hasattr(tokenizer, "backend") and hasattr(tokenizer, "encode_chat"):
+        from models.chat_encoding import literal_backend
+
+        literal_backend(tokenizer)
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -270,6 +337,15 @@ def define_flags() -> None:
         "breaker_cooldown_s", 5.0, "seconds the open breaker waits before trying a step again"
     )
     flags.DEFINE_integer("max_workers", None, "gRPC handler threads (None: queue + inflight + 32)")
+    # reliability (issue 17)
+    flags.DEFINE_float("drain_timeout_s", 30.0, "SIGTERM: seconds admitted requests get to finish")
+    flags.DEFINE_integer("max_request_bytes", 1 << 20, "largest request message accepted")
+    flags.DEFINE_integer(
+        "max_prompt_bytes", 262_144, "UTF-8 bytes of prompt text, checked before tokenizing"
+    )
+    flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
+    flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
+    flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
 
 
 # flag -> (lowest allowed value, None allowed): every numeric server flag, checked at start.
@@ -442,8 +518,12 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         max_queue_tokens=FLAGS.max_queue_tokens,
         queue_timeout_s=FLAGS.queue_timeout_s,
         aging_s=FLAGS.aging_s,
+        max_prompt_bytes=FLAGS.max_prompt_bytes,
     )
     return ServerConfig(
+        max_request_bytes=FLAGS.max_request_bytes,
+        slow_consumer=SlowConsumerPolicy(FLAGS.max_tokens_ahead, FLAGS.stream_stall_timeout_s),
+        capacity_probe=FLAGS.capacity_probe,
         admission=admission,
         stream_buffer_messages=FLAGS.stream_buffer_messages,
         max_inflight=FLAGS.max_inflight,
@@ -487,20 +567,32 @@ def main(argv) -> None:
         mock_step_time_s=FLAGS.mock_step_time_s,
         max_model_len=FLAGS.max_model_len,
     )
-    server = PagedJaxServer(
-        engine,
-        config_from_flags(options),
-        TenantRegistry.from_file(FLAGS.tenants_config),
-        warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
-    )
+    try:
+        server = PagedJaxServer(
+            engine,
+            config_from_flags(options),
+            TenantRegistry.from_file(FLAGS.tenants_config),
+            warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
+        )
+    except PortInUseError as e:
+        log.error("%s", e)
+        sys.exit(2)
+
+    def rebuild():
+        return build_engine(
+            FLAGS.model,
+            {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+            mock_step_time_s=FLAGS.mock_step_time_s,
+            max_model_len=FLAGS.max_model_len,
+        )
+
+    stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()
     print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)
     if server.http_port is not None:
         print(f"http on {server.http_port}", flush=True)
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        server.stop()
+    stopped.wait()  # SIGTERM / SIGINT: drained and stopped (serving/shutdown.py)
+    log.info("server stopped")
 
 
 def run() -> None:

@@ -2,6 +2,13 @@
 threads and queues). Generate turns the protobuf request into a GenerateCall and hands it to
 the transport-neutral Generator (generation.py: admission order, refusals, outcomes), which
 the HTTP API shares; a refusal becomes the call's status, with trailing `retry-after-ms`.
+
+Before a handler runs, serving/guard.py has checked the API key and the message's size and
+parse on every RPC; the raw fields are bounded (serving/input_limits.py) before tokenizing.
+Success is recorded only once the final message was handed to the transport (the handler's
+yield of it returned). The handler notes what the transport accepted (`tokens_sent`,
+`send_started_s`) for the engine thread's slow-consumer policy
+(request_state.SlowConsumerPolicy).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import uuid
 import grpc
 
 from engine.errors import InvalidRequestError
-from serving import convert
+from serving import convert, input_limits
 from serving.generation import GenerateCall, Generator, Refusal, final_summary, is_done
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
@@ -33,8 +40,16 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
     def __init__(self, generator: Generator, engine_config: dict):
         self.generator, self.engine_config = generator, engine_config
         g = generator
-        self.engine, self.limits, self.waiting = g.engine, g.limits, g.waiting
-        self.breaker, self.loop, self.identity = g.breaker, g.loop, g.identity
+        self.limits, self.waiting, self.breaker, self.loop = g.limits, g.waiting, g.breaker, g.loop
+
+    @property
+    def engine(self):
+        """The engine now loaded (a reload swaps it: EngineLoop.request_swap)."""
+        return self.loop.engine
+
+    @property
+    def identity(self):
+        return self.loop.engine.identity
 
     # ---- Generate -------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -52,10 +67,17 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
 
     def _call(self, request: pb.GenerateRequest, context) -> GenerateCall:
         tokenizer, vocab_size = self.engine.tokenizer, self.generator.vocab_size
+        admission = self.limits.admission
+
+        def prompt_ids() -> list[int]:
+            input_limits.check_generate_input(request, admission, vocab_size)  # before tokenizing
+            return convert.prompt_token_ids(request, tokenizer, vocab_size)
+
         return GenerateCall(
             request_id=request.request_id or uuid.uuid4().hex,
             api_key=dict(context.invocation_metadata()).get(API_KEY),
-            prompt_ids=lambda: convert.prompt_token_ids(request, tokenizer, vocab_size),
+            prompt_ids=prompt_ids,
+            success_on_delivery=True,
             sampling=lambda default: convert.sampling_params(request, default),
             model=request.model,
             revision=request.revision,
@@ -73,20 +95,32 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                 done = is_done(items)
                 if done:
                     summary = final_summary(r, items[-1].finish_reason)
-                    msg.final.CopyFrom(convert.final_info(summary, self.identity))
+                    msg.final.CopyFrom(convert.final_info(summary, r.identity or self.identity))
                 if stream and (msg.token_ids or msg.text or done):
-                    yield msg
+                    yield from self._send(r, msg, len(msg.token_ids))
                 elif not stream:
                     convert.merge_into(acc, msg)
+                    r.tokens_sent += len(msg.token_ids)  # nothing to send until the end
                 if done:
                     if not stream:
                         acc.final.CopyFrom(msg.final)
-                        yield acc
+                        yield from self._send(r, acc, 0)
+                    # the transport took the final message: only now is it a success
+                    self.generator.ledger.settle(r, "success", "", grpc.StatusCode.OK)
                     return
             if terminal is not None:
                 self._abort(context, terminal)
             if not context.is_active():
                 return
+
+    @staticmethod
+    def _send(r: ActiveRequest, msg, num_tokens: int):
+        """Yield one message, noting how long the transport takes to accept it: gRPC resumes
+        the generator only once the message was written (flow control permitting)."""
+        r.send_started_s = time.monotonic()
+        yield msg
+        r.send_started_s = None
+        r.tokens_sent += num_tokens
 
     def _abort(self, context, terminal: Terminal):
         if terminal.retry_after_ms is not None:
@@ -96,15 +130,27 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
     # ---- the other RPCs -------------------------------------------------------------------
     def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
+            self._authenticate(context)
             self.generator.check_model(request.model, "")
+            return self._tokenize(request)
         except Refusal as e:
             context.abort(e.status, e.details)
-        kind = request.WhichOneof("input")
-        if kind == "chat":
-            try:
-                messages = convert.chat_messages(request.chat)
-            except InvalidRequestError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (InvalidRequestError, ValueError) as e:  # ValueError: e.g. no chat template
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _authenticate(self, context) -> None:
+        self.generator.authenticate(dict(context.invocation_metadata()).get(API_KEY))
+
+    def _authenticate_or_abort(self, context) -> None:
+        try:
+            self._authenticate(context)
+        except Refusal as e:
+            context.abort(e.status, e.details)
+
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        input_limits.check_tokenize_input(request, self.limits.admission)
+        if request.WhichOneof("input") == "chat":
+            messages = convert.chat_messages(request.chat)
             text = self.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt
             )
@@ -123,9 +169,11 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
         )
 
     def ListModels(self, request, context):
+        self._authenticate_or_abort(context)
         return pb.ListModelsResponse(models=[self._model_info()])
 
     def ServerInfo(self, request, context):
+        self._authenticate_or_abort(context)
         a = self.limits.admission
         stats = dict(self.loop.last_stats)
         limits = pb.Limits(

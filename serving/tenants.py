@@ -10,6 +10,11 @@ Config file (`--tenants_config`, JSON):
 With no config, every call is tenant "default" with no limits. With a config, a call without
 a key is "default" only if allow_anonymous; an unknown key is UnknownApiKey (UNAUTHENTICATED).
 
+Keys are kept only as SHA-256 digests and a presented key is compared against every stored
+digest with hmac.compare_digest, without stopping at a match, so the time taken says nothing
+about which key (or how much of one) matched. Keys are never logged: errors say only
+"unknown x-api-key".
+
 Budgets (TenantLimiter): a tenant's concurrency counts its queued + running requests. Its
 token budget is a bucket of `tokens_per_minute` tokens refilled continuously at
 tokens_per_minute / 60 per second; a request reserves prompt + max_tokens up front (the worst
@@ -19,6 +24,8 @@ case) and the unused part (max_tokens - completion tokens) is refunded when it e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import math
 import threading
@@ -51,7 +58,7 @@ class TenantRegistry:
         default: TenantPolicy | None = None,
     ):
         self.tenants = dict(tenants or {})
-        self.api_keys = dict(api_keys or {})
+        self._key_digests = [(_digest(k), name) for k, name in (api_keys or {}).items()]
         self.allow_anonymous = allow_anonymous
         self.default = default or TenantPolicy(DEFAULT_TENANT)
 
@@ -74,15 +81,27 @@ class TenantRegistry:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+    @property
+    def has_api_keys(self) -> bool:
+        return bool(self._key_digests)
+
     def authenticate(self, api_key: str | None) -> TenantPolicy:
         if api_key:
-            name = self.api_keys.get(api_key)
+            digest, name = _digest(api_key), None
+            for stored, tenant in self._key_digests:  # no early exit: constant time
+                if hmac.compare_digest(stored, digest):
+                    name = tenant
             if name is None:
                 raise UnknownApiKey("unknown x-api-key")
             return self.tenants[name]
         if not self.allow_anonymous:
             raise UnknownApiKey("missing x-api-key")
         return self.default
+
+
+def _digest(api_key: str | bytes) -> bytes:
+    raw = api_key.encode("utf-8", "surrogatepass") if isinstance(api_key, str) else api_key
+    return hashlib.sha256(raw).digest()
 
 
 @dataclasses.dataclass

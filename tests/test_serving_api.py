@@ -117,12 +117,18 @@ def test_revision_pin(served):
 def test_expired_deadline_is_deadline_exceeded(served):
     server, client = served
     before = outcome_counts(server).get(("timed_out", "deadline"), 0)
-    res = client.generate("abc", max_tokens=60, timeout_s=0.02)  # 60 steps of >= 1 ms
-    assert res.code == "DEADLINE_EXCEEDED"
-    wait_for(
-        lambda: outcome_counts(server).get(("timed_out", "deadline"), 0) == before + 1,
-        what="timed_out outcome",
-    )
+    # 60 steps of >= 1 ms cannot fit 20 ms: the capacity model sheds it at once
+    res = client.generate("abc", max_tokens=60, timeout_s=0.02)
+    assert res.code == "RESOURCE_EXHAUSTED" and "exceeds the deadline" in res.details
+    # without the model (as before it is seeded) the deadline passes during generation
+    engine = MockEngine(step_time_s=0.002)
+    with running_server(engine, capacity_probe=False) as (unmodelled, c):
+        assert c.generate("abc", max_tokens=60, timeout_s=0.02).code == "DEADLINE_EXCEEDED"
+        wait_for(
+            lambda: outcome_counts(unmodelled).get(("timed_out", "deadline"), 0) == 1,
+            what="timed_out outcome",
+        )
+    assert outcome_counts(server).get(("timed_out", "deadline"), 0) == before
 
 
 def test_tokenize_list_models_server_info(served):

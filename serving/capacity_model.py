@@ -1,0 +1,208 @@
+"""What the engine can do, known from the first request: step time per concurrency, measured
+at start-up and refreshed by every step, turned into each request's estimated completion.
+
+Seed (`probe(engine, sizes)`, before the engine thread starts): for each batch size b, b
+synthetic requests are prefilled (timed: prefill tokens/s) and then decoded for a few steps
+(timed: seconds per decode step at concurrency b); they end at max_tokens, so nothing stays
+in the engine. Each size runs twice and the second run is measured (the first may compile a shape
+or fill a cache: a seed of 3 prefill tokens/s from a compiling first pass shed every call of
+a SmolLM2 burst). Refresh (`observe_step`, engine thread): every real step's wall time goes into an
+exponential average for its concurrency.
+
+Estimate for an arriving request (`estimate`), with c = max_inflight slots:
+
+    ahead       = requests in the engine + queued before it
+    wait_s      = 0                                     if ahead < c (a slot is free)
+                = (ahead - c + 1) / drain_per_s         else, drain_per_s = the measured
+                                                        drain rate (DrainMeter), or before one
+                                                        exists c / mean service time
+    service_s   = prefill_s(prompt + prefill ahead) + max_tokens * step_s(concurrency)
+                  prefill ahead = prompts in the engine without a first token yet, plus the
+                  queued ones when a slot is free (they all prefill before this one's first
+                  token: 41 chat calls admitted at once into SmolLM2 waited 6.7 s for it)
+    completion  = wait_s + service_s,    concurrency = min(c, ahead + 1)
+
+mean service time = mean prompt and max_tokens of the requests in line, through the same
+formula: conservative (requests that stop early at EOS finish sooner), and superseded by the
+measured drain rate as soon as DrainMeter has one. Admission (admission.WaitingQueue.offer)
+sheds a request whose completion passes its deadline, or whose wait passes the queue timeout.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from engine.api_types import EngineRequest
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("pagedjax.serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    wait_s: float  # until the request gets a slot in the engine
+    service_s: float  # its own prefill + max_tokens decode steps
+    step_s: float  # expected seconds per decode step at the expected concurrency
+
+    @property
+    def completion_s(self) -> float:
+        return self.wait_s + self.service_s
+
+
+class CapacityModel:
+    """Thread-safe: the engine thread observes steps, handler threads estimate."""
+
+    def __init__(
+        self,
+        step_s_by_concurrency: dict[int, float],
+        prefill_tokens_per_s: float,
+        max_inflight: int,
+        smoothing: float = 0.1,
+    ):
+        assert step_s_by_concurrency and prefill_tokens_per_s > 0, (
+            step_s_by_concurrency,
+            prefill_tokens_per_s,
+        )
+        self.max_inflight, self.smoothing = max_inflight, smoothing
+        self._step_s = dict(step_s_by_concurrency)
+        self._prefill_tokens_per_s = prefill_tokens_per_s
+        self._lock = threading.Lock()
+
+    def step_s(self, concurrency: int) -> float:
+        """Seconds per decode step at `concurrency`: linear between measured points, flat
+        beyond them."""
+        with self._lock:
+            points = sorted(self._step_s.items())
+        sizes = [c for c, _ in points]
+        i = bisect.bisect_left(sizes, concurrency)
+        if i < len(sizes) and sizes[i] == concurrency:
+            return points[i][1]
+        if i == 0:
+            return points[0][1]
+        if i == len(points):
+            return points[-1][1]
+        (c0, s0), (c1, s1) = points[i - 1], points[i]
+        return s0 + (s1 - s0) * (concurrency - c0) / (c1 - c0)
+
+    def prefill_s(self, num_tokens: int) -> float:
+        with self._lock:
+            return num_tokens / self._prefill_tokens_per_s
+
+    def service_s(self, prompt_tokens: int, max_tokens: int, concurrency: int) -> float:
+        return self.prefill_s(prompt_tokens) + max_tokens * self.step_s(concurrency)
+
+    def observe_step(self, concurrency: int, step_s: float) -> None:
+        """A real step's wall time, at `concurrency` requests in the engine."""
+        if concurrency < 1 or step_s <= 0:
+            return
+        bucket = 1 << (concurrency - 1).bit_length()  # 1, 2, 4, ...: few, well-fed points
+        with self._lock:
+            old = self._step_s.get(bucket)
+            self._step_s[bucket] = step_s if old is None else old + self.smoothing * (step_s - old)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A real request's prompt: from entering the engine to its first token."""
+        if num_tokens < 1 or seconds <= 0:
+            return
+        with self._lock:
+            rate, old = num_tokens / seconds, self._prefill_tokens_per_s
+            self._prefill_tokens_per_s = old + self.smoothing * (rate - old)
+
+    def estimate(
+        self,
+        *,
+        ahead: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        mean_prompt_tokens: float,
+        mean_max_tokens: float,
+        drain_per_s: float | None = None,
+        prefill_tokens_ahead: int = 0,
+    ) -> Estimate:
+        """`prefill_tokens_ahead`: prompt tokens of requests that will prefill before this
+        one gets its first token (they share the engine's prefill budget)."""
+        c = self.max_inflight
+        concurrency = min(c, ahead + 1)
+        step_s = self.step_s(concurrency)
+        wait_s = 0.0
+        if ahead >= c:
+            if drain_per_s is None or drain_per_s <= 0:
+                mean_service_s = self.service_s(
+                    round(mean_prompt_tokens), round(mean_max_tokens), c
+                )
+                drain_per_s = c / max(mean_service_s, 1e-9)
+            wait_s = (ahead - c + 1) / drain_per_s
+        service_s = self.prefill_s(prompt_tokens + prefill_tokens_ahead) + max_tokens * step_s
+        return Estimate(wait_s, service_s, step_s)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "step_s_by_concurrency": dict(sorted(self._step_s.items())),
+                "prefill_tokens_per_s": self._prefill_tokens_per_s,
+            }
+
+
+def probe(
+    engine,
+    max_inflight: int,
+    *,
+    sizes: tuple[int, ...] | None = None,
+    prompt_tokens: int = 32,
+    decode_steps: int = 3,
+    token_id: int = 65,
+) -> CapacityModel:
+    """Measure step times on `engine` (no other thread may use it meanwhile)."""
+    sizes = sizes or tuple(sorted({1, max(1, max_inflight // 4), max_inflight}))
+    step_s, prefill_rates = {}, []
+    for b in sizes:
+        # The first pass pays any one-time cost (a shape compiled on first use, caches);
+        # the second is measured.
+        _probe_batch(engine, b, prompt_tokens, 1, token_id)
+        decode_s, prefill_rate = _probe_batch(engine, b, prompt_tokens, decode_steps, token_id)
+        step_s[b] = decode_s
+        prefill_rates.append(prefill_rate)
+    model = CapacityModel(step_s, float(np.median(prefill_rates)), max_inflight)
+    log.info("capacity model seeded: %s", model.snapshot())
+    return model
+
+
+def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int):
+    ids = [f"capacity-probe-{uuid.uuid4().hex}" for _ in range(batch)]
+    # They run to max_tokens on their own: no aborts in the engine's books.
+    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    produced = dict.fromkeys(ids, 0)
+    for i, request_id in enumerate(ids):
+        # distinct prompts, so the prefix cache cannot shorten the prefill
+        prompt = [token_id + (i + k) % 50 for k in range(prompt_tokens)]
+        engine.add_request(EngineRequest(request_id, prompt, sampling, tenant="capacity-probe"))
+    try:
+        start = time.perf_counter()
+        while min(produced.values()) == 0:
+            _count(engine.step(), produced)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(decode_steps):
+            _count(engine.step(), produced)
+        decode_s = (time.perf_counter() - start) / decode_steps
+    except BaseException:
+        for request_id in ids:
+            engine.abort_request(request_id)
+        raise
+    finally:
+        while engine.has_unfinished():
+            engine.step()
+    return decode_s, batch * prompt_tokens / max(prefill_s, 1e-9)
+
+
+def _count(outputs, produced: dict[str, int]) -> None:
+    for out in outputs:
+        if out.request_id in produced:
+            produced[out.request_id] += len(out.new_token_ids)

@@ -1,0 +1,124 @@
+"""Admission that knows its capacity from the first request (serving/capacity_model.py)."""
+
+import threading
+
+import pytest
+
+from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
+from serving.capacity_model import CapacityModel, probe
+from serving.mock_engine import MockEngine
+from serving.testing import outcome_counts, running_server
+
+
+def test_step_time_interpolates_and_refreshes():
+    model = CapacityModel({1: 0.01, 8: 0.03}, prefill_tokens_per_s=1000.0, max_inflight=8)
+    assert model.step_s(1) == 0.01 and model.step_s(8) == 0.03
+    assert model.step_s(4) == pytest.approx(0.01 + 0.02 * 3 / 7)
+    assert model.step_s(0) == 0.01 and model.step_s(64) == 0.03  # flat outside
+    for _ in range(200):
+        model.observe_step(8, 0.05)  # the engine got slower: the model follows
+    assert model.step_s(8) == pytest.approx(0.05, rel=1e-3)
+    assert model.prefill_s(500) == pytest.approx(0.5)
+    for _ in range(200):
+        model.observe_prefill(400, 0.1)  # prefill is faster than the seed said
+    assert model.prefill_s(500) == pytest.approx(500 / 4000, rel=1e-3)
+
+
+def test_estimate_is_wait_plus_own_prefill_and_decode():
+    model = CapacityModel({4: 0.1}, prefill_tokens_per_s=100.0, max_inflight=4)
+    free = model.estimate(
+        ahead=2, prompt_tokens=10, max_tokens=20, mean_prompt_tokens=10, mean_max_tokens=20
+    )
+    assert free.wait_s == 0 and free.service_s == pytest.approx(0.1 + 2.0)
+    # 6 ahead with 4 slots: 3 must leave first; modelled drain = 4 / 2.1 s per request
+    busy = model.estimate(
+        ahead=6, prompt_tokens=10, max_tokens=20, mean_prompt_tokens=10, mean_max_tokens=20
+    )
+    assert busy.wait_s == pytest.approx(3 / (4 / 2.1))
+    crowded = model.estimate(
+        ahead=2,
+        prompt_tokens=10,
+        max_tokens=20,
+        mean_prompt_tokens=10,
+        mean_max_tokens=20,
+        prefill_tokens_ahead=90,  # others prefill first: 100 tokens before the first token
+    )
+    assert crowded.service_s == pytest.approx(1.0 + 2.0)
+    measured = model.estimate(
+        ahead=6,
+        prompt_tokens=10,
+        max_tokens=20,
+        mean_prompt_tokens=10,
+        mean_max_tokens=20,
+        drain_per_s=6.0,
+    )
+    assert measured.wait_s == pytest.approx(0.5)
+
+
+def _item(i, deadline_s=None, max_tokens=10):
+    return QueuedRequest(f"r{i}", 10 + max_tokens, 1, 0.0, deadline_s, None, 0, 10, max_tokens)
+
+
+def test_a_cold_burst_is_shed_from_the_first_request():
+    """No drain measured yet: the model alone decides. 4 slots, 1.1 s per request (0.1 s
+    prefill + 10 tokens x 0.1 s), deadline 2.5 s: a request fits while its wait is at most
+    1.4 s, i.e. with at most 3 + 5 ahead of it -> exactly 9 admitted."""
+    model = CapacityModel({4: 0.1}, prefill_tokens_per_s=100.0, max_inflight=4)
+    q = WaitingQueue(AdmissionConfig(deadline_margin=1.0), clock=lambda: 0.0, capacity=model)
+    admitted, shed = 0, []
+    for i in range(30):
+        try:
+            q.offer(_item(i, deadline_s=2.5))
+            admitted += 1
+        except Rejected as e:
+            shed.append(e)
+    assert admitted == 9 and len(shed) == 21
+    assert all(e.reason == "deadline" and e.retry_after_ms > 0 for e in shed)
+    assert "exceeds the deadline" in str(shed[0])
+
+
+def test_without_a_deadline_the_queue_timeout_bounds_the_wait():
+    model = CapacityModel({1: 1.0}, prefill_tokens_per_s=1e6, max_inflight=1)
+    q = WaitingQueue(AdmissionConfig(queue_timeout_s=5.0), clock=lambda: 0.0, capacity=model)
+    for i in range(6):  # 10 s per request: waits 0, 10 s ... past 5 s from the second on
+        try:
+            q.offer(_item(i))
+        except Rejected as e:
+            assert e.reason == "queue_timeout" and i >= 1
+            break
+    assert len(q) == 1
+
+
+def test_probe_measures_the_mock_and_leaves_it_empty():
+    engine = MockEngine(step_time_s=0.01, max_num_seqs=4)
+    model = probe(engine, max_inflight=4)
+    snap = model.snapshot()
+    assert set(snap["step_s_by_concurrency"]) == {1, 4}
+    assert all(0.009 < s < 0.2 for s in snap["step_s_by_concurrency"].values())
+    assert not engine.has_unfinished() and engine.stats()["kv_pages_used"] == 0
+
+
+def test_burst_through_the_server_mostly_finishes_or_is_shed():
+    """60 calls at once, 4 slots of a 20 ms/step mock, 30 tokens each (0.6 s), 2 s deadline:
+    about 12 fit; the rest must be shed at arrival, not time out."""
+    engine = MockEngine(step_time_s=0.02, max_num_seqs=4, num_pages=1024)
+    with running_server(engine, max_inflight=4) as (server, client):
+        results = []
+
+        def call(i):
+            results.append(client.generate("abc", max_tokens=30, timeout_s=2.0))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(60)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        codes = [r.code for r in results]
+        assert codes.count("DEADLINE_EXCEEDED") <= 6, outcome_counts(server)  # <= 10%
+        assert codes.count("OK") >= 6 and set(codes) <= {
+            "OK",
+            "RESOURCE_EXHAUSTED",
+            "DEADLINE_EXCEEDED",
+        }
+        shed = [r for r in results if r.code == "RESOURCE_EXHAUSTED"]
+        assert shed and all(r.retry_after_ms for r in shed)
