@@ -26,6 +26,13 @@ How each figure is measured:
   build / update timed separately.
 - Hugging Face: `transformers` `generate` (greedy, float32, torch threads = CPU count) on the
   same prompts: batch 1 and a static batch of `--hf_batch` with left padding.
+- Prefill: one request with a `--prefill_len` (1,024) token prompt and one output token; its
+  prefill steps' wall time against the compute floor of the tokens they computed.
+- llama.cpp (optional extra `peers`: `llama-cpp-python`, skipped when it does not import):
+  the same GGUF with its own quantized weights, EOS suppressed by logit_bias; batch-1 decode
+  and prefill tokens/s.
+- Targets (issue 21), as fractions of this run's floors: batch-1 decode >= 0.8 of the memory
+  floor, 64-way decode >= 0.6 of the compute floor, 1k prefill >= 0.6 of the compute floor.
 Load average is printed with every section: other processes share this CPU.
 """
 
@@ -384,6 +391,68 @@ def hf_generate(model, workload: Workload, batch: int) -> dict:
     return {"batch": batch, "tokens_per_s": produced / wall, "wall_s": wall, "load": load_avg()}
 
 
+# ---------------------------------------------------------------- prefill and llama.cpp
+
+
+def prefill_row(model, floors: Floors, prompt_len: int, warm: bool = True) -> dict:
+    """One request of `prompt_len` tokens and one output token: the prefill steps (chunks of
+    `prefill_chunk_size`) against the compute floor of the tokens they computed."""
+    cfg = model.config
+    engine = make_engine(model, 1, prompt_len + 16, prompt_len + 32)
+    w = uniform_workload(1, prompt_len, 1, cfg.vocab_size, seed=prompt_len)
+    res = warm_and_run(engine, w, warm=warm)
+    steps = [s for s in res.steps if s.num_prefill_tokens and not s.compiled] or res.steps
+    wall_s = sum(s.wall_s for s in steps)
+    floor_s = sum(floors.compute_s(cfg, s) for s in steps)
+    return {
+        "prompt_len": prompt_len,
+        "steps": len(steps),
+        "wall_s": wall_s,
+        "tokens_per_s": prompt_len / wall_s,
+        "compute_floor_s": floor_s,
+        "compute_floor_over_step": floor_s / wall_s,
+        "compiles": res.compiles,
+        "load": load_avg(),
+    }
+
+
+def llama_cpp_peer(gguf_path: str, prompt: list[int], new_tokens: int, eos_ids) -> dict | None:
+    """llama.cpp (`llama-cpp-python`, optional extra `peers`) on the same GGUF (its own
+    quantized weights, all CPU threads): batch-1 decode and prefill tokens/s. EOS is
+    suppressed with logit_bias so it generates exactly `new_tokens`. None if not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(
+        model_path=gguf_path,
+        n_ctx=len(prompt) + new_tokens + 8,
+        n_batch=512,
+        n_threads=os.cpu_count(),
+        verbose=False,
+    )
+    bias = {int(e): -1e9 for e in eos_ids}
+
+    def complete(n: int) -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias=bias)
+        wall = time.perf_counter() - t0
+        if out["usage"]["completion_tokens"] != n:
+            raise RuntimeError(f"llama.cpp produced {out['usage']['completion_tokens']} != {n}")
+        return wall
+
+    complete(2)  # warm
+    first_s = complete(1)  # prefill + one token
+    full_s = complete(new_tokens)
+    return {
+        "prompt_len": len(prompt),
+        "prefill_tokens_per_s": len(prompt) / first_s,
+        "decode_tokens_per_s": (new_tokens - 1) / (full_s - first_s),
+        "load": load_avg(),
+    }
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -419,6 +488,8 @@ def parse_args(argv):
     p.add_argument("--static_batch", type=int, default=32)
     p.add_argument("--hf_batch", type=int, default=32)
     p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--prefill_len", type=int, default=1024, help="the prefill target's prompt")
+    p.add_argument("--skip_llama_cpp", action="store_true")
     p.add_argument("--skip_mixed", action="store_true")
     p.add_argument("--no_warm", action="store_true", help="time compiles too (smoke)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -427,6 +498,7 @@ def parse_args(argv):
         args.model, args.concurrency, args.prompt_len, args.output_len = "tiny", "1,2", 12, 4
         args.mixed_requests, args.mixed_max_prompt, args.mixed_max_output = 4, 14, 8
         args.static_batch, args.skip_hf, args.no_warm = 2, True, True
+        args.prefill_len, args.skip_llama_cpp = 40, True
     return args
 
 
@@ -475,6 +547,17 @@ def run(args) -> dict:
             f"{row['step_ms']:.1f} ms (load {row['load']:.1f})",
             flush=True,
         )
+    results["prefill"] = prefill_row(model, floors, args.prefill_len, warm=not args.no_warm)
+    print(
+        f"  prefill {args.prefill_len} tokens: {results['prefill']['tokens_per_s']:.0f} tok/s "
+        f"(load {results['prefill']['load']:.1f})",
+        flush=True,
+    )
+    if not args.skip_llama_cpp and model.source.endswith(".gguf"):
+        prompt = uniform_workload(1, args.prefill_len, 1, cfg.vocab_size, seed=1).prompts[0]
+        peer = llama_cpp_peer(model.source, prompt, 64, cfg.eos_token_ids)
+        if peer is not None:
+            results["llama_cpp"] = peer
     if not args.skip_mixed:
         results["static_vs_continuous"] = static_vs_continuous(model, args, max_len)
     if not args.skip_hf:
@@ -535,6 +618,17 @@ def targets(r: dict) -> dict:
     if "static_vs_continuous" in r:
         t["continuous_over_static>=2"] = r["static_vs_continuous"]["continuous_over_static"]
     t["max_host_fraction<0.05"] = max(row["host_fraction"] for row in r["concurrency"])
+    # issue 21: fractions of this run's floors (1.0 = at the floor)
+    if 1 in by_c:
+        t["batch1_memory_floor/step>=0.8"] = 1 / by_c[1]["step_over_memory_floor"]
+    if 64 in by_c:
+        t["c64_compute_floor/step>=0.6"] = 1 / by_c[64]["step_over_compute_floor"]
+    if "prefill" in r:
+        t["prefill_compute_floor/step>=0.6"] = r["prefill"]["compute_floor_over_step"]
+    if "llama_cpp" in r and 64 in by_c:
+        t["c64_decode_over_llama_cpp_batch1"] = (
+            by_c[64]["decode_tokens_per_s"] / r["llama_cpp"]["decode_tokens_per_s"]
+        )
     return t
 
 
@@ -586,6 +680,19 @@ def format_table(r: dict) -> str:
         lines.append(
             f"transformers generate batch {h['batch']}: {h['tokens_per_s']:.1f} tok/s "
             f"(load {h['load']:.1f})"
+        )
+    if "prefill" in r:
+        x = r["prefill"]
+        lines.append(
+            f"prefill {x['prompt_len']} tokens: {x['tokens_per_s']:.0f} tok/s in {x['steps']} "
+            f"steps, {x['compute_floor_over_step']:.2f} of the compute floor (load {x['load']:.1f})"
+        )
+    if "llama_cpp" in r:
+        x = r["llama_cpp"]
+        lines.append(
+            f"llama.cpp (llama-cpp-python, GGUF as shipped): batch 1 decode "
+            f"{x['decode_tokens_per_s']:.1f} tok/s, prefill {x['prefill_tokens_per_s']:.0f} tok/s "
+            f"(load {x['load']:.1f})"
         )
     lines += ["", "targets (measured value):"]
     lines += [f"  {k}: {v:.3g}" for k, v in r["targets"].items()]

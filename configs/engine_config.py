@@ -99,6 +99,9 @@ class EngineConfig:
     priority_aging_per_s: float = 0.1
     prefix_caching: bool = True
     prefix_cache_ttl_s: float | None = 600.0
+    # "auto" | "scan" | "unrolled": how the model loops over layers (models/llama.py
+    # `layer_layout`); "auto" unrolls on a single CPU device, scans elsewhere and with a mesh.
+    layer_loop: str = "auto"
     # Which tenants share prefix-cache pages (EngineCore derives each request's salt from it).
     cache_sharing: CacheSharingPolicy = dataclasses.field(
         default_factory=lambda: CacheSharingPolicy()
@@ -126,6 +129,12 @@ class EngineConfig:
         )
         _check("kv_cache_bytes", self.kv_cache_bytes, self.kv_cache_bytes > 0, "> 0")
         _check("max_step_shapes", self.max_step_shapes, self.max_step_shapes >= 1, ">= 1")
+        _check(
+            "layer_loop",
+            self.layer_loop,
+            self.layer_loop in ("auto", "scan", "unrolled"),
+            "one of 'auto', 'scan', 'unrolled'",
+        )
         _check(
             "max_model_len",
             self.max_model_len,

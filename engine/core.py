@@ -68,6 +68,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
 from engine.step import NONFINITE_TOKEN, engine_step
 from engine.stop_checker import StopChecker
+from models.llama import layer_layout
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class EngineCore:
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
+            self.params = layer_layout(self.params, config.layer_loop)
         self.kv = PagedKVCache.zeros(
             self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=kv_sharding
         )

@@ -11,13 +11,25 @@ Data flow of one forward call over a flat batch of T tokens (any mix of sequence
 
 `attention` is the one seam between the model and the KV cache: the dense oracle passes a
 contiguous cache (`models.dense_generate`), the engine passes the paged one
-(`engine.step`). Running the layers under `jax.lax.scan` keeps compile time flat in depth.
+(`engine.step`).
+
+Layer loop (`Params.layers`, one forward for both; `layer_layout` converts):
+- stacked `LayerWeights` (leaves [L, ...]): `jax.lax.scan`, one traced layer, compile time
+  flat in depth. The layout of the loaders, the Orbax cache and sharding; best on TPU/GPU,
+  where a layer's dynamic slice feeds the matmul without a copy.
+- a tuple of per-layer `LayerWeights`: the layers unrolled in Python. XLA:CPU copies each
+  scanned layer's weight slice before its dot; separate arrays are read in place (batch-1
+  forward ~30% less CPU time, 4x the compile time). `layer_layout(params, "auto")` picks it
+  on CPU.
+Every projection is ONE 2-D matmul over a free reshape of its weight (`_proj`): the 3-D
+`DNH` einsums were ~2x slower unrolled on XLA:CPU (benchmarks/RESULTS.md, perf section).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +76,8 @@ class LayerWeights:
 @dataclasses.dataclass
 class Params:
     embed: Array = _param("vocab", "embed")  # [V, D]
-    layers: LayerWeights  # [L, ...] each, axes declared above
+    # stacked [L, ...] (axes declared above), or one LayerWeights per layer (`layer_layout`)
+    layers: LayerWeights | tuple[LayerWeights, ...]
     final_norm: Array = _param("embed")  # [D]
     lm_head: Array | None = _param("embed", "vocab")  # [D, V], or None when tied to `embed`
 
@@ -162,24 +175,54 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 AttentionFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
 
 
+def _proj(x: Array, w: Array, num_in: int = 1) -> Array:
+    """x [T, *in] @ w [*in, *out] -> [T, *out] as one 2-D matmul (`num_in` = len(in)): the
+    reshapes of a contiguous weight (or of its scanned slice) are free."""
+    t = x.shape[0]
+    w2 = w.reshape(math.prod(w.shape[:num_in]), -1)
+    return (x.reshape(t, -1) @ w2).reshape(t, *w.shape[num_in:])
+
+
 def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions: Array, carry, xs):
     x, cache = carry  # x [T, D]
     w, layer = xs  # w: one layer's LayerWeights (leading L axis removed)
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q = jnp.einsum("TD,DNH->TNH", h, w.wq)  # [T, H, hd]
-    k = jnp.einsum("TD,DKH->TKH", h, w.wk)  # [T, K, hd]
-    v = jnp.einsum("TD,DKH->TKH", h, w.wv)  # [T, K, hd]
+    q = _proj(h, w.wq)  # [T, H, hd]
+    k = _proj(h, w.wk)  # [T, K, hd]
+    v = _proj(h, w.wv)  # [T, K, hd]
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
-    x = x + jnp.einsum("TNH,NHD->TD", attn, w.wo)
+    x = x + _proj(attn, w.wo, num_in=2)  # [T, D]
     h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
-    gate = jnp.einsum("TD,DF->TF", h, w.w_gate)
-    up = jnp.einsum("TD,DF->TF", h, w.w_up)
-    x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, w.w_down)
+    gate = _proj(h, w.w_gate)  # [T, F]
+    up = _proj(h, w.w_up)
+    x = x + _proj(jax.nn.silu(gate) * up, w.w_down)
     return (x, cache), None
+
+
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def layer_layout(params: Params, layer_loop: str = "auto") -> Params:
+    """`params` with its layers stacked ("scan") or one `LayerWeights` per layer
+    ("unrolled"); "auto": unrolled on the CPU backend, scan elsewhere. The per-layer arrays
+    are copies (the stacked ones stay alive while the caller holds them)."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop={layer_loop!r} is invalid: one of {LAYER_LOOPS}")
+    if layer_loop == "auto":
+        layer_loop = "unrolled" if jax.default_backend() == "cpu" else "scan"
+    stacked = isinstance(params.layers, LayerWeights)
+    if layer_loop == "scan" and not stacked:
+        layers = jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers)
+    elif layer_loop == "unrolled" and stacked:
+        num_layers = params.layers.attn_norm.shape[0]
+        layers = tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(num_layers))
+    else:
+        return params
+    return dataclasses.replace(params, layers=layers)
 
 
 def forward(
@@ -198,9 +241,13 @@ def forward(
     """
     x = params.embed[token_ids]  # [T, D]
     inv_freq = rope_inv_freq(cfg)
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     body = functools.partial(_layer, cfg, attention, inv_freq, positions)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
+    if isinstance(params.layers, LayerWeights):  # stacked [L, ...]: one traced layer body
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
+    else:  # a tuple of per-layer weights: the layers unrolled, each reads its own arrays
+        for i, w in enumerate(params.layers):
+            (x, cache), _ = body((x, cache), (w, jnp.int32(i)))
     if logits_indices is not None:
         x = x[logits_indices]  # [R, D]
     x = rms_norm(x, params.final_norm, cfg.norm_eps)

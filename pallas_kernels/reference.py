@@ -1,14 +1,19 @@
 """Plain-`jnp` references: the KV write, ragged paged attention and decode paged attention.
 
 These are the CPU path (fast under XLA) and the oracle the Pallas kernels are tested against.
-The ragged reference pads each sequence's queries to the static `max_query_len` and attends
-them against that sequence's gathered pages:
+The ragged reference cuts the flat batch into query blocks of BQ tokens of ONE sequence each
+(pallas_kernels/layout.py) and attends each block against its sequence's gathered pages:
 
-    q [T, H, hd] --(gather rows query_start[s] + i)--> qs [S, Qm, H, hd]
-    k_pages[layer, :, page_table]  (ONE gather: no per-layer copy of the stacked cache)
-        -> [S, P, K, ps, hd] -> keys at positions 0 .. P*ps-1 of each sequence
-    scores [S, K, G, Qm, N], masked causally / by window, softmax, @ V -> [S, Qm, H, hd]
-    --(gather back: token t -> (its sequence, its index))--> [T, H, hd]
+    q [T, H, hd] --(gather block rows)--> qb [NB, BQ, H, hd]    NB <= cdiv(T, BQ) + S
+    pages (layer, page_table[block_seq])  (ONE gather: no per-layer copy of the cache)
+        -> [K, NB, P*ps, hd]: keys at positions 0 .. P*ps-1 of the block's sequence
+    scores [K, NB, BQ, G, N], masked causally / by window, softmax, @ V -> [NB, BQ, H, hd]
+    --(gather back: token t -> (its block, its row))--> [T, H, hd]
+
+BQ (static) follows the average query length T / S: many short prompts get small blocks,
+so no sequence is padded to `max_query_len` (39 prompts of 13 tokens in a 512-token group:
+96 blocks x 16 rows instead of 64 x 256 padded rows); one long chunk gets one block, so
+its pages are gathered once.
 
 Masked-out K/V positions may hold anything (the tests fill them with NaN), so V is zeroed
 where the mask is false, and fully masked rows (padding, empty sequences) yield zeros.
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import layout
 
 INT8_MAX = 127.0
 
@@ -54,13 +61,28 @@ def write_kv_reference(
 
 
 def _gather_pages(pages, scales, page_table, layer):
-    """Keys or values of every sequence, [S, K, N, hd] float32 with N = P * page_size."""
-    x = pages[layer, :, page_table]  # [S, P, K, ps, hd]  one gather, layer and pages together
-    x = x.astype(jnp.float32)
+    """Keys or values of every sequence, [K, S, N, hd] float32 with N = P * page_size.
+
+    ONE gather of (layer, page) pairs whose output is already head-major: the dots below
+    then batch over (K, S) with no transposed copy of the gathered pages."""
+    num_kv_heads, page_size, head_dim = pages.shape[1], pages.shape[3], pages.shape[4]
+    layer_ids = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page_table.shape)
+    idx = jnp.stack([layer_ids, page_table], axis=-1)  # [S, P, 2]
+
+    def gather(x, slice_tail):  # x [L, K, num_pages, ...] -> [K, S, P, ...]
+        dims = jax.lax.GatherDimensionNumbers(
+            offset_dims=(0, *range(3, 3 + len(slice_tail))),
+            collapsed_slice_dims=(0, 2),
+            start_index_map=(0, 2),
+        )
+        sizes = (1, num_kv_heads, 1, *slice_tail)
+        return jax.lax.gather(x, idx, dims, sizes, mode="promise_in_bounds")
+
+    x = gather(pages, (page_size, head_dim)).astype(jnp.float32)  # [K, S, P, ps, hd]
     if scales is not None:
-        x = x * scales[layer, :, page_table][..., None]  # [S, P, K, ps, 1]
-    s, p, k, ps, hd = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(s, k, p * ps, hd)
+        x = x * gather(scales, (page_size,))[..., None]  # [K, S, P, ps, 1]
+    k, s, p = x.shape[:3]
+    return x.reshape(k, s, p * page_size, head_dim)
 
 
 def attend_padded(
@@ -81,33 +103,46 @@ def attend_padded(
 ):
     """Attention of per-sequence padded queries qs [S, Qm, H, hd] at positions q_pos [S, Qm]
     (rows with q_valid False give zeros) over each sequence's pages. Returns [S, Qm, H, hd]
-    float32."""
+    float32.
+
+    One query row per sequence (decode) multiplies and reduces elementwise: XLA:CPU fuses
+    that into one pass over the gathered K/V, where a batched [G, hd] x [hd, N] dot per
+    (head, sequence) runs about 2x slower. Longer blocks use dots."""
     num_seqs, qm, num_heads, head_dim = qs.shape
     num_kv_heads = k_pages.shape[1]
     group = num_heads // num_kv_heads
-    keys = _gather_pages(k_pages, k_scales, page_table, layer)  # [S, K, N, hd]
-    values = _gather_pages(v_pages, v_scales, page_table, layer)  # [S, K, N, hd]
+    keys = _gather_pages(k_pages, k_scales, page_table, layer)  # [K, S, N, hd]
+    values = _gather_pages(v_pages, v_scales, page_table, layer)  # [K, S, N, hd]
     n = keys.shape[2]
     kv_pos = jnp.arange(n, dtype=jnp.int32)  # [N]
     in_cache = kv_pos[None, :] < kv_lens[:, None]  # [S, N]
-    values = jnp.where(in_cache[:, None, :, None], values, 0.0)
+    values = jnp.where(in_cache[None, :, :, None], values, 0.0)
 
     qg = qs.astype(jnp.float32).reshape(num_seqs, qm, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("sqkgd,sknd->skgqn", qg, keys) * sm_scale  # [S, K, G, Qm, N]
+    qg = qg.transpose(2, 0, 1, 3, 4)  # [K, S, Qm, G, hd]
+    if qm == 1:
+        scores = jnp.sum(qg[..., None, :] * keys[:, :, None, None], axis=-1)  # [K, S, 1, G, N]
+    else:
+        scores = jnp.einsum("ksqgd,ksnd->ksqgn", qg, keys)  # [K, S, Qm, G, N]
+    scores = scores * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & in_cache[:, None, :]  # [S, Qm, N]
     if sliding_window is not None:
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask &= q_valid[:, :, None]
-    mask = mask[:, None, None]  # [S, 1, 1, Qm, N]
+    mask = mask[None, :, :, None]  # [1, S, Qm, 1, N]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)  # [S, K, G, Qm, N]
+    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)  # [K, S, Qm, G, N]
     denom = jnp.sum(probs, axis=-1, keepdims=True)
-    out = jnp.einsum("skgqn,sknd->sqkgd", probs / jnp.where(denom > 0, denom, 1.0), values)
-    return out.reshape(num_seqs, qm, num_heads, head_dim)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    if qm == 1:
+        out = jnp.sum(probs[..., None] * values[:, :, None, None], axis=-2)  # [K, S, 1, G, hd]
+    else:
+        out = jnp.einsum("ksqgn,ksnd->ksqgd", probs, values)  # [K, S, Qm, G, hd]
+    return out.transpose(1, 2, 0, 3, 4).reshape(num_seqs, qm, num_heads, head_dim)
 
 
 def token_to_seq(query_start, num_seqs, num_tokens):
@@ -122,26 +157,12 @@ def token_to_seq(query_start, num_seqs, num_tokens):
     return seq, idx, valid
 
 
-def pad_queries(q, query_start, kv_lens, num_seqs, max_query_len):
-    """Gather q [T, H, hd] into per-sequence padded rows [S, Qm, H, hd] with each row's
-    position and validity."""
-    num_s = kv_lens.shape[0]
-    seq_ids = jnp.arange(num_s, dtype=jnp.int32)
-    q_lens = jnp.where(seq_ids < num_seqs[0], query_start[1:] - query_start[:-1], 0)  # [S]
-    i = jnp.arange(max_query_len, dtype=jnp.int32)  # [Qm]
-    rows = jnp.clip(query_start[:-1, None] + i[None, :], 0, q.shape[0] - 1)  # [S, Qm]
-    q_valid = i[None, :] < q_lens[:, None]  # [S, Qm]
-    q_pos = kv_lens[:, None] - q_lens[:, None] + i[None, :]  # [S, Qm]
-    return q[rows], q_pos, q_valid
-
-
-def unpad_outputs(out, query_start, num_seqs, num_tokens, dtype):
-    """Per-sequence padded outputs [S, Qm, H, hd] back to flat rows [T, H, hd] (zeros for
-    padding rows). A sequence longer than Qm (a caller error) has its extra rows clamped."""
-    seq, idx, valid = token_to_seq(query_start, num_seqs, num_tokens)
-    idx = jnp.clip(idx, 0, out.shape[1] - 1)
-    flat = out[seq, idx]  # [T, H, hd]
-    return jnp.where(valid[:, None, None], flat, 0.0).astype(dtype)
+def ragged_block_q(num_tokens: int, num_seqs_padded: int, max_query_len: int) -> int:
+    """Static query-block size of the reference: the power of two nearest above the mean
+    query length T / S, at least 16 (fewer re-gathers of a sequence's pages than rows) and
+    at most pow2(max_query_len)."""
+    mean = max(1, num_tokens // max(1, num_seqs_padded))
+    return min(layout.pow2(max_query_len), max(16, layout.pow2(mean)))
 
 
 def ragged_paged_attention_reference(
@@ -161,23 +182,37 @@ def ragged_paged_attention_reference(
     k_scales=None,
     v_scales=None,
 ):
-    qs, q_pos, q_valid = pad_queries(q, query_start, kv_lens, num_seqs, max_query_len)
+    num_tokens, num_s = q.shape[0], kv_lens.shape[0]
+    block_q = ragged_block_q(num_tokens, num_s, max_query_len)
+    num_blocks = layout.num_query_blocks(num_tokens, num_s, max_query_len, block_q)
+    block_seq, block_idx, first_block = layout.block_table(
+        query_start, num_seqs, block_q, num_blocks
+    )  # [NB], [NB], [S]
+    seq = jnp.maximum(block_seq, 0)  # [NB]
+    q_len = layout.query_lens(query_start, num_seqs)[seq]  # [NB]
+    i = block_idx[:, None] * block_q + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [NB, BQ]
+    rows = jnp.clip(query_start[seq][:, None] + i, 0, num_tokens - 1)  # [NB, BQ]
+    q_valid = (block_seq >= 0)[:, None] & (i < q_len[:, None])  # [NB, BQ]
+    q_pos = kv_lens[seq][:, None] - q_len[:, None] + i  # [NB, BQ]
     out = attend_padded(
-        qs,
+        q[rows],
         q_pos,
         q_valid,
         k_pages,
         v_pages,
-        kv_lens,
-        page_table,
+        kv_lens[seq],
+        page_table[seq],
         layer,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         k_scales=k_scales,
         v_scales=v_scales,
-    )  # [S, Qm, H, hd]
-    return unpad_outputs(out, query_start, num_seqs, q.shape[0], q.dtype)
+    )  # [NB, BQ, H, hd]
+    tok_seq, tok_idx, valid = token_to_seq(query_start, num_seqs, num_tokens)  # [T] each
+    block = jnp.clip(first_block[tok_seq] + tok_idx // block_q, 0, num_blocks - 1)
+    flat = out[block, jnp.clip(tok_idx, 0) % block_q]  # [T, H, hd]
+    return jnp.where(valid[:, None, None], flat, 0.0).astype(q.dtype)
 
 
 def decode_paged_attention_reference(

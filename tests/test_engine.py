@@ -37,9 +37,14 @@ def assert_pool_empty(llm):
     assert not llm.engine.has_unfinished()
 
 
-@pytest.fixture(scope="module")
-def tiny_llm():
-    return LLM("tiny", num_pages=200, **TINY_OPTS)
+# Both weight layouts (models/llama.py `layer_layout`): the engine's layers scanned over
+# stacked weights or unrolled over per-layer weights; the dense oracle always scans.
+# "unrolled" is what "auto" picks on CPU (every other test's engine); "scan" is the extra one.
+@pytest.fixture(
+    scope="module", params=[pytest.param("scan", marks=pytest.mark.compile), "unrolled"]
+)
+def tiny_llm(request):
+    return LLM("tiny", num_pages=200, layer_loop=request.param, **TINY_OPTS)
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +215,11 @@ def test_stats_report_memory(tiny_llm):
 
 
 @pytest.mark.slow
-def test_smollm2_paged_matches_dense(smollm2):
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_smollm2_paged_matches_dense(smollm2, layer_loop):
     llm = LLM(
         smollm2,
+        layer_loop=layer_loop,
         num_pages=256,
         max_num_seqs=8,
         max_num_batched_tokens=128,

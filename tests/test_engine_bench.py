@@ -33,6 +33,14 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
     assert mixed["continuous_over_static"] > 0 and mixed["output_tokens"] > 0
     assert "continuous" in table and "static" in table and "targets (measured value):" in table
     assert "continuous_over_static>=2" in r["targets"]
+    pre = r["prefill"]
+    assert pre["prompt_len"] == 40 and pre["steps"] >= 1 and pre["tokens_per_s"] > 0
+    assert pre["compute_floor_over_step"] > 0 and "prefill 40 tokens" in table
+    for key in (
+        "batch1_memory_floor/step>=0.8",
+        "prefill_compute_floor/step>=0.6",
+    ):
+        assert math.isfinite(r["targets"][key]) and r["targets"][key] > 0, key
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from configs import from_name
 from models.dense_generate import DenseKVCache, dense_attention, generate_dense
-from models.llama import forward
+from models.llama import forward, layer_layout
 
 pytestmark = pytest.mark.slow  # transformers and torch, every test
 
@@ -47,12 +47,17 @@ def hf_smollm2(smollm2):
     return model.eval()
 
 
+LAYER_LOOPS = pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+
+
 @pytest.mark.slow
-def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
+@LAYER_LOOPS
+def test_smollm2_logits_match_transformers(smollm2, hf_smollm2, layer_loop):
+    params = layer_layout(smollm2.params, layer_loop)
     worst = 0.0
     for prompt in PROMPTS:
         ids = smollm2.tokenizer.encode(prompt)
-        ours = np.asarray(all_logits(smollm2.params, smollm2.config, jnp.array(ids, jnp.int32)))
+        ours = np.asarray(all_logits(params, smollm2.config, jnp.array(ids, jnp.int32)))
         with torch.no_grad():
             ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
         assert ours.shape == ref.shape
@@ -62,12 +67,14 @@ def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_32_tokens_match_transformers(smollm2, hf_smollm2):
+@LAYER_LOOPS
+def test_smollm2_greedy_32_tokens_match_transformers(smollm2, hf_smollm2, layer_loop):
+    params = layer_layout(smollm2.params, layer_loop)
     tok = smollm2.tokenizer
     for prompt in PROMPTS[:2] + ["What is the capital of France?"]:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}])
         ids = tok.encode(text, add_special_tokens=False)
-        ours = generate_dense(smollm2.params, smollm2.config, ids, 32)["token_ids"]
+        ours = generate_dense(params, smollm2.config, ids, 32)["token_ids"]
         with torch.no_grad():
             # An explicit attention mask: the chat prompt contains <|im_end|>, which is also
             # the pad id, and transformers would otherwise mask those tokens out.
@@ -125,12 +132,14 @@ def _tiny_hf_checkpoint(tmp_path, qwen: bool):
     return model.eval()
 
 
+@LAYER_LOOPS
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen2-bias-tied"])
-def test_tiny_random_checkpoint_matches_transformers(tmp_path, qwen):
+def test_tiny_random_checkpoint_matches_transformers(tmp_path, qwen, layer_loop):
     from models.loaders.hf_loader import load_hf_dir
 
     ref_model = _tiny_hf_checkpoint(tmp_path, qwen)
     cfg, params, files = load_hf_dir(str(tmp_path))
+    params = layer_layout(params, layer_loop)
     assert cfg.attention_bias == qwen and cfg.num_kv_heads == 2 and cfg.num_heads == 4
     ids = list(np.random.default_rng(0).integers(0, cfg.vocab_size, 40))
     ours = np.asarray(all_logits(params, cfg, jnp.array(ids, jnp.int32)))

@@ -85,6 +85,27 @@ def test_greedy_rows_take_argmax_with_every_flag_set():
         np.testing.assert_array_equal(res.tokens, np.argmax(logits, axis=-1))
 
 
+def test_ties_and_runtime_branches_give_the_same_greedy_rows():
+    """Integer logits (many ties): the greedy pick is the first maximum (np.argmax) in the
+    greedy variant (two-reduction argmax) and in the full one, whether or not a row of the
+    batch filters (the full variant's two runtime branches: C candidates vs top K)."""
+    logits = jnp.asarray(rng.integers(0, 4, (S, V)).astype(np.float32))
+    greedy_rows = [SamplingParams(temperature=0.0)] * 6
+    plain = tensors(greedy_rows)
+    with_filter = tensors(greedy_rows + [SamplingParams(top_p=0.5, seed=1)])
+    res = {
+        "greedy": sample_jit(logits, plain, flags=SamplingFlags(all_greedy=True, filters=False)),
+        "full": sample_jit(logits, plain),
+        "full_filtering_row": sample_jit(logits, with_filter),
+    }
+    want = np.argmax(np.asarray(logits), axis=-1)
+    for name, r in res.items():
+        np.testing.assert_array_equal(np.asarray(r.tokens)[:6], want[:6], err_msg=name)
+    for field in ("top_ids", "top_logprobs", "logprobs"):
+        a, b = (np.asarray(getattr(res[k], field))[:6] for k in ("full", "full_filtering_row"))
+        np.testing.assert_array_equal(a, b, err_msg=field)
+
+
 def test_padding_rows_are_greedy_and_seedless_greedy_rows_are_allowed():
     t = SamplingTensors.from_params([SamplingParams(temperature=0.0)], [0], None, 4)
     assert t.temperature.tolist() == [0.0] * 4 and t.top_p.tolist() == [1.0] * 4
