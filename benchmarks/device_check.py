@@ -40,6 +40,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import kernels_bench
+from engine import compiles
 from pallas_kernels import testing
 
 DECODE_BW_TARGET = 0.7  # fraction of the measured copy bandwidth
@@ -268,8 +269,8 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
     from benchmarks.step_profile import Case, make_batch
     from configs.model_config import from_name
     from engine import step as step_module
-    from engine.core import _GREEDY_FLAGS
     from engine.kv_cache import PagedKVCache
+    from engine.sampling import GREEDY_FLAGS
     from models.llama import layer_layout
 
     cfg = from_name(sizes.model)
@@ -302,7 +303,7 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
             batch,
             cfg=cfg,
             shape=shape,
-            flags=_GREEDY_FLAGS,
+            flags=GREEDY_FLAGS,
             use_penalties=False,
         )
         return packed
@@ -312,7 +313,8 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(step(batch, shape))
         compile_s[name] = time.perf_counter() - t0
-    before = step_module.engine_step._cache_size()
+    compiles.install()
+    before = compiles.count()
     out = {
         "model": cfg.name,
         "dtype": sizes.dtype,
@@ -332,7 +334,7 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
             "weight_floor_ms": 1e3 * floor_s,
             "frac_of_floor": floor_s / step_s,
         }
-    out["recompiles_after_warmup"] = step_module.engine_step._cache_size() - before
+    out["recompiles_after_warmup"] = compiles.count() - before
     out["ok"] = out["recompiles_after_warmup"] == 0
     return out
 

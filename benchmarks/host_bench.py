@@ -98,8 +98,8 @@ def _run_engine(
     for _ in range(prefill_steps + 3):  # every request admitted, prefilled, decoding
         engine.step()
     detok_s = [0.0]
-    for st in engine._states.values():
-        st.stop.detokenizer = _TimedDetokenizer(st.stop.detokenizer, detok_s)
+    for stop in engine.outputs._stops.values():  # NOTE: a benchmark reaching inside
+        stop.detokenizer = _TimedDetokenizer(stop.detokenizer, detok_s)
     if capture is not None:
         orig = engine.builder.build
         engine.builder.build = lambda scheduled: capture.append(orig(scheduled)) or capture[-1]
@@ -136,13 +136,13 @@ def _run_engine(
 def device_loop(engine: EngineCore, steps: list) -> float:
     """Steps/s of the jitted step alone over the engine's own batches (the same shapes in
     the same order), pipelined: step k+1 dispatched before step k's results are copied."""
-    from engine.core import _GREEDY_FLAGS
+    from engine.sampling import GREEDY_FLAGS
 
     def run() -> float:
         t0 = time.perf_counter()
         prev = None
         for built in steps:
-            packed = engine.run_step(built.batch, built.shape, _GREEDY_FLAGS, False)
+            packed = engine.run_step(built.batch, built.shape, GREEDY_FLAGS, False)
             if prev is not None:
                 jax.device_get(prev)
             prev = packed

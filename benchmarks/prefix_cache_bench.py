@@ -35,10 +35,10 @@ import time
 import numpy as np
 
 from configs.engine_config import EngineConfig
+from engine import compiles
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.step import engine_step
 
 CORPUS_DIR = os.path.join(os.path.dirname(__file__), "loadgen", "corpus")
 QUESTIONS = [
@@ -154,7 +154,7 @@ class Runner:
         self, prompts: list[list[int]], max_tokens: int, timed: bool = True
     ) -> tuple[float, list]:
         """Submits all prompts at once, steps until done: (wall seconds, final outputs)."""
-        compiled = engine_step._cache_size()
+        compiled = compiles.count()
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         ids = []
         t0 = time.perf_counter()
@@ -171,7 +171,7 @@ class Runner:
                     final[out.request_id] = out
         wall = time.perf_counter() - t0
         if timed:
-            Runner.num_compiles += engine_step._cache_size() - compiled
+            Runner.num_compiles += compiles.count() - compiled
         return wall, [(tokens[r], final[r]) for r in ids]
 
     def prefill_tokens(self) -> tuple[int, int]:

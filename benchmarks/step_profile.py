@@ -38,9 +38,8 @@ import numpy as np
 
 from engine import step as step_module
 from engine.batch import BatchShape, StepBatch, pow2_bucket
-from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
 from engine.kv_cache import PagedKVCache
-from engine.sampling import SamplingTensors
+from engine.sampling import FULL_FLAGS, GREEDY_FLAGS, SamplingTensors
 from models.llama import LAYER_LOOPS, forward, layer_layout
 
 PAGE_SIZE = 16
@@ -178,8 +177,8 @@ def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop:
         )[0]
     )
     runners = {
-        "step": run_step(_GREEDY_FLAGS),
-        "step_full": run_step(_FULL_FLAGS),
+        "step": run_step(GREEDY_FLAGS),
+        "step_full": run_step(FULL_FLAGS),
         "forward_only": lambda: fwd(params, batch),
     }
     for name in variants:
@@ -188,7 +187,7 @@ def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop:
             step_module.paged_attention_fn = lambda *a, **k: _stub_attention
             try:
                 step_module.engine_step.clear_cache()
-                t, cpu, first = _median_s(run_step(_GREEDY_FLAGS), iters)
+                t, cpu, first = _median_s(run_step(GREEDY_FLAGS), iters)
             finally:
                 step_module.paged_attention_fn = original
                 step_module.engine_step.clear_cache()

@@ -14,6 +14,8 @@ import dataclasses
 from configs.kv_memory import kv_bytes_per_token
 from configs.model_config import ModelConfig
 
+PARAM_DTYPES = (None, "float32", "bfloat16", "float16")
+
 
 def _check(field: str, value, ok: bool, limit: str) -> None:
     if not ok:
@@ -87,7 +89,9 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m"
-    dtype: str = "float32"  # weights and activations (float32 on CPU, see FACTS.md)
+    # Weights and activations: "float32" | "bfloat16" | "float16"; None: the loader's default
+    # (float32 on CPU, where bfloat16 matmuls are slow; bfloat16 on accelerators).
+    dtype: str | None = None
     kv_dtype: str = "float32"  # "float32" | "bfloat16" | "int8"
     page_size: int = 16
     num_pages: int | None = None
@@ -115,6 +119,7 @@ class EngineConfig:
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
+        _check("dtype", self.dtype, self.dtype in PARAM_DTYPES, f"one of {PARAM_DTYPES}")
         _check(
             "cache_sharing",
             self.cache_sharing,

@@ -1,9 +1,12 @@
 """The engine: host-side scheduling over a paged KV cache and a jitted device step.
 
+engine.interface.Engine                  the interface serving drives (a Protocol)
 engine.request / page_pool / scheduler   host side, plain Python (no device)
+engine.outputs                           host half of a step: stop checks, output deltas
 engine.batch                             plan -> fixed-shape arrays (the boundary)
 engine.step / kv_cache / sampling        device side, pure jitted functions
 engine.core.EngineCore                   the step loop (serving drives it)
+engine.factory / replicas / distributed  engine creation: one device, mesh, data, hosts
 engine.llm.LLM                           the notebook API
 """
 

@@ -33,9 +33,9 @@ the caller sees each token one call later; `has_unfinished()` stays true while a
 in flight.
 
 Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
-The serving layer drives it from its engine thread through the interface in WORKSPACE.md
-(`add_request`, `abort_request`, `step`, `has_unfinished`, `stats`, `identity`,
-`tokenizer`).
+The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
+engine/outputs.py's OutputProcessor, shared with serving's MockEngine. The serving layer
+drives the engine from its engine thread through engine/interface.py's `Engine` Protocol.
 """
 
 from __future__ import annotations
@@ -51,37 +51,31 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
-from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
+from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
-from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
-from engine.page_pool import PagePool, cache_salt_for
+from engine.outputs import OutputProcessor
+from engine.page_pool import PagePool, model_keys_of
 from engine.request import Request
 from engine.sampling import (
+    FULL_FLAGS,
+    GREEDY_FLAGS,
     SampleResult,
     SamplingFlags,
     init_counts,
     reset_slot_counts,
     resolve_seed,
+    uses_penalties,
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
 from engine.step import NONFINITE_TOKEN, engine_step
-from engine.stop_checker import StopChecker
-from models.llama import layer_layout
+from models.llama import cast_params, layer_layout
 
 log = logging.getLogger(__name__)
+NONFINITE_ERROR = "model produced non-finite logits"
 
-_GREEDY_FLAGS = SamplingFlags(filters=False, all_greedy=True, top_logprobs=False)
-_FULL_FLAGS = SamplingFlags()
 _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
-
-
-@dataclasses.dataclass
-class _RequestState:
-    stop: StopChecker
-    seed: int
-    sent_tokens: int = 0  # output tokens already reported
 
 
 @dataclasses.dataclass
@@ -114,22 +108,6 @@ class _Launched:
     packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
 
 
-def request_metrics(req: Request) -> RequestMetrics:
-    t = req.token_times_s
-    m = RequestMetrics(
-        cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions
-    )
-    if req.first_scheduled_s is not None:
-        m.queue_s = req.first_scheduled_s - req.arrival_s
-    if t:
-        m.ttft_s = t[0] - req.arrival_s
-        m.itl_s = [b - a for a, b in zip(t, t[1:])]
-        m.tpot_s = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
-    if req.finish_s is not None:
-        m.e2e_s = req.finish_s - req.arrival_s
-    return m
-
-
 class EngineCore:
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel."""
@@ -142,12 +120,7 @@ class EngineCore:
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
         self.sched_config = sc = config.scheduler_config(self.cfg)
-        keys = (
-            self.identity.revision,
-            self.identity.tokenizer_hash,
-            self.identity.chat_template_hash,
-        )
-        self.pool = PagePool.from_config(sc, model_keys=keys)
+        self.pool = PagePool.from_config(sc, model_keys_of(self.identity))
         self.scheduler = Scheduler(sc, self.pool)
         self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
         self.builder = BatchBuilder(
@@ -159,9 +132,9 @@ class EngineCore:
             eos_token_ids=self.tokenizer.eos_token_ids,
             fit_shape=self.shapes.fit,
         )
-        self.params, kv_sharding = model.params, None
+        self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
-            self.cfg, self.params = sharding.shard_params(model.params, self.cfg, self.mesh)
+            self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
             kv_sharding = sharding.kv_sharding(self.mesh, self.cfg)
         else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
             # key, so the first warm-up shape would compile again on first use.
@@ -179,7 +152,14 @@ class EngineCore:
         self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
         self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
         self._penalties_ready = False
-        self._states: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(
+            self.scheduler,
+            self.tokenizer,
+            vocab_size=self.cfg.vocab_size,
+            cache_sharing=config.cache_sharing,
+            on_finished=self._forget,
+        )
+        self._seeds: dict[str, int] = {}
         self._in_flight: _Launched | None = None
         self._rng = random.Random()
         self.timings = StepTimings()
@@ -192,28 +172,8 @@ class EngineCore:
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
-        if not er.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", [], "must hold at least one token")
-        bad = [t for t in er.prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", bad[0], f"token ids must be in [0, {self.cfg.vocab_size})"
-            )
-        if er.request_id in self._states:
-            raise InvalidRequestError("request_id", er.request_id, "already running")
-        now = time.monotonic()
-        salt = (
-            cache_salt
-            if cache_salt is not None
-            else cache_salt_for(er.tenant, self.config.cache_sharing)
-        )
-        req = Request.from_engine_request(er, now_s=now, cache_salt=salt)
-        self.scheduler.add_request(req)
-        detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
-        self._states[er.request_id] = _RequestState(
-            StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok),
-            resolve_seed(er.sampling, self._rng),
-        )
+        self.outputs.add_request(er, time.monotonic(), cache_salt)
+        self._seeds[er.request_id] = resolve_seed(er.sampling, self._rng)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -231,10 +191,11 @@ class EngineCore:
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
-        self.params = model.params
-        self.pool.clear_cache(
-            (self.identity.revision, self.identity.tokenizer_hash, self.identity.chat_template_hash)
+        self.outputs.tokenizer = model.tokenizer  # for requests added from now on
+        self.params = layer_layout(
+            cast_params(model.params, self.config.dtype), self.config.layer_loop
         )
+        self.pool.clear_cache(model_keys_of(self.identity))
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page (pages in use stay in use)."""
@@ -262,7 +223,7 @@ class EngineCore:
         """Schedule, build and dispatch a step (returns None when nothing is scheduled)."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
-        outputs += [self._finished_output(r, []) for r in plan.finished_requests]
+        outputs += self.outputs.finished(plan)
         for rid in plan.preempted_request_ids:
             self.builder.release(rid)
         if plan.is_empty:
@@ -275,7 +236,7 @@ class EngineCore:
         t2 = time.perf_counter()
         # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
         # penalties) are what warm-up builds. Flags never change a row's token.
-        flags = _FULL_FLAGS if built.full_sampler or built.penalties else _GREEDY_FLAGS
+        flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
         try:
             packed = self.run_step(built.batch, built.shape, flags, built.penalties)
         except Exception as e:  # a failed step fails only the requests in it
@@ -306,17 +267,12 @@ class EngineCore:
             for s, t in zip(step.plan.scheduled, tokens)
             if s.samples and not s.request.is_finished
         }
-        row_of = {
-            s.request.request_id: int(r)
-            for s, r in zip(step.plan.scheduled, step.built.sampler_rows)
-        }
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
         received = self.scheduler.update_after_step(step.plan, sampled, now)
         t2 = time.perf_counter()
-        for req in received:
-            row = row_of[req.request_id]
-            outputs.append(self._on_token(req, result, row, now))
+        logprobs = self._logprobs(step.plan, result, step.built.sampler_rows)
+        outputs += self.outputs.emit(received, now, logprobs)
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2
@@ -329,19 +285,15 @@ class EngineCore:
         for s, token in zip(plan.scheduled, tokens):
             if token != NONFINITE_TOKEN or s.request.is_finished:
                 continue
-            if self.scheduler.finish_request(s.request.request_id, "failed", now):
+            out = self.outputs.end(s.request, "failed", now, NONFINITE_ERROR)
+            if out is not None:
                 log.error("request %s: non-finite logits; failed", s.request.request_id)
-                outputs.append(
-                    self._finished_output(s.request, [], error="model produced non-finite logits")
-                )
+                outputs.append(out)
 
     def _fail(self, plan: SchedulerOutput, e: Exception, outputs: list[RequestOutput]) -> None:
         log.exception("engine step failed", exc_info=e)
         self.num_failed_steps += 1
-        now = time.monotonic()
-        for s in plan.scheduled:
-            if self.scheduler.finish_request(s.request.request_id, "failed", now):
-                outputs.append(self._finished_output(s.request, [], error=repr(e)))
+        outputs += self.outputs.fail(plan, e, time.monotonic())
 
     def _check_compiles(self, shape: BatchShape) -> None:
         if self._compiles_at_warmup is None:
@@ -397,9 +349,8 @@ class EngineCore:
         self._logged_compiles = 0
 
     def _take_slot(self, req: Request) -> None:
-        slot, is_new = self.builder.assign(req, self._states[req.request_id].seed)
-        p = req.sampling
-        if is_new and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+        slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
+        if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
     def init_penalty_state(self) -> None:
@@ -429,66 +380,28 @@ class EngineCore:
         )
 
     # ---- outputs ----------------------------------------------------------------------------
-    def _on_token(
-        self, req: Request, result: SampleResult | None, row: int, now: float
-    ) -> RequestOutput:
-        st = self._states[req.request_id]
-        token = req.output_token_ids[-1]
-        text, reason = st.stop.add_token(token)
-        logprobs = None
-        n = req.sampling.logprobs
-        if n is not None and result is not None:
+    def _forget(self, request_id: str) -> None:
+        """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
+        self._seeds.pop(request_id, None)
+        self.builder.release(request_id)
+
+    @staticmethod
+    def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
+        """The sampled tokens' logprobs, for the requests that asked for them. `rows[i]` is
+        the sampler row of plan.scheduled[i]."""
+        out = {}
+        for s, r in zip(plan.scheduled, rows):
+            n = s.request.sampling.logprobs
+            if n is None or not s.samples:
+                continue
+            r = int(r)
             top = [
                 (int(i), float(lp))
-                for i, lp in zip(result.top_ids[row][:n], result.top_logprobs[row][:n])
+                for i, lp in zip(result.top_ids[r][:n], result.top_logprobs[r][:n])
             ]
-            logprobs = [TokenLogprob(token, float(result.logprobs[row]), top)]
-        if reason is not None:
-            self.scheduler.finish_request(req.request_id, reason, now)
-            return self._finished_output(req, [token], text=text, logprobs=logprobs)
-        return self._delta(req, [token], text, logprobs)
-
-    def _delta(
-        self,
-        req: Request,
-        tokens: list[int],
-        text: str,
-        logprobs=None,
-        finished: bool = False,
-        error: str | None = None,
-    ) -> RequestOutput:
-        st = self._states.get(req.request_id)
-        if st is not None:
-            st.sent_tokens += len(tokens)
-        k = len(tokens)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            new_text=text,
-            token_times_s=req.token_times_s[len(req.token_times_s) - k :] if k else [],
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens,
-            logprobs=logprobs,
-            metrics=request_metrics(req) if finished else None,
-            error=error,
-        )
-
-    def _finished_output(
-        self,
-        req: Request,
-        tokens: list[int],
-        text: str = "",
-        logprobs=None,
-        error: str | None = None,
-    ) -> RequestOutput:
-        st = self._states.pop(req.request_id, None)
-        if st is not None:
-            text += st.stop.flush() if req.finish_reason in ("stop", "length") else ""
-        self.builder.release(req.request_id)
-        out = self._delta(req, tokens, text, logprobs, finished=True, error=error)
+            out[s.request.request_id] = TokenLogprob(
+                int(result.tokens[r]), float(result.logprobs[r]), top
+            )
         return out
 
     # ---- stats --------------------------------------------------------------------------------
@@ -498,30 +411,10 @@ class EngineCore:
         page_bytes = self.kv.num_bytes // sc.num_pages
         weights_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
         return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_pages_total": sc.num_pages - 1,
-            "kv_pages_used": used,
-            "kv_pages_free": pool.num_free_pages,
-            "kv_pages_cached": pool.num_cached_pages,
-            "kv_usage": used / max(1, sc.num_pages - 1),
-            "page_size": sc.page_size,
-            "kv_capacity_tokens": (sc.num_pages - 1) * sc.page_size,
+            **self.scheduler.stats(),
             "kv_bytes_total": self.kv.num_bytes,
             "kv_bytes_used": used * page_bytes,
             "weights_bytes": weights_bytes,
-            "max_model_len": sc.max_model_len,
-            "max_num_seqs": sc.max_num_seqs,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "allocation_failures": pool.stats.allocation_failures,
-            "prefix_cache_queries_tokens": pool.stats.queried_tokens,
-            "prefix_cache_hit_tokens": pool.stats.hit_tokens,
-            "prefix_cache_hit_rate": pool.stats.hit_rate,
-            "prefix_cache_evictions": pool.stats.evictions,
-            "prefix_cache_expirations": pool.stats.expirations,
-            "prefix_cache_prefill_tokens_saved": pool.stats.hit_tokens,
-            "prefix_cache_cached_pages": pool.num_cached_pages,
-            "prefix_cache_enabled": pool.enable_prefix_caching,
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,

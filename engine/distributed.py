@@ -19,7 +19,7 @@ Launch (see WORKSPACE.md "Sharding and multi-host"): the same command on every h
 --coordinator_address=host0:PORT --num_processes=N --process_id=i (or none of them on a TPU
 slice / SLURM / Kubernetes, where `jax.distributed.initialize()` finds them itself).
 
-    python -m engine.distributed --model=tiny --mesh=model:4 --prompt_ids=1,2,3 \
+    python -m engine.distributed --model=tiny --mesh=model:4 --prompts="1,2,3;72,101" \
         --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0   # and =1
 """
 
@@ -34,6 +34,8 @@ import pickle
 import types
 
 import numpy as np
+
+from engine.core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -120,34 +122,29 @@ class StepChannel:
 
 
 # ---- leader and followers --------------------------------------------------------------------
-def _leader_class():
-    from engine.core import EngineCore
+class LeaderEngineCore(EngineCore):
+    """EngineCore on process 0: every device call is announced to the followers first."""
 
-    class LeaderEngineCore(EngineCore):
-        """EngineCore on process 0: every device call is announced to the followers first."""
+    def __init__(self, *args, channel: StepChannel, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.channel = channel
 
-        def __init__(self, *args, channel: StepChannel, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.channel = channel
+    def run_step(self, batch, shape, flags, use_penalties):
+        self.channel.send(STEP, (batch, shape, flags, use_penalties))
+        return super().run_step(batch, shape, flags, use_penalties)
 
-        def run_step(self, batch, shape, flags, use_penalties):
-            self.channel.send(STEP, (batch, shape, flags, use_penalties))
-            return super().run_step(batch, shape, flags, use_penalties)
+    def _reset_penalty_row(self, slot, req):
+        ids = types.SimpleNamespace(
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+        )
+        self.channel.send(RESET_COUNTS, (slot, ids))
+        super()._reset_penalty_row(slot, ids)
 
-        def _reset_penalty_row(self, slot, req):
-            ids = types.SimpleNamespace(
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
-                prompt_token_ids=list(req.prompt_token_ids),
-                output_token_ids=list(req.output_token_ids),
-            )
-            self.channel.send(RESET_COUNTS, (slot, ids))
-            super()._reset_penalty_row(slot, ids)
-
-        def shutdown(self) -> None:
-            self.channel.send(STOP, None)
-
-    return LeaderEngineCore
+    def shutdown(self) -> None:
+        self.channel.send(STOP, None)
 
 
 def create_multihost_engine(model, config, *, mesh, impl: str = "auto"):
@@ -155,12 +152,10 @@ def create_multihost_engine(model, config, *, mesh, impl: str = "auto"):
     0 gets a LeaderEngineCore, the others a plain EngineCore to pass to `follow`."""
     import jax
 
-    from engine.core import EngineCore
-
     if jax.process_count() == 1:
         return EngineCore(model, config, impl=impl, mesh=mesh)
     if jax.process_index() == 0:
-        return _leader_class()(model, config, impl=impl, mesh=mesh, channel=StepChannel())
+        return LeaderEngineCore(model, config, impl=impl, mesh=mesh, channel=StepChannel())
     return EngineCore(model, config, impl=impl, mesh=mesh)
 
 

@@ -1,19 +1,12 @@
 """Exceptions that are part of the engine's interface. The serving layer maps each to one
-gRPC status code (InvalidRequestError -> INVALID_ARGUMENT, and so on)."""
+gRPC status code (InvalidRequestError -> INVALID_ARGUMENT, and so on). The base class and
+InvalidRequestError live in configs/errors.py (below models/, which raises it too)."""
 
 from __future__ import annotations
 
+from configs.errors import InvalidRequestError, PagedJaxError
 
-class PagedJaxError(Exception):
-    """Base class of the engine's errors."""
-
-
-class InvalidRequestError(PagedJaxError, ValueError):
-    """A request field is out of range. Names the field, the value and the limit."""
-
-    def __init__(self, field: str, value, limit: str):
-        self.field, self.value, self.limit = field, value, limit
-        super().__init__(f"{field}={value!r} is invalid: {limit}")
+__all__ = ["DuplicateRequestError", "EngineStepError", "InvalidRequestError", "PagedJaxError"]
 
 
 class DuplicateRequestError(InvalidRequestError):

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from configs.engine_config import EngineConfig
 from engine.api_types import CompletionOutput, EngineRequest, GenerateOutput, RequestOutput
 from engine.errors import InvalidRequestError
+from engine.factory import create_engine
 from engine.llm_options import (
     check_engine_options,
     check_fraction,
@@ -44,7 +45,7 @@ from engine.llm_options import (
     with_memory_fraction,
 )
 from engine.sampling_params import SamplingParams
-from engine.sharding import create_engine, loader_shardings
+from engine.sharding import loader_shardings
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ class LLM:
         # With a mesh, each param shard goes straight to its devices.
         shardings_for = None if mesh is None else loader_shardings(mesh)
         self.model = (
-            load_model(model, shardings_for=shardings_for) if isinstance(model, str) else model
+            load_model(model, dtype=config.dtype, shardings_for=shardings_for)
+            if isinstance(model, str)
+            else model
         )
         if gpu_memory_utilization is not None:
             config = with_memory_fraction(config, gpu_memory_utilization)

@@ -64,6 +64,12 @@ def cache_salt_for(tenant: str, policy: CacheSharingPolicy | None = None) -> str
     return "tenant:" + tenant
 
 
+def model_keys_of(identity) -> tuple:
+    """What a cached page's K/V depends on besides its tokens: the weights revision, the
+    tokenizer and the chat template (a models.identity.ModelIdentity or the same fields)."""
+    return (identity.revision, identity.tokenizer_hash, identity.chat_template_hash)
+
+
 @dataclasses.dataclass
 class CachedPage:
     """What a cached page holds, kept to check a key match against collisions."""
@@ -288,7 +294,7 @@ class PagePool:
         cached = self._cached.pop(page)
         del self._page_of_key[cached.key]
 
-    # ---- checks and stats --------------------------------------------------------------
+    # ---- checks ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call this)."""
         plain, free_cached = set(self._free_plain), set(self._free_cached)
@@ -301,20 +307,3 @@ class PagePool:
             assert self.ref_counts[page] >= 0
         assert free_cached <= set(self._cached) and not plain & set(self._cached)
         assert {c.key: p for p, c in self._cached.items()} == self._page_of_key
-
-    def stats_dict(self) -> dict:
-        s = self.stats
-        return {
-            "pages_total": self.num_pages - 1,
-            "pages_used": self.num_used_pages,
-            "pages_free": self.num_free_pages,
-            "prefix_cache_enabled": self.enable_prefix_caching,
-            "prefix_cached_pages": self.num_cached_pages,
-            "prefix_queried_tokens": s.queried_tokens,
-            "prefix_hit_tokens": s.hit_tokens,
-            "prefix_hit_rate": s.hit_rate,
-            "prefill_tokens_saved": s.hit_tokens,
-            "prefix_evictions": s.evictions,
-            "prefix_expirations": s.expirations,
-            "allocation_failures": s.allocation_failures,
-        }

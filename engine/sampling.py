@@ -96,6 +96,20 @@ class SamplingFlags:
         )
 
 
+# The two compiled sampler variants an engine uses (warm-up compiles both).
+GREEDY_FLAGS = SamplingFlags(filters=False, all_greedy=True, top_logprobs=False)
+FULL_FLAGS = SamplingFlags()
+SAMPLER_VARIANTS = {"greedy": GREEDY_FLAGS, "full": FULL_FLAGS}
+
+
+def sampler_flags(params_list: Sequence[SamplingParams | None]) -> SamplingFlags:
+    """The sampler variant a batch runs: GREEDY_FLAGS when every row is greedy and wants no
+    logprobs, else FULL_FLAGS. NOTE: two variants rather than `for_batch`'s cheapest exact
+    one, so a step shape has at most two compiled programs to warm up."""
+    active = [p for p in params_list if p is not None]
+    return GREEDY_FLAGS if all(p.greedy and not p.logprobs for p in active) else FULL_FLAGS
+
+
 def uses_penalties(params_list: Sequence[SamplingParams | None]) -> bool:
     """Whether any row needs token counts (else pass counts=None to `sample`)."""
     return any(

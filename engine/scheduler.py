@@ -334,12 +334,31 @@ class Scheduler:
         self._with_deadline.pop(request.request_id, None)
         self.num_finished[reason] += 1
 
-    # ---- stats -------------------------------------------------------------------------
+    # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        """The host-side part of every engine's `stats()` (the keys serving reads)."""
+        pool, sc = self.pool, self.config
+        used = pool.num_used_pages
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            "kv_pages_total": sc.num_pages - 1,
+            "kv_pages_used": used,
+            "kv_pages_free": pool.num_free_pages,
+            "kv_pages_cached": pool.num_cached_pages,
+            "kv_usage": used / max(1, sc.num_pages - 1),
+            "page_size": sc.page_size,
+            "kv_capacity_tokens": (sc.num_pages - 1) * sc.page_size,
+            "max_model_len": sc.max_model_len,
+            "max_num_seqs": sc.max_num_seqs,
             "num_preemptions": self.num_preemptions,
-            "num_finished": dict(self.num_finished),
-            **self.pool.stats_dict(),
+            "allocation_failures": pool.stats.allocation_failures,
+            "prefix_cache_queries_tokens": pool.stats.queried_tokens,
+            "prefix_cache_hit_tokens": pool.stats.hit_tokens,
+            "prefix_cache_hit_rate": pool.stats.hit_rate,
+            "prefix_cache_evictions": pool.stats.evictions,
+            "prefix_cache_expirations": pool.stats.expirations,
+            "prefix_cache_prefill_tokens_saved": pool.stats.hit_tokens,
+            "prefix_cache_cached_pages": pool.num_cached_pages,
+            "prefix_cache_enabled": pool.enable_prefix_caching,
         }

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from engine.batch import BatchShape, StepBatch
+from engine.sampling import FULL_FLAGS, GREEDY_FLAGS
 from engine.shapes import reachable_shapes  # noqa: F401  (re-exported: the full product)
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,10 @@ def warmup(
 ) -> float:
     """Builds the step for `shapes` (default: the engine's whole ShapeSet, or its
     `max_shapes` cheapest) and each variant in `sampling`; returns and logs the seconds."""
-    from engine.core import _FULL_FLAGS, _GREEDY_FLAGS
-
     variants = {
-        "greedy": (_GREEDY_FLAGS, False),
-        "full": (_FULL_FLAGS, False),
-        "penalties": (_FULL_FLAGS, True),
+        "greedy": (GREEDY_FLAGS, False),
+        "full": (FULL_FLAGS, False),
+        "penalties": (FULL_FLAGS, True),
     }
     unknown = set(sampling) - set(variants)
     if unknown:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from configs.errors import InvalidRequestError
 
 
 def encode_chat(

@@ -12,7 +12,7 @@ tokenize=False)`, which the tests check.
     template = ChatTemplate(text)
     prompt = template.render(messages, add_generation_prompt=True, special_tokens={...})
 
-Bad messages raise `engine.errors.InvalidRequestError` naming the message and field (the serving
+Bad messages raise `configs.errors.InvalidRequestError` naming the message and field (the serving
 layer maps it to INVALID_ARGUMENT); a template that calls `raise_exception` does the same, since
 it is rejecting the conversation. A template that does not compile raises `ChatTemplateError`.
 """
@@ -30,7 +30,7 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import InvalidRequestError
+from configs.errors import InvalidRequestError
 
 Message = Mapping[str, Any]
 

@@ -133,6 +133,20 @@ def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32, scale: float = 
     return dataclasses.replace(params, layers=layers, final_norm=ones(params.final_norm))
 
 
+def cast_params(params: Params, dtype) -> Params:
+    """Floating-point leaves cast to `dtype` (None: unchanged); shardings are kept. Leaves
+    already in `dtype` and integer leaves (quantized weights) are returned as they are."""
+    if dtype is None:
+        return params
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(dtype) if floating and x.dtype != dtype else x
+
+    return jax.tree.map(cast, params)
+
+
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

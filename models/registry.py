@@ -170,10 +170,11 @@ def load_model(
             return cfg, params
     else:
         from models.loaders import gguf_loader
+        from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 
         revision = file_content_hash([path])
         reader = gguf_loader.open_gguf(path)
-        tok = Tokenizer.from_gguf(reader)
+        tok = tokenizer_from_gguf(reader)
 
         def convert(abstract_only):
             if abstract_only:

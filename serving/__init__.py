@@ -18,7 +18,7 @@ metrics, client, mock engine.
     metrics.py             Prometheus metrics in a per-server registry
     convert.py             protobuf <-> engine types
     client.py              GenerateClient; `python -m serving.client`
-    mock_engine.py         MockEngine: the engine interface with hand-checkable arithmetic
+    mock_engine.py         MockEngine: the real engine host code, a hand-checkable fake device
     testing.py             running_server(): a real server on an ephemeral port, for tests
 
 One Generate call (an HTTP choice is the same with the event loop as its handler):

@@ -6,9 +6,10 @@
 
 One request contract, two transports: a generation request is parsed (http_schemas.py),
 turned into one GenerateCall per choice (n choices x prompts; each its own engine request,
-so the n choices of a prompt share its prefix cache) and handed to the same Generator as
-gRPC (generation.py): same tenants (`Authorization: Bearer KEY` is gRPC's `x-api-key`),
-budgets, breaker, waiting queue, engine thread, metrics and one outcome per engine request.
+so the n choices of a prompt share its prefix-cache pages once computed) and handed to the
+same Generator as gRPC (generation.py): same tenants (`Authorization: Bearer KEY` is gRPC's
+`x-api-key`), budgets, breaker, waiting queue, engine thread, metrics and one outcome per
+engine request.
 
     uvicorn event loop (one thread, serving/http_server.py)
       | authenticate -> parse -> Generator.submit per choice (refusal: OpenAI error object)

@@ -438,6 +438,8 @@ def build_engine(
             max_num_seqs=options["max_num_seqs"],
             num_pages=options.get("num_pages") or 4096,
             page_size=options["page_size"],
+            max_num_batched_tokens=options.get("max_num_batched_tokens") or 512,
+            prefill_chunk_size=options.get("prefill_chunk_size"),
             max_model_len=max_model_len or 8192,
             step_time_s=mock_step_time_s,
         )
@@ -446,7 +448,8 @@ def build_engine(
     if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
     from configs.engine_config import EngineConfig
-    from engine.sharding import create_engine, loader_shardings
+    from engine.factory import create_engine
+    from engine.sharding import loader_shardings
     from models.registry import load_model
 
     mesh = options.pop("mesh", None)

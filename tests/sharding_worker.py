@@ -22,10 +22,9 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from engine import sharding
+from engine import compiles, sharding
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.step import engine_step
 from models.registry import load_model
 
 # Prefix caching off: the second, identical run must hit the same shapes (a cache hit would
@@ -53,12 +52,12 @@ def describe(llm: LLM, prompts, ref) -> dict:
     out = generate(llm, prompts)
     eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
     p = eng.params
-    before = engine_step._cache_size()
+    before = compiles.count()
     again = generate(llm, prompts)  # a second run must reuse the compiled steps
     return {
         "same": out == ref,
         "again_same": again == ref,
-        "recompiled": engine_step._cache_size() - before,
+        "recompiled": compiles.count() - before,
         "num_kv_heads": eng.cfg.num_kv_heads,
         "specs": {
             name: spec_of(x)

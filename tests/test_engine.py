@@ -171,6 +171,56 @@ def test_bad_requests_name_the_field(tiny_llm):
     assert not core.has_unfinished()
 
 
+def test_completion_output_carries_the_prompt_token_ids(tiny_llm):
+    prompts = [[1, 5, 6, 7], "hi", [{"role": "user", "content": "hi"}]]
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2))
+    assert [o.prompt_token_ids for o in outs] == [tiny_llm.encode_prompt(p) for p in prompts]
+    assert outs[0].prompt_token_ids == [1, 5, 6, 7] and len(outs[2].prompt_token_ids) > 3
+
+
+@pytest.mark.compile
+def test_dtype_option_casts_the_params_and_the_engine_runs():
+    import jax
+    import jax.numpy as jnp
+
+    from configs.engine_config import EngineConfig
+    from engine.core import EngineCore
+    from models.registry import load_model
+
+    small = dict(TINY_OPTS, num_pages=32, max_num_seqs=2)
+    llm = LLM("tiny", dtype="bfloat16", **small)
+    assert {x.dtype for x in jax.tree.leaves(llm.engine.params)} == {jnp.dtype(jnp.bfloat16)}
+    out = llm.generate([[1, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert len(out.token_ids) == 6 and all(0 <= t < 512 for t in out.token_ids)
+    assert llm.stats()["weights_bytes"] * 2 == sum(
+        x.size * 4 for x in jax.tree.leaves(load_model("tiny").params)
+    )
+    # An already loaded float32 model is cast by the engine (the LLM(model=LoadedModel) path).
+    f32 = load_model("tiny")
+    core = EngineCore(f32, EngineConfig(model="tiny", dtype="bfloat16", num_pages=32))
+    assert {x.dtype for x in jax.tree.leaves(core.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(f32.params)} == {jnp.dtype(jnp.float32)}
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int4")
+
+
+def test_compile_counter_counts_each_new_program():
+    import jax
+    import jax.numpy as jnp
+
+    compiles.install()
+
+    @jax.jit
+    def compile_counter_probe(x):
+        return x * 2
+
+    counts = []
+    for x in (jnp.ones(3), jnp.ones(3), jnp.ones(4), jnp.ones(4)):
+        compile_counter_probe(x)
+        counts.append(compiles.count("jit(compile_counter_probe)"))
+    assert counts == [1, 1, 2, 2]
+
+
 @pytest.mark.compile
 def test_no_recompilation_after_warmup():
     from engine.warmup import reachable_shapes, warmup
@@ -187,8 +237,10 @@ def test_no_recompilation_after_warmup():
     )
     assert len(reachable_shapes(llm.engine.sched_config)) == 8
     assert len(llm.engine.shapes) == 8  # small enough: the shape set is every reachable shape
+    before = compiles.count()
     warmup(llm.engine, sampling=("greedy",))
     compiled = compiles.count()
+    assert compiled > before  # the counter sees compiles (so the check below can fail)
     rng = np.random.default_rng(1)
     prompts = [[1] + rng.integers(3, 512, int(rng.integers(1, 40))).tolist() for _ in range(12)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))

@@ -80,7 +80,8 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     from configs.engine_config import EngineConfig
     from engine import compiles
     from engine.batch import BatchShape
-    from engine.core import _GREEDY_FLAGS, EngineCore
+    from engine.core import EngineCore
+    from engine.sampling import GREEDY_FLAGS
     from engine.warmup import dummy_batch
     from models.registry import load_model
 
@@ -95,6 +96,6 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     first, second = BatchShape(1, 0, 0, 4, 1), BatchShape(2, 0, 0, 4, 1)
     sizes = []
     for shape in (first, second, first):
-        jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, _GREEDY_FLAGS, False))
+        jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, GREEDY_FLAGS, False))
         sizes.append(compiles.count())
     assert sizes[2] == sizes[1]

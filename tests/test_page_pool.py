@@ -241,13 +241,12 @@ def test_no_ttl_never_expires():
     assert pool.expire(now_s=1e12) == 0 and pool.num_cached_pages == 1
 
 
-def test_stats_dict_reports_the_counters():
+def test_stats_report_the_counters():
     pool = _pool()
     pool.record_lookup(10, 4)
-    s = pool.stats_dict()
-    assert s["prefix_queried_tokens"] == 10 and s["prefix_hit_tokens"] == 4
-    assert s["prefix_hit_rate"] == pytest.approx(0.4)
-    assert s["pages_total"] == 15 and s["pages_free"] == 15
+    assert (pool.stats.queried_tokens, pool.stats.hit_tokens) == (10, 4)
+    assert pool.stats.hit_rate == pytest.approx(0.4)
+    assert pool.num_free_pages == 15 and pool.num_used_pages == 0
 
 
 # ---- tenant salts and configs ----------------------------------------------------------

@@ -308,7 +308,7 @@ def test_second_request_with_the_same_prefix_computes_only_the_rest(caching):
     assert b.num_cached_tokens == expected
     assert out.scheduled[0].start == expected
     assert out.num_scheduled_tokens == {"b": 20 - expected if caching else 16}
-    assert s.stats()["prefix_hit_tokens"] == expected
+    assert s.stats()["prefix_cache_hit_tokens"] == expected
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
@@ -337,7 +337,7 @@ def test_stats():
     s = _sched()
     s.add_request(_req("a", 5))
     st_ = s.stats()
-    assert st_["num_waiting"] == 1 and st_["num_running"] == 0 and st_["pages_used"] == 0
+    assert st_["num_waiting"] == 1 and st_["num_running"] == 0 and st_["kv_pages_used"] == 0
 
 
 # ---- hypothesis: invariants over random workloads -----------------------------------------
@@ -502,9 +502,9 @@ def test_random_workloads_keep_the_invariants(
     stats = s.stats()  # what this workload exercised (pytest --hypothesis-show-statistics)
     for name in (
         "num_preemptions",
-        "prefix_hit_tokens",
-        "prefix_evictions",
-        "prefix_expirations",
+        "prefix_cache_hit_tokens",
+        "prefix_cache_evictions",
+        "prefix_cache_expirations",
         "allocation_failures",
     ):
         event(f"{name} > 0: {stats[name] > 0}")
@@ -597,5 +597,5 @@ def test_outputs_are_the_same_with_cache_on_or_off_and_a_tiny_or_large_pool(
     )
     overlapped, _ = _run_with_fake_model(small, prompts, overlap=True)
     assert cached == reference and uncached == reference and overlapped == reference
-    event(f"hits > 0: {stats['prefix_hit_tokens'] > 0}")
+    event(f"hits > 0: {stats['prefix_cache_hit_tokens'] > 0}")
     event(f"preemptions > 0: {stats['num_preemptions'] > 0}")

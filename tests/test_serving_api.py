@@ -137,7 +137,7 @@ def test_tokenize_list_models_server_info(served):
     models = client.list_models().models
     assert [m.versions.name for m in models] == ["mock"] and models[0].max_model_len == 128
     info = client.server_info()
-    assert info.kv_capacity_tokens == 64 * 4
+    assert info.kv_capacity_tokens == (64 - 1) * 4  # page 0 is the reserved null page
     assert (info.limits.max_tokens, info.limits.max_model_len) == (64, 128)
     assert info.circuit_breaker == "closed" and "kv_usage" in info.stats
 

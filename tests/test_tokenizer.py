@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from engine.errors import InvalidRequestError
 from models.errors import ModelLoadError
 from models.identity import ModelIdentity, engine_version, file_content_hash
+from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.tokenizer import Tokenizer, bytes_to_unicode
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,13 +62,13 @@ def smollm2_reader():
 
 @pytest.fixture(scope="module")
 def smollm2_tok(smollm2_reader) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_reader)
+    return tokenizer_from_gguf(smollm2_reader)
 
 
 @pytest.fixture(scope="module")
 def smollm2_tok_tf(smollm2_reader) -> Tokenizer:
     """The same file read the way transformers reads it (differs only before digits)."""
-    return Tokenizer.from_gguf(smollm2_reader, compat="transformers")
+    return tokenizer_from_gguf(smollm2_reader, compat="transformers")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def write_tiny_gguf(path, **overrides) -> str:
 
 
 def test_tiny_gguf_tokenizer_merges_and_special_tokens(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     vocab = tiny_vocab()
     ids = tok.encode("hello world")
     assert [vocab[i] for i in ids] == ["hello", "Ġworld"]
@@ -141,7 +142,7 @@ def test_tiny_gguf_tokenizer_merges_and_special_tokens(tmp_path):
 
 
 def test_tiny_gguf_add_bos_token_prepends_bos(tmp_path):
-    tok = Tokenizer.from_gguf(
+    tok = tokenizer_from_gguf(
         write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.add_bos_token": True})
     )
     assert tok.add_bos
@@ -155,14 +156,14 @@ def test_tiny_gguf_add_bos_token_prepends_bos(tmp_path):
 
 def test_tiny_gguf_eot_token_is_an_eos(tmp_path):
     path = write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.eot_token_id": 0})
-    assert Tokenizer.from_gguf(path).eos_token_ids == (2, 0)
+    assert tokenizer_from_gguf(path).eos_token_ids == (2, 0)
 
 
 def test_from_gguf_accepts_an_open_reader(tmp_path):
     path = write_tiny_gguf(tmp_path / "t.gguf")
-    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    tok = tokenizer_from_gguf(gguf.GGUFReader(path))
     assert tok.source.endswith("t.gguf")
-    assert tok.sha256 == Tokenizer.from_gguf(path).sha256
+    assert tok.sha256 == tokenizer_from_gguf(path).sha256
 
 
 # --- clear errors ------------------------------------------------------------------------------
@@ -171,14 +172,14 @@ def test_from_gguf_accepts_an_open_reader(tmp_path):
 def test_missing_gguf_file_names_the_file(tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ModelLoadError, match="nope.gguf"):
-        Tokenizer.from_gguf(missing)
+        tokenizer_from_gguf(missing)
 
 
 def test_garbage_file_is_not_a_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError, match=r"bad\.gguf.*not a readable GGUF"):
-        Tokenizer.from_gguf(bad)
+        tokenizer_from_gguf(bad)
 
 
 def test_truncated_gguf_is_a_clear_error(tmp_path):
@@ -186,7 +187,7 @@ def test_truncated_gguf_is_a_clear_error(tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(Path(good).read_bytes()[:300])
     with pytest.raises(ModelLoadError, match="cut.gguf"):
-        Tokenizer.from_gguf(cut)
+        tokenizer_from_gguf(cut)
 
 
 @pytest.mark.parametrize(
@@ -195,25 +196,25 @@ def test_truncated_gguf_is_a_clear_error(tmp_path):
 def test_gguf_without_tokenizer_key_names_file_and_key(tmp_path, dropped):
     path = write_tiny_gguf(tmp_path / "no_tok.gguf", **{dropped: None})
     with pytest.raises(ModelLoadError, match=r"no_tok\.gguf.*" + re.escape(repr(dropped))):
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
 
 
 def test_unknown_pre_tokenizer_names_the_value(tmp_path):
     path = write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.pre": "klingon-bpe"})
     with pytest.raises(ModelLoadError, match=r"t\.gguf.*tokenizer\.ggml\.pre = 'klingon-bpe'"):
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
 
 
 def test_sentencepiece_gguf_is_refused_clearly(tmp_path):
     path = write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.model": "llama"})
     with pytest.raises(ModelLoadError, match=r"tokenizer\.ggml\.model = 'llama' is not supported"):
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
 
 
 def test_out_of_range_special_id_is_refused(tmp_path):
     path = write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.eos_token_id": 99999})
     with pytest.raises(ModelLoadError, match=r"eos_token_id = 99999"):
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
 
 
 def test_hf_dir_without_tokenizer_json_names_the_file(tmp_path):
@@ -222,7 +223,7 @@ def test_hf_dir_without_tokenizer_json_names_the_file(tmp_path):
 
 
 def test_hf_dir_with_broken_config_json(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     (tmp_path / "tokenizer.json").write_text(tok.backend.to_str())
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"tokenizer_config\.json.*not valid JSON"):
@@ -230,7 +231,7 @@ def test_hf_dir_with_broken_config_json(tmp_path):
 
 
 def test_model_without_chat_template_says_so(tmp_path):
-    tok = Tokenizer.from_gguf(
+    tok = tokenizer_from_gguf(
         write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.chat_template": None})
     )
     assert tok.chat_template_sha256 is None
@@ -239,13 +240,13 @@ def test_model_without_chat_template_says_so(tmp_path):
 
 
 def test_lone_surrogate_is_an_invalid_request(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     with pytest.raises(InvalidRequestError, match=r"text\[2\]"):
         tok.encode("ab\ud800cd")
 
 
 def test_bad_messages_are_invalid_requests(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.role"):
         tok.apply_chat_template([{"content": "hi"}])
 
@@ -263,7 +264,7 @@ def write_hf_dir(folder, tok: Tokenizer, config: dict, generation: dict | None =
 
 
 def test_hf_dir_round_trip_of_a_gguf_tokenizer(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     config = {
         "bos_token": "<|im_start|>",
         "eos_token": {"content": "<|im_end|>", "special": True},
@@ -284,7 +285,7 @@ def test_hf_dir_round_trip_of_a_gguf_tokenizer(tmp_path):
 
 
 def test_hf_dir_chat_template_jinja_file(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     folder = write_hf_dir(tmp_path / "hf", tok, {"eos_token": "<|im_end|>"})
     assert Tokenizer.from_hf_dir(folder).chat_template is None
     (folder / "chat_template.jinja").write_text(TINY_TEMPLATE)
@@ -300,11 +301,11 @@ def test_broken_chat_template_fails_the_load_naming_file_and_key(tmp_path):
     with pytest.raises(
         ModelLoadError, match=r"t\.gguf: tokenizer\.chat_template: chat template line 1"
     ):
-        Tokenizer.from_gguf(path)
+        tokenizer_from_gguf(path)
 
 
 def test_hf_dir_add_bos_token_in_config_rebuilds_post_processor(tmp_path):
-    tok = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    tok = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
     config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": True}
     back = Tokenizer.from_hf_dir(write_hf_dir(tmp_path / "hf", tok, config))
     assert back.add_bos and back.encode("hello")[0] == 1
@@ -345,7 +346,7 @@ def test_file_content_hash_missing_file(tmp_path):
 
 def test_model_identity_resolve(tmp_path):
     path = write_tiny_gguf(tmp_path / "t.gguf")
-    tok = Tokenizer.from_gguf(path)
+    tok = tokenizer_from_gguf(path)
     ident = ModelIdentity.resolve("tiny-gguf", [path], tok)
     assert ident.revision == file_content_hash(path)
     assert ident.tokenizer_hash == tok.sha256 and len(ident.tokenizer_hash) == 64
@@ -357,11 +358,11 @@ def test_model_identity_resolve(tmp_path):
 
 
 def test_tokenizer_hash_changes_with_the_vocabulary(tmp_path):
-    a = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "a.gguf"))
-    b = Tokenizer.from_gguf(
+    a = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "a.gguf"))
+    b = tokenizer_from_gguf(
         write_tiny_gguf(tmp_path / "b.gguf", **{"tokenizer.ggml.merges": TINY_MERGES[:-1]})
     )
-    again = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "c.gguf"))
+    again = tokenizer_from_gguf(write_tiny_gguf(tmp_path / "c.gguf"))
     assert a.sha256 != b.sha256
     assert a.sha256 == again.sha256
 
@@ -381,7 +382,7 @@ def test_pre_tokenizers_match_transformers_gguf_converter(tmp_path, pre):
     }
     ref, _ = mapping.convert_gguf_tokenizer("llama", meta)
     path = write_tiny_gguf(tmp_path / "t.gguf", **{"tokenizer.ggml.pre": pre})
-    ours = Tokenizer.from_gguf(path, compat="transformers")
+    ours = tokenizer_from_gguf(path, compat="transformers")
     for text in [*TEXTS, *DIGIT_TEXTS, "hello world 1234567 DON'T\r\n\r\n  x"]:
         assert ours.encode(text) == ref.encode(text).ids, text
         splits = ours.backend.pre_tokenizer.pre_tokenize_str(text)

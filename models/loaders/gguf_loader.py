@@ -52,7 +52,10 @@ def open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises ValueError/IndexError/... on bad bytes
-        raise ModelLoadError(f"GGUF file {path!r} is truncated or corrupt: {e}") from e
+        raise ModelLoadError(
+            f"GGUF file {path!r}: not a readable GGUF file, truncated or corrupt "
+            f"({type(e).__name__}: {e})"
+        ) from e
 
 
 def field(reader, key: str, default=None, *, path: str = "", required: bool = False):
