@@ -21,8 +21,9 @@ How each figure is measured:
 - Static vs continuous: one mixed-length workload; static = add a batch of N, step it to
   completion, then the next N; continuous = all requests given to an engine that runs at most
   N at once. Ratio = continuous tokens/s over static tokens/s.
-- Host time: EngineCore.step wall minus its device call (`_run_device`: dispatch, compute and
-  the one device->host copy); schedule / build_batch / update_after_step timed separately.
+- Host time: EngineCore.step wall minus its device call (dispatch, compute and the one
+  device->host copy), from the engine's phase timings (synchronous engine); schedule /
+  build / update timed separately.
 - Hugging Face: `transformers` `generate` (greedy, float32, torch threads = CPU count) on the
   same prompts: batch 1 and a static batch of `--hf_batch` with left padding.
 - Prefill: one request with a `--prefill_len` (1,024) token prompt and one output token; its
@@ -53,10 +54,9 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from configs.kv_memory import kv_bytes_per_token
-from engine import core as engine_core
+from engine import compiles
 from engine.api_types import EngineRequest
 from engine.sampling_params import SamplingParams
-from engine.step import engine_step
 
 
 def load_avg() -> float:
@@ -128,7 +128,7 @@ def mixed_workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: i
 @dataclasses.dataclass
 class StepRecord:
     wall_s: float
-    device_s: float  # _run_device: dispatch + compute + device_get
+    device_s: float  # dispatch + compute + device_get
     schedule_s: float
     build_s: float
     update_s: float
@@ -156,66 +156,51 @@ class RunResult:
 
 
 class Instrument:
-    """Times the parts of EngineCore.step by wrapping them (no change to the engine)."""
+    """Times the parts of EngineCore.step from the engine's own phase timings
+    (`engine.timings`), and records what each step computed by wrapping the batch builder.
+    The engine runs synchronously here (`make_engine`), so a step's device time is its
+    dispatch + wait."""
 
     def __init__(self, engine):
         self.engine = engine
         self.cur: dict = {}
-        sched, eng = engine.scheduler, engine
-        self._orig = (
-            sched.schedule,
-            sched.update_after_step,
-            eng._run_device,
-            engine_core.build_batch,
-        )
+        builder = engine.builder
+        orig_build = builder.build
 
-        def timed(key, fn):
-            def wrapper(*args, **kwargs):
-                t0 = time.perf_counter()
-                out = fn(*args, **kwargs)
-                self.cur[key] = self.cur.get(key, 0.0) + time.perf_counter() - t0
-                return out
-
-            return wrapper
-
-        orig_build = engine_core.build_batch
-
-        def build(scheduled, *args, **kwargs):
+        def build(scheduled):
             ctx = [p + 1 for s in scheduled for p in range(s.start, s.start + s.num_new_tokens)]
             self.cur["decode"] = sum(1 for s in scheduled if s.num_new_tokens == 1)
             self.cur["prefill"] = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
             self.cur["contexts"] = ctx
-            return timed("build", orig_build)(scheduled, *args, **kwargs)
+            return orig_build(scheduled)
 
-        sched.schedule = timed("schedule", sched.schedule)
-        sched.update_after_step = timed("update", sched.update_after_step)
-        eng._run_device = timed("device", eng._run_device)
-        engine_core.build_batch = build
+        builder.build = build
 
     def close(self) -> None:
-        sched = self.engine.scheduler
-        del sched.schedule, sched.update_after_step, self.engine._run_device
-        engine_core.build_batch = self._orig[3]
+        del self.engine.builder.build
 
     def step(self) -> tuple[list, StepRecord | None]:
         self.cur = {}
-        before = engine_step._cache_size()
+        t = self.engine.timings
+        before = dataclasses.replace(t)
+        compiled_before = compiles.count()
         t0 = time.perf_counter()
         outs = self.engine.step()
         wall = time.perf_counter() - t0
         c = self.cur
-        if "device" not in c:
+        if t.num_steps == before.num_steps:
             return outs, None
+        d = lambda name: getattr(t, name) - getattr(before, name)  # noqa: E731
         return outs, StepRecord(
             wall,
-            c["device"],
-            c.get("schedule", 0.0),
-            c.get("build", 0.0),
-            c.get("update", 0.0),
+            d("dispatch_s") + d("wait_s"),
+            d("schedule_s"),
+            d("build_s"),
+            d("update_s"),
             c["decode"],
             c["prefill"],
             c["contexts"],
-            engine_step._cache_size() > before,
+            compiles.count() > compiled_before,
         )
 
 
@@ -241,7 +226,7 @@ def run_workload(engine, workload: Workload, static_batch: int | None = None) ->
     )
     inst = Instrument(engine)
     steps, produced = [], 0
-    before = engine_step._cache_size()
+    before = compiles.count()
     t0 = time.perf_counter()
     try:
         for group in groups:
@@ -259,7 +244,7 @@ def run_workload(engine, workload: Workload, static_batch: int | None = None) ->
     wall = time.perf_counter() - t0 - sum(s.wall_s for s in steps if s.compiled)
     if produced != workload.output_tokens:
         raise RuntimeError(f"produced {produced} tokens, expected {workload.output_tokens}")
-    return RunResult(wall, produced, steps, engine_step._cache_size() - before)
+    return RunResult(wall, produced, steps, compiles.count() - before)
 
 
 def reached_shapes(engine, workload: Workload, static_batch: int | None = None) -> list:
@@ -268,11 +253,11 @@ def reached_shapes(engine, workload: Workload, static_batch: int | None = None) 
     depend on the sampled tokens)."""
     shapes = []
 
-    def fake_device(batch, shape, params_list):
+    def fake_device(batch, shape, flags, use_penalties):
         shapes.append(shape)
         return np.zeros((shape.num_decode + shape.num_prefill_seqs, 2 + 2 * 20), np.float32)
 
-    engine._run_device = fake_device
+    engine.run_step = fake_device
     try:
         reqs = _requests(workload)
         groups = (
@@ -286,7 +271,7 @@ def reached_shapes(engine, workload: Workload, static_batch: int | None = None) 
             while engine.has_unfinished():
                 engine.step()
     finally:
-        del engine._run_device
+        del engine.run_step
     return list(dict.fromkeys(shapes))
 
 
@@ -483,6 +468,9 @@ def make_engine(model, max_num_seqs: int, max_model_len: int, num_tokens: int):
         max_num_batched_tokens=512,
         max_model_len=max_model_len,
         prefix_caching=False,
+        # NOTE: synchronous, so each step's device time is measured on its own (host work
+        # is far below the device step here; benchmarks/host_bench.py measures the overlap).
+        async_scheduling=False,
     )
     return EngineCore(model, cfg)
 

@@ -107,6 +107,7 @@ def make_batch(case: Case, page_size: int = PAGE_SIZE) -> tuple[StepBatch, Batch
         query_start[len(case.prefill) + 1 :] = query_start[len(case.prefill)]
     batch = StepBatch(
         token_ids,
+        np.full(len(token_ids), -1, np.int32),  # token_slots: every input token on the host
         positions,
         slots,
         kv_lens_d,
@@ -148,16 +149,18 @@ def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop:
     batch, shape, num_pages = make_batch(case)
     kv = PagedKVCache.zeros(cfg, num_pages + 1, PAGE_SIZE)
     counts = jnp.zeros((1, 1), jnp.int32)
+    last_tokens = jnp.zeros((shape.num_decode + shape.num_prefill_seqs,), jnp.int32)
     out = {"shape": dataclasses.asdict(shape)}
 
     def run_step(flags):
         def go():
-            nonlocal kv, counts
-            kv, counts, packed = step_module.engine_step(
+            nonlocal kv, counts, last_tokens
+            kv, counts, last_tokens, packed = step_module.engine_step(
                 params,
                 kv,
                 counts,
                 counts,
+                last_tokens,
                 batch,
                 cfg=cfg,
                 shape=shape,

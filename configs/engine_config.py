@@ -114,6 +114,12 @@ class EngineConfig:
     cache_sharing: CacheSharingPolicy = dataclasses.field(
         default_factory=lambda: CacheSharingPolicy()
     )
+    # Overlap host work with the device step: schedule and dispatch step N+1 before reading
+    # step N's tokens (engine/core.py). False: the synchronous loop (same outputs).
+    async_scheduling: bool = True
+    # The compiled step shapes: at most this many (the coarsest set if that is larger);
+    # every batch is padded to one of them (engine/shapes.py).
+    max_step_shapes: int = 64
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
@@ -138,6 +144,7 @@ class EngineConfig:
             "None (use kv_cache_bytes) or >= 2",
         )
         _check("kv_cache_bytes", self.kv_cache_bytes, self.kv_cache_bytes > 0, "> 0")
+        _check("max_step_shapes", self.max_step_shapes, self.max_step_shapes >= 1, ">= 1")
         _check(
             "layer_loop",
             self.layer_loop,

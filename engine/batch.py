@@ -1,12 +1,12 @@
 """The one host->device boundary of a step: the scheduler's plan -> fixed-shape arrays.
 
 A step's flat token batch has two groups, each padded to a bucket so that a handful of
-shapes are ever compiled:
+shapes are ever compiled (the set is fixed at start-up: engine/shapes.py):
 
     rows [0, Sd)        decode group: one token per sequence (query_len 1), Sd = bucket
     rows [Sd, Sd + Tp)  prefill group: chunks of up to Sp sequences, ragged, Tp = bucket
 
-    token_ids, positions, slot_mapping    [Sd + Tp]
+    token_ids, positions, slot_mapping, token_slots    [Sd + Tp]
     decode:  kv_lens_d [Sd], page_table_d [Sd, P]
     prefill: kv_lens_p [Sp], page_table_p [Sp, P], query_start_p [Sp + 1], num_seqs_p [1]
     logits_indices [Sd + Sp]   the row of each sequence's last new token (sampler rows:
@@ -16,17 +16,30 @@ Splitting the groups lets the decode rows use the decode attention (cost ~ conte
 the prefill rows the ragged attention padded to `max_query_len` per sequence, instead of
 padding every decode to a prefill chunk. Padding rows write their K/V to the null page
 (slot 0) and have kv_lens 0, so they read nothing.
+
+Persistent batch state (vLLM v1's InputBatch): a request holds a *slot* in [0, max_num_seqs)
+from its admission to its end or preemption. `BatchBuilder` keeps per-slot numpy rows of
+the page table and the sampling parameters and writes a row only when it changes (a new
+request, new pages); a step's arrays are then numpy gathers by slot, not per-row Python.
+
+Tokens the host does not know yet: with overlapped steps a decode's input is the token the
+previous step sampled, still on the device. Such a row has `token_slots[row] = slot` and
+the device step reads `last_tokens[slot]` (engine/step.py); rows whose token the host knows
+have `token_slots[row] = -1` and carry it in `token_ids`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from engine.sampling import SamplingTensors
+from engine.request import Request
+from engine.sampling import MAX_MIN_TOKENS_STOP_IDS, SamplingTensors, _fill_row, _greedy_rows
 
 
 def pow2_bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -39,7 +52,7 @@ def query_len_bound(num_prefill_tokens: int, prefill_chunk_size: int) -> int:
     return min(num_prefill_tokens, prefill_chunk_size) if num_prefill_tokens else 1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class BatchShape:
     """The static shape of one step (part of the jit cache key)."""
 
@@ -49,11 +62,22 @@ class BatchShape:
     pages_per_seq: int  # P
     max_query_len: int  # static bound on a prefill sequence's chunk
 
+    def fits(self, other: BatchShape) -> bool:
+        """Whether a batch needing `other` can be padded to this shape."""
+        return (
+            self.num_decode >= other.num_decode
+            and self.num_prefill_tokens >= other.num_prefill_tokens
+            and self.num_prefill_seqs >= other.num_prefill_seqs
+            and self.pages_per_seq >= other.pages_per_seq
+            and self.max_query_len >= other.max_query_len
+        )
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
         "token_ids",
+        "token_slots",
         "positions",
         "slot_mapping",
         "kv_lens_d",
@@ -72,6 +96,7 @@ class BatchShape:
 @dataclasses.dataclass
 class StepBatch:
     token_ids: np.ndarray  # [Sd + Tp] int32
+    token_slots: np.ndarray  # [Sd + Tp] int32: -1, or the slot whose last sampled token it is
     positions: np.ndarray  # [Sd + Tp] int32
     slot_mapping: np.ndarray  # [Sd + Tp] int32
     kv_lens_d: np.ndarray  # [Sd] int32
@@ -81,120 +106,305 @@ class StepBatch:
     query_start_p: np.ndarray  # [Sp + 1] int32
     num_seqs_p: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [Sd + Sp] int32
-    sample_mask: np.ndarray  # [Sd + Sp] bool: the row's sequence samples a token this step
-    slot_ids: np.ndarray  # [Sd + Sp] int32: persistent slot (penalty state row)
+    sample_mask: np.ndarray  # [Sd + Sp] bool (int32 0/1 on the host): samples this step
+    slot_ids: np.ndarray  # [Sd + Sp] int32: persistent slot (penalty state, last token)
     sampling: SamplingTensors  # rows [Sd + Sp]
+
+    @classmethod
+    def zeros(cls, shape: BatchShape) -> StepBatch:
+        """An all-padding batch of `shape` (no sequence; every token writes the null page).
+        Its arrays are views into the two flat buffers of `pack()`, so filling them fills
+        the buffers and a step sends two arrays to the device, not 25."""
+        ints_layout, floats_layout = _layout(shape)
+        ints = np.zeros(_layout_size(ints_layout), np.int32)
+        floats = np.zeros(_layout_size(floats_layout), np.float32)
+        v = {**_views(ints, ints_layout, np), **_views(floats, floats_layout, np)}
+        v["key_data"] = v["key_data"].view(np.uint32)
+        v["token_slots"][:] = -1
+        v["stop_ids"][:] = -1
+        v["top_p"][:] = 1.0
+        v["repetition_penalty"][:] = 1.0
+        return cls._from_views(v)
+
+    @classmethod
+    def _from_views(cls, v: dict) -> StepBatch:
+        sampling = SamplingTensors(**{f: v[f] for f in _SAMPLING_FIELDS})
+        return cls(**{f: v[f] for f in _BATCH_FIELDS}, sampling=sampling)
+
+    def pack(self) -> PackedBatch:
+        """The batch as (int32, float32) flat buffers: the ones it views when it was made by
+        `zeros`, else a copy."""
+        base = self.token_ids.base
+        if base is not None and all(
+            getattr(self, f).base is base for f in ("positions", "slot_ids")
+        ):
+            return PackedBatch(base, self.sampling.temperature.base)
+        ints = [np.asarray(getattr(self, f)).astype(np.int32).ravel() for f in _INT_FIELDS]
+        ints += [
+            np.asarray(getattr(self.sampling, f)).view(np.int32).ravel()
+            if f == "key_data"
+            else np.asarray(getattr(self.sampling, f), np.int32).ravel()
+            for f in _INT_SAMPLING_FIELDS
+        ]
+        floats = [np.asarray(getattr(self.sampling, f), np.float32) for f in _FLOAT_FIELDS]
+        return PackedBatch(np.concatenate(ints), np.concatenate(floats))
+
+
+_INT_FIELDS = (
+    "token_ids",
+    "token_slots",
+    "positions",
+    "slot_mapping",
+    "kv_lens_d",
+    "page_table_d",
+    "kv_lens_p",
+    "page_table_p",
+    "query_start_p",
+    "num_seqs_p",
+    "logits_indices",
+    "sample_mask",
+    "slot_ids",
+)
+_INT_SAMPLING_FIELDS = ("top_k", "key_data", "step", "min_tokens", "stop_ids")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_BATCH_FIELDS = _INT_FIELDS
+_SAMPLING_FIELDS = _INT_SAMPLING_FIELDS + _FLOAT_FIELDS
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(shape: BatchShape) -> tuple[list, list]:
+    """(name, shape) of each field in the int32 and the float32 buffer, in order."""
+    Sd, Sp, P = shape.num_decode, shape.num_prefill_seqs, shape.pages_per_seq
+    T, R = Sd + shape.num_prefill_tokens, Sd + Sp
+    ints = [
+        ("token_ids", (T,)),
+        ("token_slots", (T,)),
+        ("positions", (T,)),
+        ("slot_mapping", (T,)),
+        ("kv_lens_d", (Sd,)),
+        ("page_table_d", (Sd, P)),
+        ("kv_lens_p", (Sp,)),
+        ("page_table_p", (Sp, P)),
+        ("query_start_p", (Sp + 1,)),
+        ("num_seqs_p", (1,)),
+        ("logits_indices", (R,)),
+        ("sample_mask", (R,)),
+        ("slot_ids", (R,)),
+        ("top_k", (R,)),
+        ("key_data", (R, 2)),
+        ("step", (R,)),
+        ("min_tokens", (R,)),
+        ("stop_ids", (R, MAX_MIN_TOKENS_STOP_IDS)),
+    ]
+    return ints, [(f, (R,)) for f in _FLOAT_FIELDS]
+
+
+def _layout_size(layout) -> int:
+    return sum(math.prod(s) for _, s in layout)
+
+
+def _views(buf, layout, xp) -> dict:
+    """Field name -> buf[offset : offset + size].reshape(shape) (numpy views, or jnp slices)."""
+    out, offset = {}, 0
+    for name, s in layout:
+        size = math.prod(s)
+        out[name] = buf[offset : offset + size].reshape(s)
+        offset += size
+    return out
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"], meta_fields=[])
+@dataclasses.dataclass
+class PackedBatch:
+    """A StepBatch as two flat buffers (one host->device copy each); see `StepBatch.pack`."""
+
+    ints: np.ndarray  # [N] int32 (uint32 key data and the bool mask stored as int32)
+    floats: np.ndarray  # [6 * (Sd + Sp)] float32
+
+    def unpack(self, shape: BatchShape) -> StepBatch:
+        """Inside the jitted step: the StepBatch of `shape` (static slices)."""
+        import jax.numpy as jnp
+
+        ints_layout, floats_layout = _layout(shape)
+        v = {**_views(self.ints, ints_layout, jnp), **_views(self.floats, floats_layout, jnp)}
+        v["key_data"] = jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32)
+        v["sample_mask"] = v["sample_mask"] != 0
+        return StepBatch._from_views(v)
 
 
 @dataclasses.dataclass
-class BatchRow:
-    """Host bookkeeping for one sequence in the batch."""
+class BuiltStep:
+    """A built step: the device batch, its shape, and where each scheduled request's token
+    comes back (`sampler_rows[i]` for `plan.scheduled[i]`)."""
 
-    request_id: str
-    sampler_row: int
-    samples: bool
-
-
-def _page_row(page_ids: list[int], num_tokens: int, page_size: int, width: int) -> np.ndarray:
-    row = np.zeros(width, np.int32)
-    n = -(-num_tokens // page_size)
-    row[:n] = page_ids[:n]
-    return row
+    batch: StepBatch
+    shape: BatchShape
+    sampler_rows: np.ndarray  # [len(scheduled)] int32, row of the packed result
+    slots: np.ndarray  # [len(scheduled)] int32, the request's slot when built
+    full_sampler: bool  # some row samples or wants logprobs (else the greedy variant)
+    penalties: bool  # some row uses repetition/presence/frequency penalties
+    logprobs: bool  # some row wants logprobs
 
 
-def build_batch(
-    scheduled,
-    page_size: int,
-    *,
-    max_prefill_tokens: int,
-    prefill_chunk_size: int,
-    max_pages_per_seq: int,
-    slot_of: dict[str, int],
-    seed_of: dict[str, int],
-    eos_token_ids: tuple[int, ...],
-) -> tuple[StepBatch, BatchShape, list[BatchRow]]:
-    """`scheduled`: the scheduler's ScheduledRequest list. Returns numpy arrays."""
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    prefills = [s for s in scheduled if s.num_new_tokens > 1]
-    n_prefill_tokens = sum(s.num_new_tokens for s in prefills)
-    max_pages = max(-(-(s.start + s.num_new_tokens) // page_size) for s in scheduled)
-    shape = BatchShape(
-        num_decode=pow2_bucket(len(decodes)),
-        num_prefill_tokens=pow2_bucket(n_prefill_tokens, 16, max_prefill_tokens),
-        num_prefill_seqs=pow2_bucket(len(prefills)),
-        pages_per_seq=pow2_bucket(max_pages, 4, max_pages_per_seq),
-        max_query_len=0,
-    )
-    # NOTE: max_query_len is tied to the prefill token bucket (not to the longest chunk) so
-    # it adds no dimension to the set of compiled shapes.
-    shape = dataclasses.replace(
-        shape, max_query_len=query_len_bound(shape.num_prefill_tokens, prefill_chunk_size)
-    )
-    Sd, Tp, Sp, P = (
-        shape.num_decode,
-        shape.num_prefill_tokens,
-        shape.num_prefill_seqs,
-        shape.pages_per_seq,
-    )
-    T, R = Sd + Tp, Sd + Sp
-    token_ids, positions, slots = (np.zeros(T, np.int32) for _ in range(3))
-    kv_lens_d, kv_lens_p = np.zeros(Sd, np.int32), np.zeros(Sp, np.int32)
-    page_table_d, page_table_p = np.zeros((Sd, P), np.int32), np.zeros((Sp, P), np.int32)
-    query_start_p = np.zeros(Sp + 1, np.int32)
-    logits_indices, slot_ids = np.zeros(R, np.int32), np.zeros(R, np.int32)
-    sample_mask = np.zeros(R, bool)
-    rows: list[BatchRow] = []
-    params, out_lens, seeds = [None] * R, [0] * R, [None] * R
+class BatchBuilder:
+    """Per-slot state that outlives a step, and the step's arrays gathered from it.
 
-    def fill_tokens(s, first_row: int) -> None:
-        req, n = s.request, s.num_new_tokens
-        pos = np.arange(s.start, s.start + n, dtype=np.int32)
-        token_ids[first_row : first_row + n] = req.all_token_ids[s.start : s.start + n]
-        positions[first_row : first_row + n] = pos
-        pages = np.asarray(req.page_ids, np.int32)
-        slots[first_row : first_row + n] = pages[pos // page_size] * page_size + pos % page_size
+    `fit_shape(needed) -> BatchShape` picks the compiled shape a batch is padded to
+    (engine/shapes.py), so this module decides no bucket itself."""
 
-    def fill_row(s, r: int, token_row: int) -> None:
-        req = s.request
-        logits_indices[r] = token_row
-        sample_mask[r] = s.samples
-        slot_ids[r] = slot_of[req.request_id]
-        params[r], out_lens[r], seeds[r] = (
-            req.sampling,
-            req.num_output_tokens,
-            seed_of[req.request_id],
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        page_size: int,
+        prefill_chunk_size: int,
+        eos_token_ids: Sequence[int],
+        fit_shape: Callable[[BatchShape], BatchShape],
+    ):
+        S = max_num_seqs
+        self.page_size = page_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.fit_shape = fit_shape
+        self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
+        self.num_pages = np.zeros(S, np.int32)  # [S] filled entries of each row
+        self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
+        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py)
+        self.needs_full = np.zeros(S, bool)
+        self.needs_penalties = np.zeros(S, bool)
+        self.needs_logprobs = np.zeros(S, bool)
+        self.slot_of: dict[str, int] = {}
+        self._free_slots = list(range(S - 1, -1, -1))
+
+    # ---- slots ------------------------------------------------------------------------------
+    def assign(self, req: Request, seed: int) -> tuple[int, bool]:
+        """The request's slot, writing its sampling row when new; (slot, is_new)."""
+        slot = self.slot_of.get(req.request_id)
+        if slot is not None:
+            return slot, False
+        slot = self._free_slots.pop()
+        self.slot_of[req.request_id] = slot
+        self.num_pages[slot] = 0
+        p = req.sampling
+        _fill_row(self.sampling, slot, p, 0, seed, self.eos_token_ids)
+        self.needs_logprobs[slot] = p.logprobs is not None
+        self.needs_full[slot] = not p.greedy or p.logprobs is not None
+        self.needs_penalties[slot] = (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         )
-        rows.append(BatchRow(req.request_id, r, s.samples))
+        return slot, True
 
-    for i, s in enumerate(decodes):
-        fill_tokens(s, i)
-        kv_lens_d[i] = s.start + 1
-        page_table_d[i] = _page_row(s.request.page_ids, s.start + 1, page_size, P)
-        fill_row(s, i, i)
-    row = Sd
-    for j, s in enumerate(prefills):
-        fill_tokens(s, row)
-        end = s.start + s.num_new_tokens
-        kv_lens_p[j] = end
-        page_table_p[j] = _page_row(s.request.page_ids, end, page_size, P)
-        query_start_p[j + 1] = query_start_p[j] + s.num_new_tokens
-        row += s.num_new_tokens
-        fill_row(s, Sd + j, row - 1)
-    query_start_p[len(prefills) + 1 :] = query_start_p[len(prefills)]
-    sampling = SamplingTensors.from_params(params, out_lens, seeds, R, eos_token_ids)
-    batch = StepBatch(
-        token_ids,
-        positions,
-        slots,
-        kv_lens_d,
-        page_table_d,
-        kv_lens_p,
-        page_table_p,
-        query_start_p,
-        np.array([len(prefills)], np.int32),
-        logits_indices,
-        sample_mask,
-        slot_ids,
-        sampling,
-    )
-    return batch, shape, rows
+    def release(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _sync_pages(self, slot: int, page_ids: list[int]) -> None:
+        n = int(self.num_pages[slot])
+        if len(page_ids) > n:  # a request's page table only grows while it holds a slot
+            self.page_table[slot, n : len(page_ids)] = page_ids[n:]
+            self.num_pages[slot] = len(page_ids)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def build(self, scheduled) -> BuiltStep:
+        """`scheduled`: the plan's ScheduledRequest list (each request holds a slot)."""
+        ps = self.page_size
+        n = len(scheduled)
+        slots = np.empty(n, np.int32)
+        starts = np.empty(n, np.int32)
+        out_index = np.empty(n, np.int32)
+        samples = np.empty(n, bool)
+        num_new = np.empty(n, np.int32)
+        tokens = np.empty(n, np.int32)  # decode rows: the input token, -1 = on device
+        for i, s in enumerate(scheduled):
+            req = s.request
+            slot = self.slot_of[req.request_id]
+            self._sync_pages(slot, req.page_ids)
+            slots[i], starts[i], out_index[i], samples[i] = slot, s.start, s.output_index, s.samples
+            num_new[i] = s.num_new_tokens
+            if s.num_new_tokens == 1:
+                known = req.all_token_ids
+                tokens[i] = known[s.start] if s.start < len(known) else -1
+        is_decode = num_new == 1
+        d = np.flatnonzero(is_decode)
+        p = np.flatnonzero(~is_decode)
+        chunks = [scheduled[i] for i in p]
+        num_prefill_tokens = sum(s.num_new_tokens for s in chunks)
+        ends = starts + num_new
+        needed = BatchShape(
+            num_decode=len(d),
+            num_prefill_tokens=num_prefill_tokens,
+            num_prefill_seqs=len(p),
+            pages_per_seq=int(-(-ends.max() // ps)),
+            max_query_len=max((s.num_new_tokens for s in chunks), default=0),
+        )
+        shape = self.fit_shape(needed)
+        batch = StepBatch.zeros(shape)
+        self._fill_decode(batch, slots[d], starts[d], tokens[d])
+        self._fill_prefill(batch, shape, chunks, slots[p], starts[p])
+        Sd = shape.num_decode
+        sampler_rows = np.empty(n, np.int32)
+        sampler_rows[d] = np.arange(len(d))
+        sampler_rows[p] = Sd + np.arange(len(p))
+        self._fill_sampling(batch, sampler_rows, slots, out_index, samples)
+        return BuiltStep(
+            batch,
+            shape,
+            sampler_rows,
+            slots,
+            full_sampler=bool(self.needs_full[slots].any()),
+            penalties=bool(self.needs_penalties[slots].any()),
+            logprobs=bool(self.needs_logprobs[slots].any()),
+        )
+
+    def _fill_decode(self, b: StepBatch, slots, starts, tokens) -> None:
+        nd, ps, P = len(slots), self.page_size, b.page_table_d.shape[1]
+        if not nd:
+            return
+        pending = tokens < 0
+        b.token_ids[:nd] = np.where(pending, 0, tokens)
+        b.token_slots[:nd] = np.where(pending, slots, -1)
+        b.positions[:nd] = starts
+        b.slot_mapping[:nd] = self.page_table[slots, starts // ps] * ps + starts % ps
+        b.kv_lens_d[:nd] = starts + 1
+        b.page_table_d[:nd] = self.page_table[slots, :P]
+        b.logits_indices[:nd] = np.arange(nd)
+
+    def _fill_prefill(self, b: StepBatch, shape: BatchShape, chunks, slots, starts) -> None:
+        if not chunks:
+            return
+        ps, P, Sd = self.page_size, shape.pages_per_seq, shape.num_decode
+        lens = np.array([s.num_new_tokens for s in chunks], np.int32)
+        qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # [n + 1]
+        T = int(qs[-1])
+        rows = Sd + np.arange(T)
+        seq = np.repeat(np.arange(len(chunks)), lens)  # [T] chunk of each token
+        pos = starts[seq] + (np.arange(T) - qs[seq])  # [T]
+        b.token_ids[rows] = np.concatenate(
+            [s.request.all_token_ids[s.start : s.start + s.num_new_tokens] for s in chunks]
+        )
+        b.positions[rows] = pos
+        b.slot_mapping[rows] = self.page_table[slots[seq], pos // ps] * ps + pos % ps
+        n = len(chunks)
+        b.kv_lens_p[:n] = starts + lens
+        b.page_table_p[:n] = self.page_table[slots, :P]
+        b.query_start_p[: n + 1] = qs
+        b.query_start_p[n + 1 :] = T
+        b.num_seqs_p[0] = n
+        b.logits_indices[Sd : Sd + n] = Sd + qs[1:] - 1
+
+    def _fill_sampling(self, b: StepBatch, rows, slots, out_index, samples) -> None:
+        b.sample_mask[rows] = samples
+        b.slot_ids[rows] = slots
+        t = b.sampling
+        for name, per_slot in self.sampling.items():
+            getattr(t, name)[rows] = per_slot[slots]
+        t.step[rows] = out_index

@@ -1,14 +1,38 @@
 """EngineCore: the loop that turns many concurrent requests into fixed-shape device steps.
 
-One step, all on the caller's (single) thread:
+One step, synchronous (`EngineConfig(async_scheduling=False)`), all on the caller's thread:
 
-    plan = scheduler.schedule(now)               host: who computes how many tokens
-    batch, shape, rows = build_batch(plan)       host: numpy arrays, padded to buckets
-    kv, counts, packed = engine_step(...)        device: one jitted call, cache donated
-    packed = device_get(packed)                  the one device->host transfer
-    scheduler.update_after_step(plan, tokens)    host: advance, append sampled tokens
+    plan = scheduler.schedule(now)             host: who computes how many tokens (committed)
+    built = builder.build(plan.scheduled)      host: numpy gathers from per-slot state
+    kv, ..., packed = engine_step(...)         device: one jitted call, state donated
+    packed = device_get(packed)                the one device->host transfer (wait)
+    scheduler.update_after_step(plan, tokens)  host: append sampled tokens, cache pages
     stop checks (EOS, stop ids/strings, max_tokens) -> finish_request -> RequestOutput deltas
 
+Overlapped (the default): JAX dispatch is asynchronous, so `step()` launches step N+1 (schedule,
+build, dispatch) BEFORE it waits for step N and processes N's tokens. The device runs N+1
+while the host processes N and then schedules and builds N+2:
+
+    host:   [sched+build N+1][dispatch]  [wait N][update+stop N] | [sched+build N+2][dispatch] ...
+    device:          ... step N ........][........ step N+1 ...........][ step N+2 ...
+
+Step N+1 does not need N's tokens on the host: the scheduler counts N's sampled tokens as
+*pending* (engine/request.py), a decode whose input is pending reads it on the device from
+`last_tokens[slot]` (engine/step.py), and the host learns the token one step later for
+streaming, stop checks and the prefix cache. A request that stops at step N (EOS, stop
+string) was already scheduled in N+1: that one token is computed, discarded and never
+emitted; its pages and slot are released while processing N (the device runs N+1 before any
+later step, so reusing them is safe). A request known to reach max_tokens at N is not
+scheduled in N+1. Nothing falls back to the synchronous path: penalties (token counts
+live on the device), seeds (keyed by output position), logprobs and stop strings (host
+side, one step later), cancellation and deadlines (next schedule), preemption (the pending
+token is appended to the waiting request) and the prefix cache (pages registered once their
+tokens are known) all work overlapped; outputs are identical either way
+(tests/test_engine_overlap.py). `step()` returns the outputs of the step it waited for, so
+the caller sees each token one call later; `has_unfinished()` stays true while a step is
+in flight.
+
+Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
 The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
 engine/outputs.py's OutputProcessor, shared with serving's MockEngine. The serving layer
 drives the engine from its engine thread through engine/interface.py's `Engine` Protocol.
@@ -16,6 +40,7 @@ drives the engine from its engine thread through engine/interface.py's `Engine` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -27,21 +52,23 @@ import numpy as np
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
-from engine.batch import BatchShape, build_batch, pow2_bucket
+from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
 from engine.kv_cache import PagedKVCache
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
 from engine.request import Request
 from engine.sampling import (
+    FULL_FLAGS,
+    GREEDY_FLAGS,
     SampleResult,
     SamplingFlags,
     init_counts,
     reset_slot_counts,
     resolve_seed,
-    sampler_flags,
     uses_penalties,
 )
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.shapes import ShapeSet
 from engine.step import NONFINITE_TOKEN, engine_step
 from models.llama import cast_params, layer_layout
 from models.registry import engine_model
@@ -50,6 +77,36 @@ log = logging.getLogger(__name__)
 NONFINITE_ERROR = "model produced non-finite logits"
 
 _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
+
+
+@dataclasses.dataclass
+class StepTimings:
+    """Host seconds spent in each phase of `EngineCore.step`, summed over steps."""
+
+    schedule_s: float = 0.0  # scheduler.schedule + slot bookkeeping
+    build_s: float = 0.0  # BatchBuilder.build
+    dispatch_s: float = 0.0  # the jitted call (returns once the step is enqueued)
+    wait_s: float = 0.0  # device_get of the packed result: blocked on the device
+    update_s: float = 0.0  # unpack + scheduler.update_after_step
+    outputs_s: float = 0.0  # detokenize + stop checks + RequestOutput deltas
+    num_steps: int = 0
+
+    def as_dict_ms(self) -> dict:
+        n = max(self.num_steps, 1)
+        return {
+            f"{f.name[:-2]}_ms": 1e3 * getattr(self, f.name) / n
+            for f in dataclasses.fields(self)
+            if f.name.endswith("_s")
+        }
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step whose results the host has not read yet."""
+
+    plan: SchedulerOutput
+    built: BuiltStep
+    packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
 
 
 class EngineCore:
@@ -65,9 +122,19 @@ class EngineCore:
         self.tokenizer = model.tokenizer
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
-        self.sched_config = config.scheduler_config(self.cfg)
-        self.pool = PagePool.from_config(self.sched_config, model_keys_of(self.identity))
-        self.scheduler = Scheduler(self.sched_config, self.pool)
+        self.sched_config = sc = config.scheduler_config(self.cfg)
+        self.pool = PagePool.from_config(sc, model_keys_of(self.identity))
+        self.scheduler = Scheduler(sc, self.pool)
+        self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
+        self.builder = BatchBuilder(
+            max_num_seqs=sc.max_num_seqs,
+            # the widest page table of a step shape (at least 4, even for tiny max_model_len)
+            max_pages_per_seq=max(s.pages_per_seq for s in self.shapes.shapes),
+            page_size=sc.page_size,
+            prefill_chunk_size=sc.prefill_chunk_size,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            fit_shape=self.shapes.fit,
+        )
         self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
             self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
@@ -77,19 +144,16 @@ class EngineCore:
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.params = layer_layout(self.params, config.layer_loop)
         self.kv = PagedKVCache.zeros(
-            self.cfg,
-            self.sched_config.num_pages,
-            self.sched_config.page_size,
-            config.kv_dtype,
-            sharding=kv_sharding,
+            self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=kv_sharding
         )
-        zeros = jnp.zeros((1, 1), jnp.int32)
-        # With a mesh: replicated, as the step returns it (the KV spec would not fit (1, 1)).
-        self._counts = self._prompt_mask = (
-            jax.device_put(zeros, kv_sharding)
+        # With a mesh: replicated, as the step returns them (the KV spec would not fit).
+        self._place = (
+            (lambda x: jax.device_put(x, kv_sharding))
             if self.mesh is None
-            else sharding.replicate(zeros, self.mesh)
+            else (lambda x: sharding.replicate(x, self.mesh))
         )
+        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
+        self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
         self._penalties_ready = False
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -99,13 +163,15 @@ class EngineCore:
             on_finished=self._forget,
         )
         self._seeds: dict[str, int] = {}
-        self._slot_of: dict[str, int] = {}
-        self._free_slots = list(range(self.sched_config.max_num_seqs - 1, -1, -1))
+        self._in_flight: _Launched | None = None
         self._rng = random.Random()
+        self.timings = StepTimings()
         self.num_steps = 0
         self.num_tokens_processed = 0
         self.num_failed_steps = 0
         self.warmup_s: float | None = None
+        self._compiles_at_warmup: int | None = None
+        self._logged_compiles = 0
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
@@ -140,78 +206,137 @@ class EngineCore:
         self.pool.clear_cache()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule(time.monotonic())
-        outputs = self.outputs.finished(plan)
-        for rid in plan.preempted_request_ids:
-            self._release_slot(rid)
-        if plan.is_empty:
+        """Launch the next step, then process the previous one (overlapped) or this one
+        (synchronous); returns the outputs of the step it processed."""
+        outputs: list[RequestOutput] = []
+        launched = self._launch(outputs)
+        if not self.config.async_scheduling:
+            if launched is not None:
+                self._finish_step(launched, outputs)
             return outputs
-        for s in plan.scheduled:
-            self._ensure_slot(s.request)
-        batch, shape, rows = build_batch(
-            plan.scheduled,
-            self.sched_config.page_size,
-            max_prefill_tokens=self.sched_config.max_num_batched_tokens,
-            prefill_chunk_size=self.sched_config.prefill_chunk_size,
-            max_pages_per_seq=self.sched_config.max_pages_per_seq,
-            slot_of=self._slot_of,
-            seed_of=self._seeds,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-        )
-        params_list = [s.request.sampling for s in plan.scheduled]
-        try:
-            packed = self._run_device(batch, shape, params_list)
-        except Exception as e:  # a failed step fails only the requests in it
-            log.exception("engine step failed")
-            self.num_failed_steps += 1
-            return outputs + self.outputs.fail(plan, e, time.monotonic())
-        result = SampleResult.unpack(packed)
-        now = time.monotonic()
-        outputs += self._fail_nonfinite(rows, result, now)
-        sampled = {
-            row.request_id: int(result.tokens[row.sampler_row])
-            for row in rows
-            if row.samples and result.tokens[row.sampler_row] != NONFINITE_TOKEN
-        }
-        self.num_steps += 1
-        self.num_tokens_processed += plan.total_num_scheduled_tokens
-        logprobs = self._logprobs(plan, result, rows)
-        return outputs + self.outputs.commit(plan, sampled, now, logprobs)
-
-    def _fail_nonfinite(self, rows, result, now: float) -> list[RequestOutput]:
-        """Requests whose logits held NaN/inf this step (flagged on device) end "failed"."""
-        outputs = []
-        for row in rows:
-            if result.tokens[row.sampler_row] != NONFINITE_TOKEN:
-                continue
-            req = self.scheduler.get_request(row.request_id)
-            out = None if req is None else self.outputs.end(req, "failed", now, NONFINITE_ERROR)
-            if out is not None:
-                log.error("request %s: non-finite logits; failed", row.request_id)
-                outputs.append(out)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._finish_step(previous, outputs)
         return outputs
 
-    # ---- device ---------------------------------------------------------------------------
-    def _run_device(self, batch, shape: BatchShape, params_list) -> np.ndarray:
-        before = compiles.count()
-        packed = self.run_step(
-            batch, shape, sampler_flags(params_list), uses_penalties(params_list)
-        )
-        if self.warmup_s is not None and compiles.count() > before:
-            log.warning("step compiled a shape after warm-up: %s", shape)
-        return np.asarray(jax.device_get(packed))
+    # ---- one step, in order --------------------------------------------------------------
+    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
+        """Schedule, build and dispatch a step (returns None when nothing is scheduled)."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(time.monotonic())
+        outputs += self.outputs.finished(plan)
+        for rid in plan.preempted_request_ids:
+            self.builder.release(rid)
+        if plan.is_empty:
+            self.timings.schedule_s += time.perf_counter() - t0
+            return None
+        for s in plan.scheduled:
+            self._take_slot(s.request)
+        t1 = time.perf_counter()
+        built = self.builder.build(plan.scheduled)
+        t2 = time.perf_counter()
+        # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
+        # penalties) are what warm-up builds. Flags never change a row's token.
+        flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
+        try:
+            packed = self.run_step(built.batch, built.shape, flags, built.penalties)
+        except Exception as e:  # a failed step fails only the requests in it
+            self._fail(plan, e, outputs)
+            return None
+        finally:
+            t3 = time.perf_counter()
+            self.timings.schedule_s += t1 - t0
+            self.timings.build_s += t2 - t1
+            self.timings.dispatch_s += t3 - t2
+        return _Launched(plan, built, packed)
 
-    def run_step(self, batch, shape: BatchShape, flags: SamplingFlags, use_penalties: bool):
-        """One device step (also used by warm-up); returns the packed results on device."""
-        self.kv, self._counts, packed = engine_step(
+    def _finish_step(self, step: _Launched, outputs: list[RequestOutput]) -> None:
+        """Wait for a launched step, then fill in its tokens and emit the deltas."""
+        t0 = time.perf_counter()
+        try:
+            packed = np.asarray(jax.device_get(step.packed))
+        except Exception as e:
+            self._fail(step.plan, e, outputs)
+            return
+        t1 = time.perf_counter()
+        result = SampleResult.unpack(packed)
+        tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
+        now = time.monotonic()
+        self._fail_nonfinite(step.plan, tokens, now, outputs)
+        sampled = {
+            s.request.request_id: int(t)
+            for s, t in zip(step.plan.scheduled, tokens)
+            if s.samples and not s.request.is_finished
+        }
+        self.num_steps += 1
+        self.num_tokens_processed += step.plan.total_num_scheduled_tokens
+        received = self.scheduler.update_after_step(step.plan, sampled, now)
+        t2 = time.perf_counter()
+        logprobs = self._logprobs(step.plan, result, step.built.sampler_rows)
+        outputs += self.outputs.emit(received, now, logprobs)
+        self.timings.wait_s += t1 - t0
+        self.timings.update_s += t2 - t1
+        self.timings.outputs_s += time.perf_counter() - t2
+        self.timings.num_steps += 1
+        self._check_compiles(step.built.shape)
+
+    def _fail_nonfinite(self, plan: SchedulerOutput, tokens, now: float, outputs) -> None:
+        """Requests whose logits held NaN/inf (flagged on device: NONFINITE_TOKEN) end
+        "failed" instead of receiving a token."""
+        for s, token in zip(plan.scheduled, tokens):
+            if token != NONFINITE_TOKEN or s.request.is_finished:
+                continue
+            out = self.outputs.end(s.request, "failed", now, NONFINITE_ERROR)
+            if out is not None:
+                log.error("request %s: non-finite logits; failed", s.request.request_id)
+                outputs.append(out)
+
+    def _fail(self, plan: SchedulerOutput, e: Exception, outputs: list[RequestOutput]) -> None:
+        log.exception("engine step failed", exc_info=e)
+        self.num_failed_steps += 1
+        outputs += self.outputs.fail(plan, e, time.monotonic())
+
+    def _check_compiles(self, shape: BatchShape) -> None:
+        if self._compiles_at_warmup is None:
+            return
+        after = compiles.count() - self._compiles_at_warmup
+        if after > self._logged_compiles:
+            self._logged_compiles = after
+            log.warning("a program compiled after warm-up (step shape %s)", shape)
+
+    # ---- device ---------------------------------------------------------------------------
+    def run_step(self, batch: StepBatch, shape: BatchShape, flags: SamplingFlags, use_penalties):
+        """Dispatch one device step (also used by warm-up); returns the packed results on
+        device without waiting for them."""
+        self.kv, self._counts, self._last_tokens, packed = engine_step(
             self.params,
             self.kv,
             self._counts,
             self._prompt_mask,
-            batch,
+            self._last_tokens,
+            batch.pack() if isinstance(batch, StepBatch) else batch,
+            **self._static_args(shape, flags, use_penalties),
+        )
+        return packed
+
+    def compile_step(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> None:
+        """Build the step program of `shape` (compile, or load from the persistent cache)
+        without running it: `jit.lower(...).compile()` fills the cache a call then uses."""
+        engine_step.lower(
+            self.params,
+            self.kv,
+            self._counts,
+            self._prompt_mask,
+            self._last_tokens,
+            StepBatch.zeros(shape).pack(),
+            **self._static_args(shape, flags, use_penalties),
+        ).compile()
+
+    def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
+        return dict(
             cfg=self.cfg,
             shape=shape,
             flags=flags,
@@ -219,77 +344,92 @@ class EngineCore:
             impl=self.impl,
             mesh=self.mesh,
         )
-        return packed
 
-    def _ensure_slot(self, req: Request) -> None:
-        rid = req.request_id
-        if rid in self._slot_of:
-            return
-        slot = self._free_slots.pop()
-        self._slot_of[rid] = slot
-        if uses_penalties([req.sampling]):
+    def mark_warm(self, warmup_s: float) -> None:
+        """Called by engine/warmup.py: programs built from now on are counted as compiles
+        after warm-up."""
+        self.warmup_s = warmup_s
+        self._compiles_at_warmup = compiles.count()
+        self._logged_compiles = 0
+
+    def _take_slot(self, req: Request) -> None:
+        slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
+        if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
-    def _reset_penalty_row(self, slot: int, req: Request) -> None:
+    def init_penalty_state(self) -> None:
+        """Allocate the [max_num_seqs, V] token counts (on first use, or at warm-up)."""
         if not self._penalties_ready:
-            self._counts, self._prompt_mask = init_counts(
-                self.sched_config.max_num_seqs, self.cfg.vocab_size
-            )
+            counts, mask = init_counts(self.sched_config.max_num_seqs, self.cfg.vocab_size)
+            self._counts, self._prompt_mask = self._place(counts), self._place(mask)
             self._penalties_ready = True
-        prompt = np.zeros(pow2_bucket(req.num_prompt_tokens, 16), np.int32)
+
+    def _reset_penalty_row(self, slot: int, req: Request) -> None:
+        """Counts of a request taking a slot. Token lists are padded to max_model_len, so
+        one program serves every request (nothing compiles per prompt length)."""
+        self.init_penalty_state()
+        width = self.sched_config.max_model_len
+        prompt = np.zeros(width, np.int32)
         prompt[: req.num_prompt_tokens] = req.prompt_token_ids
-        outs = np.zeros(pow2_bucket(max(req.num_output_tokens, 1), 16), np.int32)
+        outs = np.zeros(width, np.int32)
         outs[: req.num_output_tokens] = req.output_token_ids
         self._counts, self._prompt_mask = _reset_counts_jit(
             self._counts,
             self._prompt_mask,
-            slot,
+            np.int32(slot),
             prompt,
-            req.num_prompt_tokens,
+            np.int32(req.num_prompt_tokens),
             outs,
-            req.num_output_tokens,
+            np.int32(req.num_output_tokens),
         )
 
-    def _release_slot(self, request_id: str) -> None:
-        slot = self._slot_of.pop(request_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-
+    # ---- outputs ----------------------------------------------------------------------------
     def _forget(self, request_id: str) -> None:
-        """A request left the engine (OutputProcessor's on_finished)."""
+        """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
         self._seeds.pop(request_id, None)
-        self._release_slot(request_id)
+        self.builder.release(request_id)
 
     @staticmethod
-    def _logprobs(plan, result: SampleResult, rows) -> dict[str, TokenLogprob]:
-        """The sampled tokens' logprobs, for the requests that asked for them."""
-        wanted = {s.request.request_id: s.request.sampling.logprobs for s in plan.scheduled}
+    def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
+        """The sampled tokens' logprobs, for the requests that asked for them. `rows[i]` is
+        the sampler row of plan.scheduled[i]."""
         out = {}
-        for row in rows:
-            n = wanted.get(row.request_id)
-            if n is None or not row.samples:
+        for s, r in zip(plan.scheduled, rows):
+            n = s.request.sampling.logprobs
+            if n is None or not s.samples:
                 continue
-            r = row.sampler_row
+            r = int(r)
             top = [
                 (int(i), float(lp))
                 for i, lp in zip(result.top_ids[r][:n], result.top_logprobs[r][:n])
             ]
-            out[row.request_id] = TokenLogprob(
+            out[s.request.request_id] = TokenLogprob(
                 int(result.tokens[r]), float(result.logprobs[r]), top
             )
         return out
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        used, sc = self.pool.num_used_pages, self.sched_config
+        pool, sc = self.pool, self.sched_config
+        used = pool.num_used_pages
+        page_bytes = self.kv.num_bytes // sc.num_pages
+        weights_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
         return {
             **self.scheduler.stats(),
             "kv_bytes_total": self.kv.num_bytes,
-            "kv_bytes_used": used * (self.kv.num_bytes // sc.num_pages),
-            "weights_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params)),
+            "kv_bytes_used": used * page_bytes,
+            "weights_bytes": weights_bytes,
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
-            "num_compiled_steps": compiles.count("jit(engine_step)"),
+            "num_step_shapes": len(self.shapes),
+            "num_compiled_steps": compiles.count("engine_step"),  # in this process
             "warmup_s": self.warmup_s,
+            "compiles_after_warmup": (
+                None
+                if self._compiles_at_warmup is None
+                else compiles.count() - self._compiles_at_warmup
+            ),
+            **compiles.stats(),
+            **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
         }

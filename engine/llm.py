@@ -74,11 +74,21 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         warmup: bool = False,
         impl: str = "auto",
+        compilation_cache_dir: str | None = None,
         **engine_options,
     ):
+        """`warmup=False` (the default) compiles each step program on first use, so a first
+        `generate` compiles only the few shapes it reaches (seconds) instead of the engine's
+        whole shape set (minutes for a real model on CPU): what a notebook wants. Every
+        program compiled is kept in JAX's persistent compilation cache
+        (`compilation_cache_dir`, default engine/compilation_cache.py; "" turns it off), so
+        the next `LLM(...)` on this machine loads it instead. `warmup=True` builds every
+        program up front (a server's choice: no compile while serving)."""
+        from engine.compilation_cache import enable as enable_compilation_cache
         from models.registry import load_model
         from models.source import check_model_source
 
+        enable_compilation_cache(compilation_cache_dir)  # before anything compiles
         t0 = time.perf_counter()
         mesh = mesh_from(mesh, tensor_parallel_size)
         check_engine_options(engine_options)

@@ -240,11 +240,12 @@ class PagePool:
         self.stats.hit_tokens += num_hit_tokens
 
     def cache_full_pages(self, request: Request) -> None:
-        """Register the request's pages that are full of computed tokens (call after each
-        step). A page whose key is already cached elsewhere stays uncached."""
+        """Register the request's pages that are full of computed tokens whose values the host
+        knows (call after each step; with overlapped steps the computed count may run ahead
+        of the known tokens). A page whose key is already cached elsewhere stays uncached."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.page_size
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.page_size
         if request.num_registered_pages >= num_full:
             return
         if request.page_keys_generation not in (-1, self.generation):

@@ -18,10 +18,10 @@ class DataParallelEngine:
     scheduler, page pool). A request goes to the replica with the fewest unfinished requests
     and stays there; `step()` steps every busy replica.
 
-    NOTE: replicas step one after another on the caller's thread, each ending with its own
-    device->host copy, so on real chips their device work does not overlap yet (splitting
-    EngineCore.step into dispatch and collect would let it). Each replica has its own page
-    pool, so prefix-cache hits happen only within a replica."""
+    NOTE: replicas step one after another on the caller's thread; with overlapped steps
+    (the default, engine/core.py) each replica dispatches its next step before waiting for
+    its previous one, so the replicas' device work overlaps too. Each replica has its own
+    page pool, so prefix-cache hits happen only within a replica."""
 
     def __init__(self, model, config, *, impl: str, mesh: Mesh):
         self.mesh = mesh
@@ -75,5 +75,11 @@ class DataParallelEngine:
         out["num_data_replicas"] = len(self.replicas)
         out["max_model_len"] = per[0]["max_model_len"]
         out["page_size"] = per[0]["page_size"]
-        out["num_compiled_steps"] = per[0]["num_compiled_steps"]
+        for key in (
+            "num_step_shapes",
+            "num_compiled_steps",
+            "compiles_total",
+            "compile_seconds_total",
+        ):
+            out[key] = per[0][key]  # per process (engine/compiles.py), not per replica
         return out

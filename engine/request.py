@@ -11,6 +11,14 @@ token behind again (a decode is "1 new token").
 
 Preemption by recompute sets `num_computed_tokens` back to 0 and empties `page_ids`; the
 outputs are kept and recomputed along with the prompt.
+
+Overlapped steps (engine/core.py): the scheduler advances `num_computed_tokens` when it
+schedules a step, and a sampling step adds a *pending* output: a token that exists on the
+device but whose value the host learns one step later. `num_tokens` counts it, so the next
+step already schedules the decode that consumes it (its token id is gathered on device).
+
+    prompt: p0 p1 p2 p3 p4 | outputs: o0 | pending: ?
+            [------ computed (advanced at schedule) --)[?: next step's input, on device]
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ class Request:
     page_keys: list[int] = dataclasses.field(default_factory=list, repr=False)
     page_keys_generation: int = -1
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
+    # Outputs sampled by dispatched steps whose values the host has not read yet (0 or 1).
+    num_pending_outputs: int = 0
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -93,6 +103,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + outputs, the pending ones included."""
+        return len(self._all_token_ids) + self.num_pending_outputs
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + outputs whose values the host holds (len(all_token_ids))."""
         return len(self._all_token_ids)
 
     @property
@@ -111,6 +127,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_outputs_reached(self) -> bool:
+        """Known + pending outputs reach max_tokens: nothing more to schedule."""
+        return self.num_output_tokens + self.num_pending_outputs >= self.sampling.max_tokens
 
     def append_output_token(self, token_id: int, now_s: float) -> None:
         self.output_token_ids.append(token_id)

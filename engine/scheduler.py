@@ -5,6 +5,11 @@ Each step the engine calls, from its one thread:
     out = scheduler.schedule(now_s)          # the plan: who computes how many tokens
     ... device step over out.scheduled ...   # writes K/V of the new tokens, samples
     got = scheduler.update_after_step(out, {request_id: sampled token}, now_s)
+
+`schedule` commits the plan at once: each scheduled request's `num_computed_tokens` advances
+and a sampling one gets a pending output (engine/request.py). So the next `schedule` may run
+before `update_after_step` of this plan (the engine overlaps them: it schedules step N+1
+while step N runs on the device), and `update_after_step` only fills in the tokens.
     for req in got:                          # requests that received a token this step
         if <engine's stop check: EOS, stop ids/strings, max_tokens>:
             scheduler.finish_request(req.request_id, "stop" | "length", now_s)
@@ -16,11 +21,12 @@ What `schedule(now_s)` does, in order:
      deadline ("timed_out"), freeing their pages at once (`out.finished_requests`).
   2. Running requests: decodes (1 token left to compute) first, then partially prefilled
      ones (a chunk of at most prefill_chunk_size), most important first, while the token
-     budget lasts. When the pool has no page for one of them, preempt by recompute the least
-     important unscheduled running request (lowest effective priority, then latest
-     arrival; possibly the request itself): its pages are freed, num_computed_tokens goes
-     back to 0, its outputs are kept and recomputed later, and it returns to the waiting
-     queue ahead of requests of equal effective priority.
+     budget lasts. A request whose known + pending outputs reach max_tokens is skipped (it
+     ends when the host reads its last token). When the pool has no page for one of them,
+     preempt by recompute the least important unscheduled running request (lowest
+     effective priority, then latest arrival; possibly the request itself): its pages are
+     freed, num_computed_tokens goes back to 0, its outputs are kept and recomputed later,
+     and it returns to the waiting queue ahead of requests of equal effective priority.
   3. If nobody was preempted: admit waiting requests in order of effective priority while
      the token budget, the slot limit (max_num_seqs running) and the pool allow. A
      request's cached prefix (engine.page_pool) is attached first, so only the rest is
@@ -58,6 +64,7 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens computed this step: all_token_ids[start : start + num_new]
     start: int  # = request.num_computed_tokens when scheduled (position of the first one)
     samples: bool  # start + num_new_tokens == num_tokens: a token is sampled from the last
+    output_index: int = 0  # when sampling: index of the output token this step samples
 
 
 @dataclasses.dataclass
@@ -177,18 +184,22 @@ class Scheduler:
     def update_after_step(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now_s: float
     ) -> list[Request]:
-        """Commit a finished device step: advance computed tokens, register newly full pages
-        in the prefix cache, append sampled tokens. Returns the requests that received a
-        token, for the engine's stop checks."""
+        """Fill in a finished device step (schedule() already advanced the computed tokens):
+        append the sampled tokens, register newly full pages in the prefix cache. Returns
+        the requests that received a token, for the engine's stop checks. A request
+        preempted since this plan (waiting again) still receives its token: it was sampled
+        from its whole context before the preemption."""
         received = []
         for s in output.scheduled:
             request = s.request
+            if s.samples:
+                request.num_pending_outputs -= 1
             if request.is_finished:  # ended between schedule() and now (finish_request)
                 continue
-            assert request.num_computed_tokens == s.start, request.request_id
-            request.num_computed_tokens += s.num_new_tokens
-            self.pool.cache_full_pages(request)
+            if request.status is RequestStatus.RUNNING:
+                self.pool.cache_full_pages(request)
             if s.samples:
+                assert request.num_output_tokens == s.output_index, request.request_id
                 request.append_output_token(sampled_token_ids[request.request_id], now_s)
                 received.append(request)
         return received
@@ -199,7 +210,7 @@ class Scheduler:
         # Decodes first, then the most important; victims come from the not yet scheduled.
         order = collections.deque(
             sorted(
-                self.running,
+                (r for r in self.running if not r.max_outputs_reached),
                 key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._rank(r)),
             )
         )
@@ -221,6 +232,8 @@ class Scheduler:
     def _admit_waiting(self, now_s: float, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_outputs:  # preempted with a token in flight: next step
+                break
             cached_pages, num_cached = self.pool.find_cached_prefix(request)
             num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size, budget)
             num_pages = self.pool.pages_for_tokens(num_cached + num_new) - len(cached_pages)
@@ -242,10 +255,16 @@ class Scheduler:
             budget -= num_new
 
     def _scheduled(self, request: Request, num_new: int, now_s: float) -> ScheduledRequest:
+        """Commit the request's share of the plan: its computed tokens advance now, and a
+        sampling step adds a pending output (filled in by update_after_step)."""
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now_s
         start = request.num_computed_tokens
-        return ScheduledRequest(request, num_new, start, start + num_new == request.num_tokens)
+        samples = start + num_new == request.num_tokens
+        output_index = request.num_output_tokens + request.num_pending_outputs
+        request.num_computed_tokens += num_new
+        request.num_pending_outputs += samples
+        return ScheduledRequest(request, num_new, start, samples, output_index if samples else 0)
 
     def _rank(self, request: Request) -> tuple[float, float]:
         """Sort key, most important first: effective priority, then earliest arrival."""
@@ -307,6 +326,7 @@ class Scheduler:
         if request.page_ids:
             self.pool.free(request.page_ids, now_s)
             request.page_ids = []
+        request.num_computed_tokens = 0  # its pages are gone
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_s = now_s

@@ -1,12 +1,18 @@
 """The device step: one pure function, jitted once per `BatchShape` (and sampler variant).
 
-    (params, kv_cache, penalty_state, batch) -> (kv_cache, penalty_state, packed results)
+    (params, kv_cache, penalty_state, last_tokens, batch)
+        -> (kv_cache, penalty_state, last_tokens, packed results)
 
-The KV cache and the penalty state are donated, so XLA updates them in place. The results
-come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens bit-cast), the only
-device->host transfer of a step. A row whose logits hold a NaN or inf has its token set to
-NONFINITE_TOKEN on device (the flag travels in the same array); the engine fails that
-request instead of emitting a token sampled from garbage.
+The KV cache, the penalty state and `last_tokens` are donated, so XLA updates them in place.
+The results come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens
+bit-cast), the only device->host transfer of a step. A row whose logits hold a NaN or inf
+has its token set to NONFINITE_TOKEN on device (the flag travels in the same array); the
+engine fails that request instead of emitting a token sampled from garbage.
+
+`last_tokens [max_num_seqs] int32` is the last token sampled for each slot. A row whose
+input token the host has not read yet (`batch.token_slots[row] >= 0`: overlapped steps,
+engine/core.py) takes it from there, so step N+1 can be dispatched before step N's tokens
+reach the host; each step then writes the (finite) tokens it samples back into their slots.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from engine.batch import BatchShape, StepBatch
+from engine.batch import BatchShape, PackedBatch, StepBatch
 from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingFlags, sample, update_counts
 from models.llama import Params, forward
@@ -112,14 +118,15 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
-    donate_argnames=("kv_cache", "counts"),
+    donate_argnames=("kv_cache", "counts", "last_tokens"),
 )
 def engine_step(
     params: Params,
     kv_cache: PagedKVCache,
     counts: jax.Array,
     prompt_mask: jax.Array,
-    batch: StepBatch,
+    last_tokens: jax.Array,
+    batch: StepBatch | PackedBatch,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
@@ -128,11 +135,17 @@ def engine_step(
     impl: str = "auto",
     mesh=None,
 ):
-    """Returns (kv_cache, counts, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one
-    device) or the engine's ("data", "model") mesh (params/cache placed by engine/sharding)."""
+    """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`:
+    None (one device) or the engine's ("data", "model") mesh (params/cache placed by
+    engine/sharding). `batch` may come packed (two flat buffers: one host->device copy each,
+    engine/batch.py); it is unpacked here by static slices."""
+    if isinstance(batch, PackedBatch):
+        batch = batch.unpack(shape)
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
+    from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
+    token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]
     logits, kv_cache = forward(
-        params, cfg, batch.token_ids, batch.positions, kv_cache, attention, batch.logits_indices
+        params, cfg, token_ids, batch.positions, kv_cache, attention, batch.logits_indices
     )  # [Sd + Sp, V]
     if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
         logits = jax.lax.with_sharding_constraint(logits, _replicated(mesh))
@@ -144,11 +157,18 @@ def engine_step(
     else:
         result = sample(logits, batch.sampling, flags=flags)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [Sd + Sp]
+    # Padding, non-sampling and non-finite rows scatter out of range (dropped); a request
+    # whose row is non-finite is failed by the host one step later.
+    num_slots = last_tokens.shape[0]
+    write_to = jnp.where(batch.sample_mask & finite, batch.slot_ids, num_slots)  # [Sd + Sp]
+    last_tokens = last_tokens.at[write_to].set(result.tokens, mode="drop")
     result.tokens = jnp.where(finite, result.tokens, NONFINITE_TOKEN)
     packed = result.pack()
-    if mesh is not None:  # replicated: every process can read it; one jit key for counts
-        packed, counts = jax.lax.with_sharding_constraint((packed, counts), _replicated(mesh))
-    return kv_cache, counts, packed
+    if mesh is not None:  # replicated: every process can read it; one jit key for the state
+        packed, counts, last_tokens = jax.lax.with_sharding_constraint(
+            (packed, counts, last_tokens), _replicated(mesh)
+        )
+    return kv_cache, counts, last_tokens, packed
 
 
 def _replicated(mesh):

@@ -27,6 +27,11 @@ shared.define_log_level()
 flags.DEFINE_enum("engine", "paged", ["paged", "dense"], "paged engine or dense oracle loop")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4'")
 shared.define_quantization()
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
+)
 COMMANDS = ("generate",)
 
 
@@ -92,9 +97,13 @@ def _generate_paged() -> str:
     shared.progress(f"loading {FLAGS.model} ...")
     t0 = time.perf_counter()
     llm = LLM(
-        FLAGS.model, mesh=FLAGS.mesh, quantization=FLAGS.quantization, kv_dtype=FLAGS.kv_dtype
+        FLAGS.model,
+        mesh=FLAGS.mesh,
+        quantization=FLAGS.quantization,
+        kv_dtype=FLAGS.kv_dtype,
+        compilation_cache_dir=FLAGS.compilation_cache_dir,
     )
-    ident = llm.engine.identity
+    ident = llm.model.identity
     shared.progress(
         f"[loaded {ident.name} rev {ident.revision[:19]} (quantization={ident.quantization}, "
         f"kv={ident.kv_dtype}) in {time.perf_counter() - t0:.1f}s: "

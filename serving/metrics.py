@@ -63,6 +63,8 @@ _STATS_COUNTERS = {  # engine stats key -> counter attribute
     "prefix_cache_hit_tokens": "prefix_hits",
     "num_steps": "engine_steps",
     "tokens_processed": "tokens_processed",
+    "compiles_total": "compiles",
+    "compiles_after_warmup": "compiles_after_warmup",
 }
 # engine stats keys shown as labels of pagedjax_cache_config_info
 CACHE_CONFIG_KEYS = (
@@ -151,6 +153,12 @@ class ServerMetrics:
         self.prefix_hits = counter(
             "pagedjax_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"
         )
+        # From the engine's stats (engine/compiles.py): programs built in the process, and
+        # those built after warm-up (each a stall of every running request; should stay 0).
+        self.compiles = counter("pagedjax_compiles", "XLA programs compiled or loaded")
+        self.compiles_after_warmup = counter(
+            "pagedjax_compiles_after_warmup", "XLA programs built while serving"
+        )
         self.generate_calls = counter(
             "pagedjax_generate_calls", "Generate calls that reached the server"
         )
@@ -194,7 +202,7 @@ class ServerMetrics:
         self.kv_pages_free.set(stats.get("kv_pages_free", 0))
         self.kv_usage.set(stats.get("kv_usage", 0.0))
         for key, attr in _STATS_COUNTERS.items():
-            now = float(stats.get(key, 0))
+            now = float(stats.get(key) or 0)
             delta = now - self._last_stats.get(key, 0.0)
             if delta > 0:
                 getattr(self, attr).inc(delta)

@@ -36,6 +36,7 @@ from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
+from models.identity import ModelIdentity
 
 VOCAB_SIZE = 256
 EOS_TOKEN_ID = 0
@@ -56,7 +57,10 @@ def expected_continuation(last_prompt_token: int, num_tokens: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class MockIdentity:
+class MockIdentity(ModelIdentity):
+    """The mock model's identity: a ModelIdentity (so engine code reads the same fields)
+    with hand-checkable defaults."""
+
     name: str = "mock"
     revision: str = "mock-rev-1"
     tokenizer_hash: str = "bytes-v1"

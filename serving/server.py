@@ -305,6 +305,11 @@ def define_flags() -> None:
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
+    flags.DEFINE_string(
+        "compilation_cache_dir",
+        None,
+        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
+    )
     flags.DEFINE_integer(
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
     )
@@ -465,6 +470,8 @@ def build_engine(
 
     mesh = options.pop("mesh", None)
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
+    if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
+        options.setdefault("max_step_shapes", warmup_max_shapes)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
     shared.progress(f"loading {model} ...")
     t0 = time.perf_counter()
@@ -483,24 +490,27 @@ def build_engine(
 
 
 def engine_warmup(engine, max_shapes: int):
-    """A callable compiling up to `max_shapes` step shapes of `engine` (None: nothing to do:
-    the mock engine, or max_shapes 0). PagedJaxServer runs it on the engine thread."""
+    """A callable building every step program of `engine`'s shape set (engine/shapes.py;
+    its size is EngineConfig.max_step_shapes, which the server sets from
+    --warmup_max_shapes), or None: nothing to do (the mock engine, or max_shapes 0).
+    PagedJaxServer runs it on the engine thread."""
     replicas = getattr(engine, "replicas", [engine])
     if not max_shapes or not hasattr(replicas[0], "run_step"):
         return None
 
     def run() -> None:
         for replica in replicas:
-            _warmup_with_progress(replica, max_shapes)
+            _warmup_with_progress(replica)
 
     return run
 
 
-def _warmup_with_progress(engine, max_shapes: int, num_reports: int = 8) -> None:
-    """Compiles the startup shapes in a few chunks, printing a line after each."""
-    from engine.warmup import startup_shapes, warmup
+def _warmup_with_progress(engine, num_reports: int = 8) -> None:
+    """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
+    line after each."""
+    from engine.warmup import warmup
 
-    shapes = startup_shapes(engine.sched_config, max_shapes)
+    shapes = engine.shapes.shapes
     chunk = max(1, -(-len(shapes) // num_reports))
     t0 = time.perf_counter()
     # NOTE: warmup() logs a summary per call; the progress lines below replace them.
@@ -517,7 +527,7 @@ def _warmup_with_progress(engine, max_shapes: int, num_reports: int = 8) -> None
             )
     finally:
         warmup_log.setLevel(level)
-    engine.warmup_s = time.perf_counter() - t0
+    engine.mark_warm(time.perf_counter() - t0)  # compiles after this count as while serving
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -567,11 +577,16 @@ def main(argv) -> None:
     shared.setup_logging(FLAGS.log_level)
     check_flags()
     _setup_request_log(FLAGS.request_log)
+    if FLAGS.model != "mock":
+        from engine.compilation_cache import enable as enable_compilation_cache
+
+        enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
+    shapes = {"max_step_shapes": FLAGS.warmup_max_shapes} if FLAGS.warmup_max_shapes else {}
     engine = build_engine(
         FLAGS.model,
-        {**options, "warmup_max_shapes": 0},
+        {**options, **shapes, "warmup_max_shapes": 0},
         mock_step_time_s=FLAGS.mock_step_time_s,
         max_model_len=FLAGS.max_model_len,
     )

@@ -512,10 +512,14 @@ def test_random_workloads_keep_the_invariants(
         event(f"finished {reason}")
 
 
-def _run_with_fake_model(cfg: SchedulerConfig, prompts: list[tuple[list[int], str, int]]):
+def _run_with_fake_model(
+    cfg: SchedulerConfig, prompts: list[tuple[list[int], str, int]], overlap: bool = False
+):
     """Run requests to the end with a fake model that READS its context back from the fake
     KV pages: next token = f(tokens found at positions 0..n-1 through the page table). A
-    wrong page (a bad cache hit, a page reused while still referenced) changes the output."""
+    wrong page (a bad cache hit, a page reused while still referenced) changes the output.
+    `overlap`: schedule step N+1 before committing step N's tokens (engine/core.py); a token
+    the host does not know yet comes from the fake device's last sampled token."""
     s = Scheduler(cfg, PagePool.from_config(cfg, model_keys=("rev",)))
     ps, kv = cfg.page_size, {}
     reqs = [
@@ -524,22 +528,36 @@ def _run_with_fake_model(cfg: SchedulerConfig, prompts: list[tuple[list[int], st
     ]
     for r in reqs:
         s.add_request(r)
-    now = 0.0
-    while s.has_unfinished() and now < 2000:
+    device_last: dict[str, int] = {}  # the device's copy of each request's last sampled token
+
+    def commit(out, sampled, now):
+        for r in s.update_after_step(out, sampled, now):
+            if r.num_output_tokens >= r.sampling.max_tokens or r.output_token_ids[-1] == 20:
+                s.finish_request(r.request_id, "length", now)
+
+    now, in_flight = 0.0, None
+    while (s.has_unfinished() or in_flight) and now < 2000:
         now += 1.0
         out = s.schedule(now)
         sampled = {}
         for x in out.scheduled:
             r = x.request
             for pos in range(x.start, x.start + x.num_new_tokens):
-                kv[(r.page_ids[pos // ps], pos % ps)] = (r.cache_salt, r.all_token_ids[pos])
+                known = pos < r.num_known_tokens
+                token = r.all_token_ids[pos] if known else device_last[r.request_id]
+                kv[(r.page_ids[pos // ps], pos % ps)] = (r.cache_salt, token)
             if x.samples:
-                context = [kv[(r.page_ids[pos // ps], pos % ps)] for pos in range(r.num_tokens)]
+                end = x.start + x.num_new_tokens  # the whole computed context
+                context = [kv[(r.page_ids[pos // ps], pos % ps)] for pos in range(end)]
                 assert all(salt == r.cache_salt for salt, _ in context)
                 sampled[r.request_id] = hash(tuple(t for _, t in context)) % 20 + 1
-        for r in s.update_after_step(out, sampled, now):
-            if r.num_output_tokens >= r.sampling.max_tokens or r.output_token_ids[-1] == 20:
-                s.finish_request(r.request_id, "length", now)
+                device_last[r.request_id] = sampled[r.request_id]
+        if overlap:
+            if in_flight is not None:
+                commit(*in_flight, now)
+            in_flight = (out, sampled) if out.scheduled else None
+        else:
+            commit(out, sampled, now)
     assert not s.has_unfinished()
     assert s.pool.num_free_pages == cfg.num_pages - 1
     return [r.output_token_ids for r in reqs], s.stats()
@@ -577,6 +595,7 @@ def test_outputs_are_the_same_with_cache_on_or_off_and_a_tiny_or_large_pool(
     uncached, _ = _run_with_fake_model(
         dataclasses.replace(small, enable_prefix_caching=False), prompts
     )
-    assert cached == reference and uncached == reference
+    overlapped, _ = _run_with_fake_model(small, prompts, overlap=True)
+    assert cached == reference and uncached == reference and overlapped == reference
     event(f"hits > 0: {stats['prefix_cache_hit_tokens'] > 0}")
     event(f"preemptions > 0: {stats['num_preemptions'] > 0}")

@@ -172,17 +172,18 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
     import engine.warmup
     from serving import server
 
-    compiled = []
-    monkeypatch.setattr(engine.warmup, "startup_shapes", lambda sched_config, n: list(range(n)))
+    compiled, marked = [], []
     monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
-    eng = types.SimpleNamespace(sched_config=None, warmup_s=None)
-    server._warmup_with_progress(eng, 10, num_reports=4)
+    eng = types.SimpleNamespace(
+        shapes=types.SimpleNamespace(shapes=list(range(10))), mark_warm=marked.append
+    )
+    server._warmup_with_progress(eng, num_reports=4)
     assert compiled == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     lines = capsys.readouterr().err.splitlines()
     assert [ln.split(" (")[0] for ln in lines] == [
         f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)
     ]
-    assert eng.warmup_s is not None
+    assert len(marked) == 1 and marked[0] >= 0
 
 
 def test_console_scripts_resolve():
