@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache, on by default (issue 21.4).
+"""JAX's persistent compilation cache, on by default on accelerators (issue 21.4).
 
 Compiled XLA programs are written to a directory and read back by later processes, so a
 second server start or a second `LLM(...)` on the same machine loads its step programs
@@ -7,7 +7,11 @@ instead of compiling them (the warm-up then costs the loads plus one run of each
 Where: `--compilation_cache_dir` (server, CLI) or `LLM(compilation_cache_dir=...)`; else
 $PAGEDJAX_COMPILATION_CACHE_DIR; else `xla/` under the project's cache directory
 ($PAGEDJAX_CACHE_DIR, default ~/.cache/pagedjax, beside the Orbax params cache). "" or
-"none" turns it off. Every program is cached, however fast it compiled (JAX's default skips
+"none" turns it off. On the CPU backend the default is OFF (opt in with the flag, the option
+or the variable): loading a cached XLA:CPU executable crashed the test suite with a
+segmentation fault inside `deserialize_executable` (2026-12-01; many-kernel programs such as
+the unrolled 30-layer step are the suspects), and a crash at start-up is worse than a slow
+one. Every program is cached, however fast it compiled (JAX's default skips
 programs under one second, which would leave most of the tiny model's steps uncached).
 
 NOTE: JAX decides once per process whether the cache is used, at the first compile; when
@@ -29,9 +33,13 @@ _OFF = ("", "none", "off")
 
 
 def default_dir() -> str:
+    """The cache directory when none is given: $PAGEDJAX_COMPILATION_CACHE_DIR, else "" (off)
+    on the CPU backend, else `xla/` under the project's cache directory."""
     env = os.environ.get("PAGEDJAX_COMPILATION_CACHE_DIR")
     if env is not None:
         return env
+    if jax.default_backend() == "cpu":  # NOTE: see the module docstring (opt in on CPU)
+        return ""
     root = os.environ.get("PAGEDJAX_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "pagedjax"
     )
