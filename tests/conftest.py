@@ -1,9 +1,11 @@
 """Shared fixtures. JAX runs on CPU in float32; the real model is loaded once per session."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -28,3 +30,14 @@ def tiny_model():
     from models.registry import load_model
 
     return load_model("tiny")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module. NOTE: one pytest process builds
+    hundreds of XLA:CPU executables (each test's engines and step shapes); kept alive they
+    crashed the run with a segmentation fault inside XLA's compiler about 300 tests in
+    (2026-12-01), likely the process's memory-mapping limit (vm.max_map_count 65530)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
