@@ -73,26 +73,7 @@ class BatchShape:
         )
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "token_ids",
-        "token_slots",
-        "positions",
-        "slot_mapping",
-        "kv_lens_d",
-        "page_table_d",
-        "kv_lens_p",
-        "page_table_p",
-        "query_start_p",
-        "num_seqs_p",
-        "logits_indices",
-        "sample_mask",
-        "slot_ids",
-        "sampling",
-    ],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass  # every field is data (inferred)
 @dataclasses.dataclass
 class StepBatch:
     token_ids: np.ndarray  # [Sd + Tp] int32

@@ -46,17 +46,6 @@ __all__ = ["decode_paged_attention", "quantize_int8", "ragged_paged_attention", 
 quantize_int8 = reference.quantize_int8
 
 
-def _resolve_impl(impl: str) -> str:
-    if impl != "auto":
-        return impl
-    backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    if backend == "tpu":
-        return "tpu"
-    return "reference"
-
-
 @jax.jit
 def _write_kv_jit(k_pages, v_pages, k, v, slot_mapping, layer, k_scales, v_scales):
     return reference.write_kv_reference(
@@ -248,7 +237,7 @@ def ragged_paged_attention(
         max_query_len=int(max_query_len),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        impl=_resolve_impl(impl),
+        impl=validation.resolve_impl(impl),
         interpret=interpret,
     )
 
@@ -299,6 +288,6 @@ def decode_paged_attention(
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        impl=_resolve_impl(impl),
+        impl=validation.resolve_impl(impl),
         interpret=interpret,
     )

@@ -33,6 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import validation
+
 INT8_MAX = 127.0
 IMPLS = ("auto", "reference", "w8a8", "gpu", "tpu")
 
@@ -58,17 +60,6 @@ def int8_matmul_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     acc = jax.lax.dot(xq, q, preferred_element_type=jnp.int32)  # [M, N] int32
     out = acc.astype(jnp.float32) * x_scale[:, None] * scale.astype(jnp.float32)[None, :]
     return out.astype(x.dtype)
-
-
-def _resolve_impl(impl: str) -> str:
-    if impl != "auto":
-        return impl
-    backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    if backend == "tpu":
-        return "tpu"
-    return "reference"
 
 
 def _implementation(impl: str, interpret: bool):
@@ -107,4 +98,4 @@ def int8_matmul(
 
     Traceable: call it inside jit (the model does, once per weight matmul)."""
     check_int8_matmul_inputs(x, q, scale, impl)
-    return _implementation(_resolve_impl(impl), interpret)(x, q, scale)
+    return _implementation(validation.resolve_impl(impl), interpret)(x, q, scale)

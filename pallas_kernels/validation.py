@@ -4,6 +4,7 @@ and costs nothing inside jit."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -79,3 +80,16 @@ def check_options(sm_scale, sliding_window, soft_cap, impl):
         raise ValueError(f"soft_cap={soft_cap!r} must be None or a float > 0")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+
+
+def resolve_impl(impl: str) -> str:
+    """`impl="auto"` -> the kernel family for the default backend ("gpu", "tpu", or the jnp
+    "reference" on CPU); any other value is returned as given."""
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if backend == "tpu":
+        return "tpu"
+    return "reference"
