@@ -42,6 +42,9 @@ class RequestMetrics:
     e2e_s: float | None = None  # arrival -> finish
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # speculative decoding (engine/spec_decode.py): drafts verified / accepted
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass

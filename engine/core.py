@@ -69,6 +69,7 @@ from engine.sampling import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
+from engine.spec_decode import SpecDecoder
 from engine.step import NONFINITE_TOKEN, engine_step
 from models.llama import cast_params, layer_layout
 from models.registry import engine_model
@@ -107,6 +108,11 @@ class _Launched:
     plan: SchedulerOutput
     built: BuiltStep
     packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
+    # speculative decoding (engine/spec_decode.py): (packed, spec_packed, num_accepted) on
+    # device, the plan indices of the verified requests, and when it was dispatched
+    spec_results: tuple | None = None
+    spec_batch: list | None = None
+    dispatched_at: float = 0.0
 
 
 class EngineCore:
@@ -114,7 +120,7 @@ class EngineCore:
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
         compiles.install()
-        model = engine_model(model, config)
+        model = _with_speculation(engine_model(model, config), config)
         self.model = model
         self.config = config
         self.cfg = model.config
@@ -172,6 +178,8 @@ class EngineCore:
         self.warmup_s: float | None = None
         self._compiles_at_warmup: int | None = None
         self._logged_compiles = 0
+        spec = config.speculative  # speculative decoding (engine/spec_decode.py)
+        self.spec = None if spec is None else SpecDecoder(self, spec)
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
@@ -193,7 +201,7 @@ class EngineCore:
             )
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
-        model = engine_model(model, self.config)
+        model = _with_speculation(engine_model(model, self.config), self.config)
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
         self.params = layer_layout(
@@ -211,6 +219,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one (overlapped) or this one
         (synchronous); returns the outputs of the step it processed."""
+        if self.spec is not None and self.spec.should_speculate():
+            return self.spec.step()  # synchronous speculative step (engine/spec_decode.py)
         outputs: list[RequestOutput] = []
         launched = self._launch(outputs)
         if not self.config.async_scheduling:
@@ -223,10 +233,13 @@ class EngineCore:
         return outputs
 
     # ---- one step, in order --------------------------------------------------------------
-    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
-        """Schedule, build and dispatch a step (returns None when nothing is scheduled)."""
+    def _launch(self, outputs: list[RequestOutput], spec=None) -> _Launched | None:
+        """Schedule, build and dispatch a step (returns None when nothing is scheduled).
+        `spec`: the SpecDecoder when drafts were proposed for this step."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
+        if spec is not None:
+            spec.after_schedule(plan)
         outputs += self.outputs.finished(plan)
         for rid in plan.preempted_request_ids:
             self.builder.release(rid)
@@ -236,12 +249,15 @@ class EngineCore:
         for s in plan.scheduled:
             self._take_slot(s.request)
         t1 = time.perf_counter()
-        built = self.builder.build(plan.scheduled)
+        built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
         # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
         # penalties) are what warm-up builds. Flags never change a row's token.
         flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
         try:
+            spec_run = None if spec is None else spec.run(plan, built, flags is FULL_FLAGS)
+            if spec_run is not None:  # speculative decoding: drafts verified in this step
+                return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
             packed = self.run_step(built.batch, built.shape, flags, built.penalties)
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
@@ -432,4 +448,14 @@ class EngineCore:
             ),
             **compiles.stats(),
             **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
+            **({} if self.spec is None else self.spec.stats.as_dict()),
         }
+
+
+def _with_speculation(model, config: EngineConfig):
+    """The model with an identity naming the engine's speculative decoding (what every
+    response's resolved versions report), e.g. "ngram:k=4"."""
+    if config.speculative is None:
+        return model
+    identity = dataclasses.replace(model.identity, speculative=config.speculative.describe())
+    return dataclasses.replace(model, identity=identity)

@@ -44,7 +44,10 @@ def request_metrics(req: Request) -> RequestMetrics:
     """Final timings of a finished request (engine clock, time.monotonic())."""
     t = req.token_times_s
     m = RequestMetrics(
-        cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions
+        cached_tokens=max(req.num_cached_tokens, 0),
+        num_preemptions=req.num_preemptions,
+        spec_drafted_tokens=req.spec_drafted_tokens,
+        spec_accepted_tokens=req.spec_accepted_tokens,
     )
     if req.first_scheduled_s is not None:
         m.queue_s = req.first_scheduled_s - req.arrival_s
@@ -151,6 +154,23 @@ class OutputProcessor:
             lp = None if logprobs is None else logprobs.get(req.request_id)
             outputs.append(self._on_token(req, [lp] if lp is not None else None, now_s))
         return outputs
+
+    def emit_tokens(
+        self, req: Request, tokens: list[int], now_s: float, logprobs: list | None = None
+    ) -> RequestOutput:
+        """Several new tokens of one request at once (a speculative step's accepted run,
+        engine/spec_decode.py): each is appended and stop-checked in order; a stop (EOS,
+        stop id or string, max_tokens) ends the request there and drops the rest."""
+        stop, texts = self._stops[req.request_id], []
+        for i, token in enumerate(tokens):
+            req.append_output_token(token, now_s)
+            text, reason = stop.add_token(token)
+            texts.append(text)
+            if reason is not None:
+                self.scheduler.finish_request(req.request_id, reason, now_s)
+                lps = None if logprobs is None else logprobs[: i + 1]
+                return self._final(req, tokens[: i + 1], "".join(texts), lps)
+        return self._delta(req, list(tokens), "".join(texts), logprobs)
 
     def _on_token(self, req: Request, logprobs, now_s: float) -> RequestOutput:
         token = req.output_token_ids[-1]

@@ -67,6 +67,12 @@ class Request:
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
     # Outputs sampled by dispatched steps whose values the host has not read yet (0 or 1).
     num_pending_outputs: int = 0
+    # ---- speculative decoding (engine/spec_decode.py) ----
+    # Drafted tokens to verify after the last known token in the next step (set by the
+    # proposer right before schedule(); the scheduler computes them with the decode).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_drafted_tokens: int = 0  # drafts verified over the request's life
+    spec_accepted_tokens: int = 0  # of which accepted
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -65,6 +65,9 @@ class ScheduledRequest:
     start: int  # = request.num_computed_tokens when scheduled (position of the first one)
     samples: bool  # start + num_new_tokens == num_tokens: a token is sampled from the last
     output_index: int = 0  # when sampling: index of the output token this step samples
+    # Speculative decoding: drafts computed after the last known token (num_new_tokens =
+    # 1 + len(spec_token_ids)); the step verifies them and emits 1..len + 1 tokens.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -217,7 +220,12 @@ class Scheduler:
         while order and budget > 0:
             request = order.popleft()
             num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
+            num_new += self._spec_tokens_fitting(request, num_new, budget)
             while not self._grow_pages(request, num_new):
+                if request.spec_token_ids:  # drafts never preempt anyone: drop them
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = max([request, *order], key=self._rank)
                 self._preempt(victim, now_s)
                 preempted.append(victim.request_id)
@@ -260,11 +268,25 @@ class Scheduler:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now_s
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens
+        drafts, request.spec_token_ids = tuple(request.spec_token_ids), []
+        samples = start + num_new == request.num_tokens + len(drafts)
         output_index = request.num_output_tokens + request.num_pending_outputs
         request.num_computed_tokens += num_new
         request.num_pending_outputs += samples
-        return ScheduledRequest(request, num_new, start, samples, output_index if samples else 0)
+        return ScheduledRequest(
+            request, num_new, start, samples, output_index if samples else 0, drafts
+        )
+
+    def _spec_tokens_fitting(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts this step computes: all of them after its one
+        remaining token when they fit the chunk and the budget, else none (dropped)."""
+        n = len(request.spec_token_ids)
+        if n and not (
+            request.num_remaining_tokens == num_new == 1
+            and 1 + n <= min(self.config.prefill_chunk_size, budget)
+        ):
+            request.spec_token_ids, n = [], 0
+        return n
 
     def _rank(self, request: Request) -> tuple[float, float]:
         """Sort key, most important first: effective priority, then earliest arrival."""
@@ -293,6 +315,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, now_s: float) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self._release(request, now_s)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

@@ -24,11 +24,16 @@ temperature, top-k, top-p, min-p, with the same candidate set and thresholds), r
 Repetition/presence/frequency penalties change with every accepted token, so rows that use
 them do not speculate (engine/spec_decode.py); they are plain decodes.
 
-Randomness: each (sequence, position) row draws from its own key fold_in(key(seed), step),
-`step` being the output index of the token emitted there, with separate streams for the
-accept test and the residual draw. A seeded request is reproducible with speculation on
-(its tokens need not equal the stream of the non-speculative sampler: same distribution,
-different draws).
+Two forms:
+  - `accept_drafts(p, q, ...)`: the rule for any q (model proposers: "draft", "layers";
+    not wired into the engine yet), tested on toy vocabularies (tests/test_spec_rule.py).
+  - `accept_point_mass_drafts(sampled, drafts, ...)`: what the engine runs for ngram's
+    point-mass drafts. The request's own sampler draws y_j at every verified position
+    (same seed, output index, transforms and candidate set as a plain step); x_j is
+    accepted iff y_j == x_j, and the first mismatching y_j is the correction. This is the
+    rule above for q = point mass (P(accept) = p(x); y given y != x is the residual), and
+    it emits exactly the tokens plain decoding would: seeded sampling stays reproducible
+    whether a token came from a speculative step or a plain one.
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ from engine.sampling import (
 
 Array = jax.Array
 _NEG_INF = float("-inf")
-_ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5BEC, 0x5BED  # folded into a row's key, per use
 
 
 @jax.tree_util.register_dataclass
@@ -87,13 +91,6 @@ def target_probs(
     probs = jax.nn.softmax(jnp.where(lg >= thr[:, None], scaled, _NEG_INF), axis=-1)  # [R, V]
     point = jax.nn.one_hot(greedy_ids, V, dtype=probs.dtype)  # [R, V]
     return jnp.where((tensors.temperature > 0)[:, None], probs, point)
-
-
-def _row_keys(key_data: Array, step: Array, stream: int) -> Array:
-    """[R] keys: fold_in(fold_in(key(seed), step), stream)."""
-    keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")  # [R]
-    keys = jax.vmap(jax.random.fold_in)(keys, step)
-    return jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
 
 
 def _categorical(keys: Array, weights: Array) -> Array:
@@ -169,27 +166,23 @@ def accept_all_drafts_wrong(p, q, drafts, num_drafts, greedy, accept_keys, resid
     return AcceptResult(num_accepted=n, tokens=tokens)
 
 
-def verify(
-    logits: Array,
-    tensors: SamplingTensors,
-    drafts: Array,
-    num_drafts: Array,
-    q: Array | None = None,
-    all_greedy: bool = False,
-) -> AcceptResult:
-    """The engine's verification of Sv sequences from their k+1 target logits rows.
-    logits [Sv * (k+1), V] (sequence-major); tensors: rows [Sv * (k+1)], `step` = the output
-    index each position would emit; drafts [Sv, k]; num_drafts [Sv]; q as in accept_drafts.
-    `all_greedy` (static): no row samples, so p is the greedy point mass (no filters)."""
-    Sv, k = drafts.shape
-    V = logits.shape[-1]
-    if all_greedy:
-        greedy_ids, _ = argmax_and_max(processed_logits(logits, tensors))
-        p = jax.nn.one_hot(greedy_ids, V, dtype=jnp.float32)
-    else:
-        p = target_probs(logits, tensors)
-    p = p.reshape(Sv, k + 1, V)
-    accept_keys = _row_keys(tensors.key_data, tensors.step, _ACCEPT_STREAM).reshape(Sv, k + 1)
-    residual_keys = _row_keys(tensors.key_data, tensors.step, _RESIDUAL_STREAM).reshape(Sv, k + 1)
-    greedy = tensors.temperature.reshape(Sv, k + 1)[:, 0] <= 0  # [Sv]
-    return accept_drafts(p, q, drafts, num_drafts, greedy, accept_keys, residual_keys)
+def accept_point_mass_drafts(sampled: Array, drafts: Array, num_drafts: Array) -> AcceptResult:
+    """The rule for point-mass drafts (a deterministic proposer: ngram), coupled with the
+    ordinary sampler. sampled [Sv, k+1]: the token the request's own sampler
+    (engine.sampling.sample, same seed and output index) draws at each verified position;
+    drafts [Sv, k]; num_drafts [Sv].
+
+    Accept x_j iff the sampler drew x_j there; emit the sampler's token at the first
+    mismatch (or at the bonus position). This IS the exact rule with q = point mass at x:
+    P(accept) = p(x) = min(1, p(x) / 1), and a draw y ~ p conditioned on y != x is
+    distributed as normalize(max(0, p - q)). The coupling makes a speculative request emit
+    exactly the tokens the non-speculative sampler would: greedy and seeded sampling
+    reproduce token for token with speculation on or off."""
+    Sv, k1 = sampled.shape
+    k = k1 - 1
+    j = jnp.arange(k)[None, :]  # [1, k]
+    accepted = (sampled[:, :k] == drafts) & (j < num_drafts[:, None])  # [Sv, k]
+    n = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)  # [Sv]
+    pos = jnp.arange(k1)[None, :]  # [1, k+1]
+    tokens = jnp.where(pos <= n[:, None], sampled, -1)  # accepted drafts == sampled there
+    return AcceptResult(num_accepted=n.astype(jnp.int32), tokens=tokens.astype(jnp.int32))

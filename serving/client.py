@@ -192,6 +192,7 @@ class GenerateClient:
                     "tokenizer_hash",
                     "chat_template_hash",
                     "engine_version",
+                    "speculative",
                 )
             }
 

@@ -116,6 +116,30 @@ def define_quantization() -> None:
     )
 
 
+def define_speculative() -> None:
+    """--speculative (configs/spec_config.py): off, "ngram", "ngram:k=4,disable_by_batch_size=8"
+    or a JSON object of SpeculativeConfig fields."""
+    _define_once(
+        flags.DEFINE_string,
+        "speculative",
+        "off",
+        "speculative decoding: off, ngram, ngram:k=4,prompt_lookup_max=4,"
+        "disable_by_batch_size=8 (or a JSON object)",
+    )
+
+
+def check_speculative(value: str, mock: bool = False):
+    """The SpeculativeConfig of --speculative (None: off); a UsageError names the flag."""
+    from configs.spec_config import SpeculativeConfig
+
+    try:
+        config = SpeculativeConfig.of(value)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise UsageError("speculative", value, str(e)) from None
+    require("speculative", value, not (mock and config), "the mock engine does not speculate")
+    return config
+
+
 def define_log_level(default: str = "warning") -> None:
     _define_once(
         flags.DEFINE_enum,

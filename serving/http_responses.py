@@ -28,6 +28,7 @@ IDENTITY_HEADERS = {
     "tokenizer_hash": "x-pagedjax-tokenizer-hash",
     "chat_template_hash": "x-pagedjax-chat-template-hash",
     "engine_version": "x-pagedjax-engine-version",
+    "speculative": "x-pagedjax-speculative",
 }
 
 

@@ -301,6 +301,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     shared.define_quantization()
+    shared.define_speculative()
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
@@ -401,6 +402,7 @@ def check_flags() -> None:
     _check_file("tenants_config", FLAGS.tenants_config)
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
+    shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
         shared.require(
@@ -432,6 +434,7 @@ def engine_options_from_flags() -> dict:
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        "speculative": shared.check_speculative(FLAGS.speculative),  # None: off
     }
 
 
@@ -450,6 +453,8 @@ def build_engine(
         for opt, default in (("quantization", "none"), ("kv_dtype", "float32")):
             if options.get(opt, default) != default:
                 raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
+        if options.get("speculative") is not None:
+            raise ValueError("speculative: the mock engine does not speculate")
 
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],

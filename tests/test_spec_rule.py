@@ -13,7 +13,12 @@ import pytest
 from scipy import stats
 
 from engine.sampling import SamplingTensors, sample
-from engine.spec_rule import accept_all_drafts_wrong, accept_drafts, target_probs
+from engine.spec_rule import (
+    accept_all_drafts_wrong,
+    accept_drafts,
+    accept_point_mass_drafts,
+    target_probs,
+)
 
 N_DRAWS = 120_000
 V = 8
@@ -135,6 +140,24 @@ def test_point_mass_draft_keeps_the_target():
         return _apply(accept_drafts, ka, kr, p, None, drafts)
 
     n_acc, tokens = draw(jax.random.key(2))
+    first, second = _positions_pvalues(n_acc, tokens, p)
+    assert first > ALPHA and second > ALPHA
+    assert abs(float(np.mean(np.asarray(n_acc) >= 1)) - p[0][3]) < 0.01
+
+
+def test_point_mass_rule_coupled_with_the_sampler_keeps_the_target():
+    """The engine's form for ngram drafts: accept x_j iff the ordinary sampler drew x_j."""
+    rng = np.random.default_rng(4)
+    p = np.stack([_normalize(rng.random(V)) for _ in range(K + 1)])
+
+    @jax.jit
+    def draw(key):
+        y = jax.random.categorical(key, jnp.log(p), shape=(N_DRAWS, K + 1)).astype(jnp.int32)
+        drafts = jnp.tile(jnp.array([[3, 5]], jnp.int32), (N_DRAWS, 1))
+        out = accept_point_mass_drafts(y, drafts, jnp.full((N_DRAWS,), K, jnp.int32))
+        return out.num_accepted, out.tokens
+
+    n_acc, tokens = draw(jax.random.key(7))
     first, second = _positions_pvalues(n_acc, tokens, p)
     assert first > ALPHA and second > ALPHA
     assert abs(float(np.mean(np.asarray(n_acc) >= 1)) - p[0][3]) < 0.01

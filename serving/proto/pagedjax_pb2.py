@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cserving/proto/pagedjax.proto\x12\x0bpagedjax.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.pagedjax.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x95\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x15.pagedjax.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x19.pagedjax.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.pagedjax.v1.SamplingParams\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\'\n\x08priority\x18\r \x01(\x0e\x32\x15.pagedjax.v1.Priority\x12\x0e\n\x06stream\x18\x0e \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pagedjax.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"I\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x01(\x01\"{\n\rModelVersions\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x1a\n\x12\x63hat_template_hash\x18\x04 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x05 \x01(\t\"\x9a\x01\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.pagedjax.v1.Usage\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.pagedjax.v1.Timings\x12,\n\x08versions\x18\x04 \x01(\x0b\x32\x1a.pagedjax.v1.ModelVersions\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1b\n\x13token_times_unix_ns\x18\x04 \x03(\x03\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pagedjax.v1.TokenLogprob\x12%\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x16.pagedjax.v1.FinalInfo\"\x83\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pagedjax.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12,\n\x08versions\x18\x01 \x01(\x0b\x32\x1a.pagedjax.v1.ModelVersions\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.pagedjax.v1.ModelInfo\"\x13\n\x11ServerInfoRequest\"\x89\x02\n\x06Limits\x12\x19\n\x11max_prompt_tokens\x18\x01 \x01(\x03\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\x03\x12\x1a\n\x12max_queue_requests\x18\x06 \x01(\x03\x12\x18\n\x10max_queue_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fqueue_timeout_s\x18\x08 \x01(\x01\x12\x1e\n\x16stream_buffer_messages\x18\t \x01(\x03\x12\x14\n\x0cmax_inflight\x18\n \x01(\x03\"\xfd\x02\n\x12ServerInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.pagedjax.v1.ModelInfo\x12\x1a\n\x12kv_capacity_tokens\x18\x02 \x01(\x03\x12#\n\x06limits\x18\x03 \x01(\x0b\x32\x13.pagedjax.v1.Limits\x12H\n\rengine_config\x18\x04 \x03(\x0b\x32\x31.pagedjax.v1.ServerInfoResponse.EngineConfigEntry\x12\x39\n\x05stats\x18\x05 \x03(\x0b\x32*.pagedjax.v1.ServerInfoResponse.StatsEntry\x12\x17\n\x0f\x63ircuit_breaker\x18\x06 \x01(\t\x1a\x33\n\x11\x45ngineConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03\x32\xbc\x02\n\x08PagedJax\x12I\n\x08Generate\x12\x1c.pagedjax.v1.GenerateRequest\x1a\x1d.pagedjax.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.pagedjax.v1.TokenizeRequest\x1a\x1d.pagedjax.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.pagedjax.v1.ListModelsRequest\x1a\x1f.pagedjax.v1.ListModelsResponse\x12M\n\nServerInfo\x12\x1e.pagedjax.v1.ServerInfoRequest\x1a\x1f.pagedjax.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cserving/proto/pagedjax.proto\x12\x0bpagedjax.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.pagedjax.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x95\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x15.pagedjax.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x19.pagedjax.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.pagedjax.v1.SamplingParams\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\'\n\x08priority\x18\r \x01(\x0e\x32\x15.pagedjax.v1.Priority\x12\x0e\n\x06stream\x18\x0e \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pagedjax.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"I\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x01(\x01\"\x90\x01\n\rModelVersions\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x1a\n\x12\x63hat_template_hash\x18\x04 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x05 \x01(\t\x12\x13\n\x0bspeculative\x18\x06 \x01(\t\"\x9a\x01\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.pagedjax.v1.Usage\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.pagedjax.v1.Timings\x12,\n\x08versions\x18\x04 \x01(\x0b\x32\x1a.pagedjax.v1.ModelVersions\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1b\n\x13token_times_unix_ns\x18\x04 \x03(\x03\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pagedjax.v1.TokenLogprob\x12%\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x16.pagedjax.v1.FinalInfo\"\x83\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pagedjax.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12,\n\x08versions\x18\x01 \x01(\x0b\x32\x1a.pagedjax.v1.ModelVersions\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.pagedjax.v1.ModelInfo\"\x13\n\x11ServerInfoRequest\"\x89\x02\n\x06Limits\x12\x19\n\x11max_prompt_tokens\x18\x01 \x01(\x03\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\x03\x12\x1a\n\x12max_queue_requests\x18\x06 \x01(\x03\x12\x18\n\x10max_queue_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fqueue_timeout_s\x18\x08 \x01(\x01\x12\x1e\n\x16stream_buffer_messages\x18\t \x01(\x03\x12\x14\n\x0cmax_inflight\x18\n \x01(\x03\"\xfd\x02\n\x12ServerInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.pagedjax.v1.ModelInfo\x12\x1a\n\x12kv_capacity_tokens\x18\x02 \x01(\x03\x12#\n\x06limits\x18\x03 \x01(\x0b\x32\x13.pagedjax.v1.Limits\x12H\n\rengine_config\x18\x04 \x03(\x0b\x32\x31.pagedjax.v1.ServerInfoResponse.EngineConfigEntry\x12\x39\n\x05stats\x18\x05 \x03(\x0b\x32*.pagedjax.v1.ServerInfoResponse.StatsEntry\x12\x17\n\x0f\x63ircuit_breaker\x18\x06 \x01(\t\x1a\x33\n\x11\x45ngineConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03\x32\xbc\x02\n\x08PagedJax\x12I\n\x08Generate\x12\x1c.pagedjax.v1.GenerateRequest\x1a\x1d.pagedjax.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.pagedjax.v1.TokenizeRequest\x1a\x1d.pagedjax.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.pagedjax.v1.ListModelsRequest\x1a\x1f.pagedjax.v1.ListModelsResponse\x12M\n\nServerInfo\x12\x1e.pagedjax.v1.ServerInfoRequest\x1a\x1f.pagedjax.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERINFORESPONSE_ENGINECONFIGENTRY']._serialized_options = b'8\001'
   _globals['_SERVERINFORESPONSE_STATSENTRY']._loaded_options = None
   _globals['_SERVERINFORESPONSE_STATSENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2750
-  _globals['_PRIORITY']._serialized_end=2844
+  _globals['_PRIORITY']._serialized_start=2772
+  _globals['_PRIORITY']._serialized_end=2866
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_CHATMESSAGES']._serialized_start=91
@@ -55,32 +55,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=1179
   _globals['_TIMINGS']._serialized_start=1181
   _globals['_TIMINGS']._serialized_end=1254
-  _globals['_MODELVERSIONS']._serialized_start=1256
-  _globals['_MODELVERSIONS']._serialized_end=1379
-  _globals['_FINALINFO']._serialized_start=1382
-  _globals['_FINALINFO']._serialized_end=1536
-  _globals['_GENERATERESPONSE']._serialized_start=1539
-  _globals['_GENERATERESPONSE']._serialized_end=1723
-  _globals['_TOKENIZEREQUEST']._serialized_start=1726
-  _globals['_TOKENIZEREQUEST']._serialized_end=1857
-  _globals['_TOKENIZERESPONSE']._serialized_start=1859
-  _globals['_TOKENIZERESPONSE']._serialized_end=1910
-  _globals['_LISTMODELSREQUEST']._serialized_start=1912
-  _globals['_LISTMODELSREQUEST']._serialized_end=1931
-  _globals['_MODELINFO']._serialized_start=1933
-  _globals['_MODELINFO']._serialized_end=2013
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2015
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2075
-  _globals['_SERVERINFOREQUEST']._serialized_start=2077
-  _globals['_SERVERINFOREQUEST']._serialized_end=2096
-  _globals['_LIMITS']._serialized_start=2099
-  _globals['_LIMITS']._serialized_end=2364
-  _globals['_SERVERINFORESPONSE']._serialized_start=2367
-  _globals['_SERVERINFORESPONSE']._serialized_end=2748
-  _globals['_SERVERINFORESPONSE_ENGINECONFIGENTRY']._serialized_start=2651
-  _globals['_SERVERINFORESPONSE_ENGINECONFIGENTRY']._serialized_end=2702
-  _globals['_SERVERINFORESPONSE_STATSENTRY']._serialized_start=2704
-  _globals['_SERVERINFORESPONSE_STATSENTRY']._serialized_end=2748
-  _globals['_PAGEDJAX']._serialized_start=2847
-  _globals['_PAGEDJAX']._serialized_end=3163
+  _globals['_MODELVERSIONS']._serialized_start=1257
+  _globals['_MODELVERSIONS']._serialized_end=1401
+  _globals['_FINALINFO']._serialized_start=1404
+  _globals['_FINALINFO']._serialized_end=1558
+  _globals['_GENERATERESPONSE']._serialized_start=1561
+  _globals['_GENERATERESPONSE']._serialized_end=1745
+  _globals['_TOKENIZEREQUEST']._serialized_start=1748
+  _globals['_TOKENIZEREQUEST']._serialized_end=1879
+  _globals['_TOKENIZERESPONSE']._serialized_start=1881
+  _globals['_TOKENIZERESPONSE']._serialized_end=1932
+  _globals['_LISTMODELSREQUEST']._serialized_start=1934
+  _globals['_LISTMODELSREQUEST']._serialized_end=1953
+  _globals['_MODELINFO']._serialized_start=1955
+  _globals['_MODELINFO']._serialized_end=2035
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2037
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2097
+  _globals['_SERVERINFOREQUEST']._serialized_start=2099
+  _globals['_SERVERINFOREQUEST']._serialized_end=2118
+  _globals['_LIMITS']._serialized_start=2121
+  _globals['_LIMITS']._serialized_end=2386
+  _globals['_SERVERINFORESPONSE']._serialized_start=2389
+  _globals['_SERVERINFORESPONSE']._serialized_end=2770
+  _globals['_SERVERINFORESPONSE_ENGINECONFIGENTRY']._serialized_start=2673
+  _globals['_SERVERINFORESPONSE_ENGINECONFIGENTRY']._serialized_end=2724
+  _globals['_SERVERINFORESPONSE_STATSENTRY']._serialized_start=2726
+  _globals['_SERVERINFORESPONSE_STATSENTRY']._serialized_end=2770
+  _globals['_PAGEDJAX']._serialized_start=2869
+  _globals['_PAGEDJAX']._serialized_end=3185
 # @@protoc_insertion_point(module_scope)

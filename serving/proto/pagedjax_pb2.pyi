@@ -133,18 +133,20 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class ModelVersions(_message.Message):
-    __slots__ = ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version")
+    __slots__ = ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version", "speculative")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_HASH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     name: str
     revision: str
     tokenizer_hash: str
     chat_template_hash: str
     engine_version: str
-    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., chat_template_hash: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
+    speculative: str
+    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., chat_template_hash: _Optional[str] = ..., engine_version: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class FinalInfo(_message.Message):
     __slots__ = ("finish_reason", "usage", "timings", "versions")
