@@ -103,6 +103,8 @@ def section_burst(a) -> dict:
     from benchmarks import reliability_burst
 
     server_args = [f"--max_num_seqs={a.burst_max_num_seqs}"]
+    if a.burst_engine_process:
+        server_args.append("--engine_process")
     if a.burst_model != "mock":
         server_args.append(f"--warmup_max_shapes={a.burst_warmup_max_shapes}")
     if a.burst_model == "mock":
@@ -121,6 +123,7 @@ def section_burst(a) -> dict:
         f"{a.burst_n} chat calls at once, {a.burst_max_tokens} max tokens, "
         f"{a.burst_deadline_s} s deadline, max_num_seqs {a.burst_max_num_seqs}"
         + (f", mock step {a.mock_step_time_s} s" if a.burst_model == "mock" else "")
+        + (", engine in a child process" if a.burst_engine_process else ", engine in-process")
     )
     return out
 
@@ -342,6 +345,12 @@ def main(argv=None) -> int:
     p.add_argument("--burst_deadline_s", type=float, default=15.0)
     p.add_argument("--burst_max_num_seqs", type=int, default=32)
     p.add_argument("--burst_probes", type=int, default=100)
+    p.add_argument(
+        "--burst_engine_process",
+        type=int,
+        default=1,
+        help="1: the server runs its engine in a child process (--engine_process); 0: in-process",
+    )
     p.add_argument("--burst_warmup_max_shapes", type=int, default=32)
     p.add_argument("--mock_step_time_s", type=float, default=0.05)
     p.add_argument("--soak_fake_n", type=int, default=10_000)
@@ -364,7 +373,8 @@ def main(argv=None) -> int:
     for name in a.sections.split(","):
         print(f"[reliability] {name} ... ({_load()})", flush=True)
         start = time.monotonic()
-        key = f"burst[{a.burst_model}]" if name == "burst" else name
+        variant = "" if a.burst_engine_process else ", engine in-process"
+        key = f"burst[{a.burst_model}{variant}]" if name == "burst" else name
         results[key] = globals()[f"section_{name}"](a)
         results[key]["section_wall_s"] = time.monotonic() - start
         print(json.dumps(results[key], indent=1, default=str), flush=True)

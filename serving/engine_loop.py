@@ -43,6 +43,7 @@ from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from serving.admission import WaitingQueue
 from serving.breaker import CircuitBreaker
+from serving.engine_process import ProcessEngine
 from serving.request_state import ActiveRequest, RequestLedger, SlowConsumerPolicy, Terminal
 
 log = logging.getLogger("pagedjax.serving")
@@ -200,7 +201,9 @@ class EngineLoop:
             return  # the old engine finishes what it holds first
         engine, done = self._swap
         log.info("engine swapped: %s -> %s", self.engine.identity, engine.identity)
-        self.engine, self._swap = engine, None
+        old, self.engine, self._swap = self.engine, engine, None
+        if isinstance(old, ProcessEngine):
+            old.close()  # its child process served its last request
         if self.on_swap is not None:
             self.on_swap(engine)
         done.set()
@@ -261,6 +264,12 @@ class EngineLoop:
                 self._end(
                     r, "rejected", "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT, str(e)
                 )
+                self.unregister(r.request_id)
+                continue
+            except Exception as e:  # noqa: BLE001 - e.g. the engine process could not start
+                log.error("engine.add_request failed: %r", e)
+                self.breaker.record_failure()
+                self._end(r, "failed", "engine_add", grpc.StatusCode.INTERNAL, repr(e))
                 self.unregister(r.request_id)
                 continue
             self._in_engine.add(r.request_id)
