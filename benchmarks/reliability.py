@@ -105,6 +105,8 @@ def section_burst(a) -> dict:
     server_args = [f"--max_num_seqs={a.burst_max_num_seqs}"]
     if a.burst_engine_process:
         server_args.append("--engine_process")
+    if a.burst_compilation_cache_dir:
+        server_args.append(f"--compilation_cache_dir={a.burst_compilation_cache_dir}")
     if a.burst_model != "mock":
         server_args.append(f"--warmup_max_shapes={a.burst_warmup_max_shapes}")
     if a.burst_model == "mock":
@@ -345,6 +347,12 @@ def main(argv=None) -> int:
     p.add_argument("--burst_deadline_s", type=float, default=15.0)
     p.add_argument("--burst_max_num_seqs", type=int, default=32)
     p.add_argument("--burst_probes", type=int, default=100)
+    p.add_argument(
+        "--burst_compilation_cache_dir",
+        default="",
+        help="JAX compilation cache for the burst server (off on CPU by default): a second "
+        "run then loads the step programs the first one compiled",
+    )
     p.add_argument(
         "--burst_engine_process",
         type=int,

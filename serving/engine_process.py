@@ -89,6 +89,7 @@ class EngineSpec:
     model: str
     options: dict
     build_kwargs: dict = dataclasses.field(default_factory=dict)
+    compilation_cache_dir: str | None = None  # as --compilation_cache_dir (None: default)
 
 
 class ProcessEngine:
@@ -120,7 +121,8 @@ class ProcessEngine:
     @classmethod
     def start(cls, model: str, options: dict, **kwargs) -> ProcessEngine:
         build_kwargs = kwargs.pop("build_kwargs", {})
-        engine = cls(EngineSpec(model, dict(options), build_kwargs), **kwargs)
+        cache_dir = kwargs.pop("compilation_cache_dir", None)
+        engine = cls(EngineSpec(model, dict(options), build_kwargs, cache_dir), **kwargs)
         engine._spawn()
         return engine
 
@@ -291,6 +293,10 @@ def _serve(conn: Connection, spec: EngineSpec) -> None:
     from serving.server import build_engine, engine_warmup
 
     try:
+        if spec.model != "mock":  # JAX's persistent cache is per process: set it up here
+            from engine.compilation_cache import enable
+
+            enable(spec.compilation_cache_dir)
         engine = build_engine(spec.model, dict(spec.options), **spec.build_kwargs)
         tokenizer = engine.tokenizer
         _register_tokenizer_pickling(tokenizer)

@@ -278,10 +278,18 @@ def close_engine(engine) -> None:
         engine.close()
 
 
-def build_serving_engine(model: str, options: dict, *, in_process: bool, **build_kwargs):
+def build_serving_engine(
+    model: str,
+    options: dict,
+    *,
+    in_process: bool,
+    compilation_cache_dir: str | None = None,
+    **build_kwargs,
+):
     """(engine, warm-up callable or None) for the server: the engine built here, or in a
-    child process (`in_process=False`, then warmed there). `options` as build_engine's,
-    plus warmup_max_shapes."""
+    child process (`in_process=False`, then warmed there, with its own compilation cache
+    set up from `compilation_cache_dir`). `options` as build_engine's, plus
+    warmup_max_shapes."""
     options = dict(options)
     max_shapes = options.pop("warmup_max_shapes", 0)
     shapes = {"max_step_shapes": max_shapes} if max_shapes else {}
@@ -290,7 +298,12 @@ def build_serving_engine(model: str, options: dict, *, in_process: bool, **build
         return engine, engine_warmup(engine, max_shapes)
     from serving.engine_process import ProcessEngine
 
-    engine = ProcessEngine.start(model, {**options, **shapes}, build_kwargs=build_kwargs)
+    engine = ProcessEngine.start(
+        model,
+        {**options, **shapes},
+        build_kwargs=build_kwargs,
+        compilation_cache_dir=compilation_cache_dir,
+    )
     if not max_shapes or model == "mock":
         return engine, None
     return engine, lambda: engine.warmup(max_shapes)
@@ -627,6 +640,7 @@ def main(argv) -> None:
         FLAGS.model,
         {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
         in_process=not FLAGS.engine_process,
+        compilation_cache_dir=FLAGS.compilation_cache_dir,
         **build_kwargs,
     )
     try:
@@ -646,6 +660,7 @@ def main(argv) -> None:
             FLAGS.model,
             {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
             in_process=not FLAGS.engine_process,
+            compilation_cache_dir=FLAGS.compilation_cache_dir,
             **build_kwargs,
         )
         if warm is not None:
