@@ -71,6 +71,7 @@ class CapacityModel:
             prefill_tokens_per_s,
         )
         self.max_inflight, self.smoothing = max_inflight, smoothing
+        self.max_jump = 2.0  # one observation counts at most this x the current estimate
         self._step_s = dict(step_s_by_concurrency)
         self._prefill_tokens_per_s = prefill_tokens_per_s
         self._lock = threading.Lock()
@@ -80,6 +81,10 @@ class CapacityModel:
         beyond them."""
         with self._lock:
             points = sorted(self._step_s.items())
+        return self._interpolated(points, concurrency)
+
+    @staticmethod
+    def _interpolated(points: list[tuple[int, float]], concurrency: int) -> float:
         sizes = [c for c, _ in points]
         i = bisect.bisect_left(sizes, concurrency)
         if i < len(sizes) and sizes[i] == concurrency:
@@ -99,21 +104,37 @@ class CapacityModel:
         return self.prefill_s(prompt_tokens) + max_tokens * self.step_s(concurrency)
 
     def observe_step(self, concurrency: int, step_s: float) -> None:
-        """A real step's wall time, at `concurrency` requests in the engine."""
+        """A real step's wall time, at `concurrency` requests in the engine. One observation
+        counts at most `max_jump` x the current estimate (see `_bounded`)."""
         if concurrency < 1 or step_s <= 0:
             return
         bucket = 1 << (concurrency - 1).bit_length()  # 1, 2, 4, ...: few, well-fed points
         with self._lock:
             old = self._step_s.get(bucket)
-            self._step_s[bucket] = step_s if old is None else old + self.smoothing * (step_s - old)
+            if old is None:
+                old = self._interpolated(sorted(self._step_s.items()), bucket)
+                step_s = min(step_s, old * self.max_jump)
+                self._step_s[bucket] = step_s
+            else:
+                self._step_s[bucket] = self._bounded(old, step_s)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A real request's prompt: from entering the engine to its first token."""
+        """A real request's prompt: from entering the engine to its first token (bounded
+        as steps are)."""
         if num_tokens < 1 or seconds <= 0:
             return
         with self._lock:
-            rate, old = num_tokens / seconds, self._prefill_tokens_per_s
-            self._prefill_tokens_per_s = old + self.smoothing * (rate - old)
+            old_s_per_token = 1.0 / self._prefill_tokens_per_s
+            s_per_token = self._bounded(old_s_per_token, seconds / num_tokens)
+            self._prefill_tokens_per_s = 1.0 / s_per_token
+
+    def _bounded(self, old: float, observed: float) -> float:
+        """The exponential average's next value, with one observation clamped to
+        `max_jump` x the current one. NOTE: a step that compiled a new shape (15-30 s for
+        SmolLM2 on a loaded CPU, against 0.2 s steps) counted in full made the model shed
+        every call of the next burst for an estimated 29 s per request; a lasting slowdown
+        still gets through, by up to smoothing x (max_jump - 1) = 10% per step."""
+        return old + self.smoothing * (min(observed, old * self.max_jump) - old)
 
     def estimate(
         self,

@@ -24,6 +24,21 @@ def test_step_time_interpolates_and_refreshes():
     assert model.prefill_s(500) == pytest.approx(500 / 4000, rel=1e-3)
 
 
+def test_one_compiling_step_does_not_poison_the_model():
+    """A step that compiled a new shape (x100 the usual time) moves the estimate by at most
+    smoothing x (max_jump - 1) = 10%; a lasting slowdown is still followed."""
+    model = CapacityModel({1: 0.2}, prefill_tokens_per_s=100.0, max_inflight=8)
+    model.observe_step(1, 20.0)
+    assert model.step_s(1) == pytest.approx(0.22)
+    model.observe_prefill(40, 15.0)  # a first token after a 15 s compile
+    assert model.prefill_s(100) == pytest.approx(1.1)
+    model.observe_step(4, 30.0)  # a first observation of a bucket is clamped too
+    assert model.step_s(4) == pytest.approx(2 * 0.22)
+    for _ in range(100):
+        model.observe_step(1, 0.5)
+    assert model.step_s(1) == pytest.approx(0.5, rel=1e-3)
+
+
 def test_estimate_is_wait_plus_own_prefill_and_decode():
     model = CapacityModel({4: 0.1}, prefill_tokens_per_s=100.0, max_inflight=4)
     free = model.estimate(
