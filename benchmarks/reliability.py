@@ -103,6 +103,8 @@ def section_burst(a) -> dict:
     from benchmarks import reliability_burst
 
     server_args = [f"--max_num_seqs={a.burst_max_num_seqs}"]
+    if a.burst_max_model_len:
+        server_args.append(f"--max_model_len={a.burst_max_model_len}")
     if a.burst_engine_process:
         server_args.append("--engine_process")
     if a.burst_compilation_cache_dir:
@@ -123,7 +125,9 @@ def section_burst(a) -> dict:
     out["load"] = _load()
     out["config"] = (
         f"{a.burst_n} chat calls at once, {a.burst_max_tokens} max tokens, "
-        f"{a.burst_deadline_s} s deadline, max_num_seqs {a.burst_max_num_seqs}"
+        f"{a.burst_deadline_s} s deadline, max_num_seqs {a.burst_max_num_seqs}, "
+        f"max_model_len {a.burst_max_model_len or 'default'}, "
+        f"warm-up {a.burst_warmup_max_shapes if a.burst_model != 'mock' else 0} shapes"
         + (f", mock step {a.mock_step_time_s} s" if a.burst_model == "mock" else "")
         + (", engine in a child process" if a.burst_engine_process else ", engine in-process")
     )
@@ -347,6 +351,13 @@ def main(argv=None) -> int:
     p.add_argument("--burst_deadline_s", type=float, default=15.0)
     p.add_argument("--burst_max_num_seqs", type=int, default=32)
     p.add_argument("--burst_probes", type=int, default=100)
+    p.add_argument(
+        "--burst_max_model_len",
+        type=int,
+        default=256,
+        help="the burst server's --max_model_len (0: the model's): the burst's chats fit 256, "
+        "and a shorter context means a smaller set of step shapes to compile (90 vs 120)",
+    )
     p.add_argument(
         "--burst_compilation_cache_dir",
         default="",

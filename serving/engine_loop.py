@@ -185,6 +185,7 @@ class EngineLoop:
             self._feed()
         self.waiting.num_in_engine = len(self._in_engine)
         self.waiting.unprefilled_engine_tokens = self._unprefilled_tokens()
+        self.waiting.engine_remaining_tokens = self._remaining_tokens()
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
         )
@@ -311,6 +312,16 @@ class EngineLoop:
             if r is not None and not r.token_times_s:
                 total += len(r.engine_request.prompt_token_ids)
         return total
+
+    def _remaining_tokens(self) -> list[int]:
+        """Tokens each request in the engine may still generate (its max_tokens left)."""
+        remaining = []
+        for request_id in self._in_engine:
+            r = self._lookup(request_id)
+            if r is not None:
+                sp = r.engine_request.sampling
+                remaining.append(max(0, sp.max_tokens - len(r.token_times_s)))
+        return remaining
 
     def _observe_prefill(self, r: ActiveRequest, first_token_s: float) -> None:
         if self.waiting.capacity is not None:
