@@ -116,6 +116,7 @@ class ProcessEngine:
         self._lost: set[str] = set()  # held by a child that died, not yet reported by step()
         self._death = ""  # why the last child died
         self._warm_shapes: int | None = None  # warm-up to repeat after a restart
+        self._closed = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -187,8 +188,18 @@ class ProcessEngine:
         return self._call(("call", method, args))[1]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        with self._lock:
+        """Ask the child to exit (kill it after `timeout_s`). A call in flight on another
+        thread (a long warm-up or step) is not waited for: the child is killed and that
+        call raises EngineProcessDied."""
+        self._closed = True  # no restart after this
+        if not self._lock.acquire(timeout=1.0):
+            if self._proc is not None:
+                self._proc.kill()  # the caller holding the lock then sees EOF
+            return
+        try:
             conn, proc, self._conn, self._proc = self._conn, self._proc, None, None
+        finally:
+            self._lock.release()
         if conn is not None:
             with contextlib.suppress(OSError, EOFError):
                 conn.send(("close",))
@@ -217,6 +228,8 @@ class ProcessEngine:
             if self._conn is not None and not self.alive:
                 self._lose(f"exit code {self._proc.exitcode}")
             if self._conn is None:
+                if self._closed:
+                    raise EngineProcessError("the engine process was closed")
                 self._restart()
             try:
                 self._conn.send(message)

@@ -102,3 +102,16 @@ def test_a_killed_engine_process_fails_what_it_held_once_and_a_new_one_serves():
 def test_a_child_that_cannot_build_its_engine_says_why():
     with pytest.raises(EngineProcessError, match="the mock engine allows"):
         ProcessEngine.start("mock", {**MOCK_OPTIONS, "quantization": "int8"})
+
+
+def test_close_does_not_wait_for_a_call_in_flight():
+    """SIGTERM during a long warm-up must not hang: close() kills the busy child (the pipe
+    is held by the call waiting for its reply), and no new child is started afterwards."""
+    engine = _mock()
+    closer = threading.Thread(target=engine.close)
+    with engine._lock:  # as a call waiting for its reply holds it
+        closer.start()
+        closer.join(30)
+    assert not closer.is_alive() and not engine.alive
+    with pytest.raises(EngineProcessError, match="closed"):
+        engine.stats()
