@@ -193,8 +193,10 @@ class ProcessEngine:
         call raises EngineProcessDied."""
         self._closed = True  # no restart after this
         if not self._lock.acquire(timeout=1.0):
-            if self._proc is not None:
-                self._proc.kill()  # the caller holding the lock then sees EOF
+            proc = self._proc
+            if proc is not None:
+                proc.kill()  # the caller holding the lock then sees EOF
+                proc.join(timeout_s)
             return
         try:
             conn, proc, self._conn, self._proc = self._conn, self._proc, None, None
