@@ -134,14 +134,21 @@ def section_burst(a) -> dict:
     return out
 
 
-def _mock_server(max_num_seqs: int, step_time_s: float):
+def _mock_server(max_num_seqs: int, step_time_s: float, engine_process: bool = False):
     from serving.admission import AdmissionConfig
     from serving.mock_engine import MockEngine
     from serving.server import PagedJaxServer, ServerConfig
 
-    engine = MockEngine(
-        max_num_seqs=max_num_seqs, num_pages=4096, page_size=16, step_time_s=step_time_s
-    )
+    if engine_process:  # the same MockEngine, built in a child process
+        from serving.engine_process import ProcessEngine
+
+        options = {"max_num_seqs": max_num_seqs, "num_pages": 4096, "page_size": 16}
+        build = {"mock_step_time_s": step_time_s}
+        engine = ProcessEngine.start("mock", options, build_kwargs=build)
+    else:
+        engine = MockEngine(
+            max_num_seqs=max_num_seqs, num_pages=4096, page_size=16, step_time_s=step_time_s
+        )
     admission = AdmissionConfig(max_queue_requests=1024, max_tokens=64, max_model_len=512)
     return PagedJaxServer(
         engine, ServerConfig(host="127.0.0.1", port=0, admission=admission)
@@ -151,7 +158,7 @@ def _mock_server(max_num_seqs: int, step_time_s: float):
 def section_soak_fake(a) -> dict:
     from benchmarks.reliability_soak import soak
 
-    server = _mock_server(32, 0.002)
+    server = _mock_server(32, 0.002, engine_process=bool(a.soak_engine_process))
     try:
         prompts = [f"prompt {i} " * (1 + i % 20) for i in range(50)]
         out = soak(server, a.soak_fake_n, 64, a.cancel_fraction, prompts, max_tokens=32)
@@ -309,7 +316,11 @@ def write_report(results: dict, args, path_md: str) -> None:
         lines += [f"## Burst, model {key[6:-1]} ({b.get('config', '')}; {b['load']})",
                   "", *_burst_md(b), "", f"Server exit code after SIGTERM: "
                   f"{b['server_exit_code']}.", ""]  # fmt: skip
-    for key, title in (("soak_fake", "Soak, fake model"), ("soak_model", "Soak, real model")):
+    for key, title in (
+        ("soak_fake", "Soak, fake model"),
+        ("soak_fake[engine process]", "Soak, fake model, engine in a child process"),
+        ("soak_model", "Soak, real model"),
+    ):
         if key in results:
             lines += [f"## {title}", "", *_soak_md(results[key]), ""]
     if "timing" in results:
@@ -374,6 +385,12 @@ def main(argv=None) -> int:
     p.add_argument("--mock_step_time_s", type=float, default=0.05)
     p.add_argument("--soak_fake_n", type=int, default=10_000)
     p.add_argument("--soak_model_n", type=int, default=1_000)
+    p.add_argument(
+        "--soak_engine_process",
+        type=int,
+        default=0,
+        help="1: soak_fake's MockEngine runs in a child process (serving/engine_process.py)",
+    )
     p.add_argument("--cancel_fraction", type=float, default=0.2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--model_max_num_seqs", type=int, default=16)
@@ -394,6 +411,8 @@ def main(argv=None) -> int:
         start = time.monotonic()
         variant = "" if a.burst_engine_process else ", engine in-process"
         key = f"burst[{a.burst_model}{variant}]" if name == "burst" else name
+        if name == "soak_fake" and a.soak_engine_process:
+            key = "soak_fake[engine process]"
         results[key] = globals()[f"section_{name}"](a)
         results[key]["section_wall_s"] = time.monotonic() - start
         print(json.dumps(results[key], indent=1, default=str), flush=True)
