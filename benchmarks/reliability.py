@@ -311,6 +311,9 @@ def write_report(results: dict, args, path_md: str) -> None:
         "Shared 2-core machine: each section carries the load average it ran at.",
         "",
     ]
+    for note in results.get("notes", ()):  # what a figure cannot say by itself
+        lines += [f"- {note}"]
+    lines += [""] if results.get("notes") else []
     for key in sorted(k for k in results if k.startswith("burst")):
         b = results[key]
         lines += [f"## Burst, model {key[6:-1]} ({b.get('config', '')}; {b['load']})",
