@@ -51,12 +51,19 @@ FAULT_TESTS = {
     "slow consumer ABORTED (stall timeout), pages freed": (
         "tests/test_serving_hardening.py::test_slow_consumer_stall_timeout"
     ),
-    "SIGTERM drains in-flight streams, exit 0": (
+    "SIGTERM drains in-flight streams, exit 0 (engine in-process and in a child process)": (
         "tests/test_serving_shutdown.py::test_sigterm_drains_the_server_program_and_exits_0"
     ),
     "drain timeout cancels the rest with an outcome, pages freed": (
         "tests/test_serving_shutdown.py::"
         "test_drain_timeout_cancels_the_rest_with_an_outcome_and_frees_pages"
+    ),
+    "engine process killed: only its requests fail (once each), a fresh one serves": (
+        "tests/test_serving_engine_process.py::"
+        "test_a_killed_engine_process_fails_what_it_held_once_and_a_new_one_serves"
+    ),
+    "HTTP response not delivered (client left after the engine finished): cancelled": (
+        "tests/test_http_delivery.py::test_streamed_response_not_delivered_is_cancelled_not_success"
     ),
     "reload under load: nothing fails, each final names its revision": (
         "tests/test_serving_shutdown.py::"
