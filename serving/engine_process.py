@@ -181,7 +181,9 @@ class ProcessEngine:
     def warmup(self, max_shapes: int) -> None:
         """Compile the engine's step shapes in the child (serving.server.engine_warmup)."""
         self._warm_shapes = max_shapes
-        self._call(("warmup", max_shapes))
+        # NOTE: no reply timeout: 90-120 SmolLM2 step programs took over 30 min on this
+        # loaded CPU; a child that dies meanwhile still ends the wait (EOF).
+        self._call(("warmup", max_shapes), timeout_s=None)
 
     def call(self, method: str, *args):
         """Call a method of the child's engine (test hooks such as fail_next_steps)."""
@@ -225,7 +227,9 @@ class ProcessEngine:
         except EngineProcessDied:
             return self._call(message)
 
-    def _call(self, message: tuple) -> tuple:
+    def _call(self, message: tuple, timeout_s: float | None = -1.0) -> tuple:
+        """One command and its reply; `timeout_s` -1: reply_timeout_s, None: no limit."""
+        timeout_s = self.reply_timeout_s if timeout_s == -1.0 else timeout_s
         with self._lock:
             if self._conn is not None and not self.alive:
                 self._lose(f"exit code {self._proc.exitcode}")
@@ -235,7 +239,7 @@ class ProcessEngine:
                 self._restart()
             try:
                 self._conn.send(message)
-                reply = self._recv(self.reply_timeout_s)
+                reply = self._recv(timeout_s)
             except (OSError, EOFError, TimeoutError) as e:
                 self._lose(f"{e!r} during {message[0]}")
                 raise EngineProcessDied(f"engine process died ({self._death})") from e
@@ -243,7 +247,7 @@ class ProcessEngine:
             raise EngineProcessError(f"engine process failed on {message[0]}: {reply[1]}")
         return reply
 
-    def _recv(self, timeout_s: float) -> tuple:
+    def _recv(self, timeout_s: float | None) -> tuple:
         # NOTE: poll() waits without the interpreter lock; a dead child makes it return
         # (recv then raises EOFError), so the timeout only catches a hung one.
         if not self._conn.poll(timeout_s):
@@ -284,8 +288,13 @@ class ProcessEngine:
         log.warning("starting engine process again (restart %d)", self.num_restarts)
         self._spawn()
         if self._warm_shapes:
-            self._conn.send(("warmup", self._warm_shapes))
-            self._recv(self.start_timeout_s)
+            try:
+                self._conn.send(("warmup", self._warm_shapes))
+                self._recv(None)
+            except (OSError, EOFError) as e:
+                self._kill()
+                msg = f"restarted engine process died warming up: {e!r}"
+                raise EngineProcessError(msg) from e
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
