@@ -23,7 +23,8 @@ from tests.test_prefix_cache_engine import check_page_references
 pytestmark = pytest.mark.compile  # builds its own engine configurations
 
 K = 3
-SPEC = {"num_speculative_tokens": K, "disable_by_batch_size": None}
+# prompt_lookup_min=1: the random tiny model never quotes its prompt, so only 1-grams match
+SPEC = {"num_speculative_tokens": K, "disable_by_batch_size": None, "prompt_lookup_min": 1}
 OPTS = dict(TINY_OPTS, num_pages=16)  # 15 usable pages of 8 tokens: preemptions
 MAX_TOKENS = 16
 
