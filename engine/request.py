@@ -73,6 +73,10 @@ class Request:
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     spec_drafted_tokens: int = 0  # drafts verified over the request's life
     spec_accepted_tokens: int = 0  # of which accepted
+    # Backoff (engine/spec_decode.py): consecutive verify steps that accepted nothing, and
+    # the output count before which the request is not drafted for again.
+    spec_misses: int = 0
+    spec_resume_at: int = 0
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -104,6 +104,23 @@ class SpecStats:
         }
 
 
+MAX_BACKOFF_TOKENS = 32
+
+
+def back_off(req, num_accepted: int) -> None:
+    """Acceptance backoff: a verify step that accepted none of a request's drafts makes it
+    skip drafting for its next 2, 4, 8, ... 32 output tokens (doubling per consecutive
+    miss); an accepted draft resets it. Drafts that keep failing (a free-form story) then
+    stop costing verify positions and, once no running request drafts, the engine runs
+    plain overlapped steps again (`should_speculate`)."""
+    if num_accepted:
+        req.spec_misses, req.spec_resume_at = 0, 0
+        return
+    req.spec_misses += 1
+    wait = min(2**req.spec_misses, MAX_BACKOFF_TOKENS)
+    req.spec_resume_at = req.num_output_tokens + 1 + wait  # + 1: the token this step emits
+
+
 class SpecDecoder:
     """Speculation for one EngineCore (it reads and drives the core's scheduler, builder,
     output processor and device state; see the module docstring)."""
@@ -126,10 +143,13 @@ class SpecDecoder:
         )
 
     def should_speculate(self) -> bool:
-        """The batch-size policy: speculate while at most disable_by_batch_size run."""
-        n = len(self.core.scheduler.running)
+        """The batch-size policy: speculate while at most disable_by_batch_size run, and
+        some running request is not backing off (else plain overlapped steps)."""
+        running = self.core.scheduler.running
         limit = self.config.disable_by_batch_size
-        return n > 0 and (limit is None or n <= limit)
+        if not running or (limit is not None and len(running) > limit):
+            return False
+        return any(r.num_output_tokens >= r.spec_resume_at for r in running)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -157,6 +177,8 @@ class SpecDecoder:
             req.spec_token_ids = []
             room = req.sampling.max_tokens - req.num_output_tokens - 1  # + 1 emitted always
             if req.num_remaining_tokens != 1 or room <= 0 or uses_penalties([req.sampling]):
+                continue
+            if req.num_output_tokens < req.spec_resume_at:  # backing off (see back_off)
                 continue
             req.spec_token_ids = list(self.proposer(req, min(self.k, room)))[: min(self.k, room)]
             num += bool(req.spec_token_ids)
@@ -270,6 +292,7 @@ class SpecDecoder:
         emitted = [int(verified.tokens[r]) for r in rows]
         req.spec_drafted_tokens += nd
         req.spec_accepted_tokens += n
+        back_off(req, n)
         self.stats.record(nd, n)
         req.num_computed_tokens = s.start + 1 + n  # rejected drafts' K/V no longer count
         out = core.outputs.emit_tokens(req, emitted, now, self._logprobs(req, verified, rows))
