@@ -308,8 +308,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "compilation_cache_dir",
         None,
-        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla on GPU/TPU, "
-        "off on CPU; '' or 'none': off)",
+        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
     )
     flags.DEFINE_integer(
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
