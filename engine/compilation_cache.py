@@ -111,7 +111,11 @@ def _set_aside_if_a_warmup_died(path: str) -> None:
     if not dead:
         return
     aside = f"{path}.crashed-{time.strftime('%Y%m%dT%H%M%S')}"
-    os.replace(path, aside)
+    try:
+        os.replace(path, aside)
+    except OSError as e:  # another process starting now set it aside first
+        log.warning("compilation cache %s: could not set it aside (%s)", path, e)
+        return
     os.makedirs(path, exist_ok=True)
     log.warning(
         "compilation cache %s: a warm-up died while loading it (%s); moved to %s, "
