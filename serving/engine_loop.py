@@ -43,7 +43,6 @@ from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from serving.admission import WaitingQueue
 from serving.breaker import CircuitBreaker
-from serving.engine_process import ProcessEngine
 from serving.request_state import ActiveRequest, RequestLedger, SlowConsumerPolicy, Terminal
 
 log = logging.getLogger("pagedjax.serving")
@@ -203,8 +202,9 @@ class EngineLoop:
         engine, done = self._swap
         log.info("engine swapped: %s -> %s", self.engine.identity, engine.identity)
         old, self.engine, self._swap = self.engine, engine, None
-        if isinstance(old, ProcessEngine):
-            old.close()  # its child process served its last request
+        close = getattr(old, "close", None)  # ProcessEngine (serving/engine_process.py)
+        if close is not None:
+            close()  # its child process served its last request
         if self.on_swap is not None:
             self.on_swap(engine)
         done.set()
