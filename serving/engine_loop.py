@@ -39,6 +39,7 @@ import time
 
 import grpc
 
+from engine.adapter_refs import request_identity
 from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from serving.admission import WaitingQueue
@@ -254,7 +255,7 @@ class EngineLoop:
                 self.unregister(item.request_id)
                 continue
             r.added_s = time.monotonic()
-            r.identity = self.engine.identity
+            r.identity = request_identity(self.engine, r.engine_request)  # LoRA: + adapter
             try:
                 self.engine.add_request(r.engine_request)
             except InvalidRequestError as e:

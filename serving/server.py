@@ -301,6 +301,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     shared.define_quantization()
+    shared.define_lora()
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
@@ -399,6 +400,9 @@ def check_flags() -> None:
     shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
     shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
     _check_file("tenants_config", FLAGS.tenants_config)
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)  # LoRA: --lora=NAME=DIR
+    if loras or FLAGS.max_loras:
+        shared.require("lora", FLAGS.lora, FLAGS.model != "mock", "needs a real --model")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
@@ -432,7 +436,18 @@ def engine_options_from_flags() -> dict:
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        **lora_options_from_flags(),
     }
+
+
+def lora_options_from_flags() -> dict:
+    """LoRA engine options and the adapters to load (--lora, --max_loras, --max_lora_rank);
+    nothing when no adapter is served, so the plain engine is built exactly as before."""
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)
+    max_loras = len(loras) if FLAGS.max_loras is None else FLAGS.max_loras
+    if not max_loras:
+        return {}
+    return {"max_loras": max_loras, "max_lora_rank": FLAGS.max_lora_rank, "lora": loras}
 
 
 def build_engine(
@@ -450,6 +465,8 @@ def build_engine(
         for opt, default in (("quantization", "none"), ("kv_dtype", "float32")):
             if options.get(opt, default) != default:
                 raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
+        if options.get("max_loras"):
+            raise ValueError("LoRA adapters (--lora, --max_loras) need a real --model")
 
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],
@@ -470,6 +487,7 @@ def build_engine(
     from models.registry import load_model
 
     mesh = options.pop("mesh", None)
+    loras = options.pop("lora", {})  # name -> PEFT directory, loaded below
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
         options.setdefault("max_step_shapes", warmup_max_shapes)
@@ -483,6 +501,10 @@ def build_engine(
         quantization=config.quant_config,
     )
     core = create_engine(loaded, config, mesh=mesh)
+    for name, path in loras.items():  # before the engine thread starts: no lock needed
+        for replica in getattr(core, "replicas", [core]):
+            ref = replica.load_adapter(name, path)
+        shared.progress(f"LoRA adapter {name} = {ref.content_hash[:19]} (rank {ref.rank})")
     shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
     warm = engine_warmup(core, warmup_max_shapes)
     if warm is not None:
