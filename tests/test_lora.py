@@ -24,7 +24,6 @@ from engine.adapters import AdapterSlotsFullError, UnknownAdapterError
 from models.dense_generate import DenseKVCache, dense_attention, generate_dense
 from models.llama import forward, layer_layout
 from models.lora import (
-    LORA_TARGETS,
     LoraConfigError,
     LoraInputs,
     adapter_slot_arrays,
@@ -33,48 +32,9 @@ from models.lora import (
     lora_delta_gather,
     lora_row_mask,
     read_adapter,
-    target_shapes,
     write_slot,
 )
-
-ALL = tuple(LORA_TARGETS)
-
-
-def write_peft_adapter(
-    path, cfg, *, targets=ALL, r=4, alpha=8, rslora=False, seed=0, scale=0.1, **config
-):
-    """A PEFT LoRA directory with random non-zero A and B for a model of `cfg`."""
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for module in targets:
-        field = LORA_TARGETS[module][0]
-        n_in, n_out = (math.prod(s) for s in target_shapes(cfg)[field])
-        part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        for layer in range(cfg.num_layers):
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[key + ".lora_A.weight"] = rng.normal(0, scale, (r, n_in)).astype(np.float32)
-            tensors[key + ".lora_B.weight"] = rng.normal(0, scale, (n_out, r)).astype(np.float32)
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    peft_config = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": alpha,
-        "use_rslora": rslora,
-        "target_modules": list(targets),
-        "bias": "none",
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        **config,
-    }
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(peft_config, f)
-    return str(path)
+from models.lora_random import write_peft_adapter
 
 
 def merged_params(params, adapter):
@@ -340,3 +300,14 @@ def test_engine_without_lora_has_no_adapter_state(tiny_model):
     assert not core.has_unfinished()
     with pytest.raises(ValueError, match="max_loras=-1 is invalid"):
         EngineConfig(max_loras=-1)
+
+
+@pytest.mark.compile
+def test_lora_bench_smoke(tmp_path):
+    from benchmarks import lora_bench
+
+    res = lora_bench.main(["--smoke", f"--json={tmp_path / 'bench.json'}"])
+    assert set(res["cases"]) == {"base", "lora-0", "lora-1", "lora-4"}
+    for row in res["cases"].values():
+        assert row["output_tokens"] == 4 * 4 and row["output_tok_s"] > 0
+    assert json.loads((tmp_path / "bench.json").read_text())["concurrency"] == 4

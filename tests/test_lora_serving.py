@@ -8,10 +8,10 @@ import pytest
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
 from engine.sampling_params import SamplingParams
+from models.lora_random import write_peft_adapter
 from serving import flags as shared
 from serving.admission import AdmissionConfig
 from serving.testing import running_server
-from tests.test_lora import write_peft_adapter
 
 PROMPT = "hello world"
 
