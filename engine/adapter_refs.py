@@ -1,12 +1,30 @@
 """What the serving layer asks about LoRA adapters, without importing JAX (the mock server
-and the request path stay light): which adapters an engine serves, and the resolved identity
-a response reports. The adapters themselves live in engine/adapters.py."""
+and the request path stay light): which adapters an engine serves, the resolved identity a
+response reports, and the adapter errors. The adapters themselves: engine/adapters.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from engine.api_types import AdapterRef, EngineRequest
+from engine.errors import InvalidRequestError
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request or unload names an adapter that is not loaded (NOT_FOUND / 404)."""
+
+    def __init__(self, name, loaded: list[str]):
+        limit = f"not loaded; loaded adapters: {loaded}" if loaded else "no adapter is loaded"
+        super().__init__("adapter", name, limit)
+
+
+class AdapterSlotsFullError(InvalidRequestError):
+    """Every slot holds an adapter that is named or still in use."""
+
+    def __init__(self, name: str, max_loras: int):
+        super().__init__(
+            "adapter", name, f"all max_loras={max_loras} slots are in use (unload one first)"
+        )
 
 
 def loaded_adapters(engine) -> dict[str, AdapterRef]:

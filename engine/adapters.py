@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.model_config import ModelConfig
+from engine.adapter_refs import AdapterSlotsFullError, UnknownAdapterError
 from engine.api_types import AdapterRef
 from engine.errors import InvalidRequestError
 from models.lora import (
@@ -47,23 +48,6 @@ from models.lora import (
 )
 
 BASE_SLOT = 0  # row slot id of the base model
-
-
-class UnknownAdapterError(InvalidRequestError):
-    """A request or unload names an adapter that is not loaded (NOT_FOUND / 404)."""
-
-    def __init__(self, name, loaded: list[str]):
-        limit = f"not loaded; loaded adapters: {loaded}" if loaded else "no adapter is loaded"
-        super().__init__("adapter", name, limit)
-
-
-class AdapterSlotsFullError(InvalidRequestError):
-    """Every slot holds an adapter that is named or still in use."""
-
-    def __init__(self, name: str, max_loras: int):
-        super().__init__(
-            "adapter", name, f"all max_loras={max_loras} slots are in use (unload one first)"
-        )
 
 
 class AdapterManager:

@@ -133,6 +133,12 @@ def define_lora() -> None:
         "adapter slots on the device (None: as many as --lora gives; 0: no LoRA)",
     )
     _define_once(flags.DEFINE_integer, "max_lora_rank", 16, "largest adapter rank served")
+    _define_once(
+        flags.DEFINE_bool,
+        "allow_runtime_lora",
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (reads server paths)",
+    )
 
 
 def parse_loras(values: list[str], max_loras: int | None) -> dict[str, str]:

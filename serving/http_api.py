@@ -54,6 +54,7 @@ from serving.generation import (
     is_done,
 )
 from serving.http_endpoints import InfoEndpoints
+from serving.http_lora import LoraEndpoints
 from serving.request_state import Terminal
 
 REVISION_HEADER = "x-pagedjax-revision"
@@ -81,6 +82,7 @@ class HttpApi:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
         InfoEndpoints(self.generator, self.metrics).register(app)
+        LoraEndpoints(self.generator).register(app)
         return app
 
     # ---- generation ----------------------------------------------------------------------------

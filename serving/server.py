@@ -70,6 +70,8 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
     http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
+    # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
+    allow_runtime_lora: bool = False
 
 
 class PagedJaxServer:
@@ -167,6 +169,7 @@ class PagedJaxServer:
             from serving.http_api import HttpApi
             from serving.http_server import HttpServer
 
+            self.generator.allow_runtime_lora = config.allow_runtime_lora
             self.http_api = HttpApi(self.generator, self.metrics)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
@@ -576,6 +579,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_failure_threshold=FLAGS.breaker_failures,
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,

@@ -92,3 +92,34 @@ def test_lora_flags_parse_and_reject_bad_values(tmp_path):
         shared.parse_loras([f"a={tmp_path}/missing"], None)
     with pytest.raises(shared.UsageError, match="--max_loras=1"):
         shared.parse_loras([f"a={tmp_path}", f"b={tmp_path}"], 1)
+
+
+@pytest.mark.compile
+def test_runtime_load_and_unload_over_http(lora_engine, tiny_model, tmp_path):
+    a2 = write_peft_adapter(tmp_path / "a2", tiny_model.config, scale=0.3, seed=5)
+    big = write_peft_adapter(tmp_path / "big", tiny_model.config, r=16)
+    admission = AdmissionConfig(max_model_len=128)
+    with running_server(lora_engine, admission=admission, http_port=0) as (server, _):
+        base = f"http://127.0.0.1:{server.http_port}"
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": a2})
+        assert r.status_code == 403 and "--allow_runtime_lora" in r.text
+    with running_server(lora_engine, admission=admission, http_port=0, allow_runtime_lora=True) as (
+        server,
+        _,
+    ):
+        base = f"http://127.0.0.1:{server.http_port}"
+        load, unload = f"{base}/v1/load_lora_adapter", f"{base}/v1/unload_lora_adapter"
+        r = httpx.post(load, json={"lora_name": "a2", "lora_path": a2}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["content_hash"] == lora_engine.adapters.loaded["a2"].content_hash
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "model": "a2"}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["pagedjax"]["versions"]["adapter"] == "a2"
+        r = httpx.post(load, json={"lora_name": "big", "lora_path": big}, timeout=60)
+        assert r.status_code == 400 and "max_lora_rank=8" in r.text
+        r = httpx.post(load, json={"lora_name": "x"}, timeout=60)
+        assert r.status_code == 400 and "lora_path" in r.text
+        assert httpx.post(unload, json={"lora_name": "a2"}, timeout=60).status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 404, r.text
+        assert httpx.post(unload, json={"lora_name": "a2"}, timeout=60).status_code == 404
