@@ -42,4 +42,9 @@ def request_identity(engine, request: EngineRequest):
         return engine.identity
     ref = loaded_adapters(engine).get(request.adapter)
     content_hash = "" if ref is None else ref.content_hash
-    return dataclasses.replace(engine.identity, adapter=request.adapter, adapter_hash=content_hash)
+    return adapter_identity(engine.identity, request.adapter, content_hash)
+
+
+def adapter_identity(identity, name: str, content_hash: str):
+    """`identity` (a models.identity.ModelIdentity) naming an adapter and its content hash."""
+    return dataclasses.replace(identity, adapter=name, adapter_hash=content_hash)

@@ -28,6 +28,8 @@ adapter, and a reloaded adapter with new content never hits the old content's pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,12 +38,13 @@ from configs.model_config import ModelConfig
 from engine.adapter_refs import AdapterSlotsFullError, UnknownAdapterError
 from engine.api_types import AdapterRef
 from engine.errors import InvalidRequestError
+from models.llama import LayerWeights, param_axes
 from models.lora import (
+    LORA_TARGETS,
     LoraInputs,
     LoraWeights,
     adapter_slot_arrays,
     init_lora_weights,
-    lora_axes,
     lora_shapes,
     read_adapter,
     write_slot,
@@ -182,8 +185,22 @@ class AdapterManager:
         }
 
 
+_NUM_IN = dict(LORA_TARGETS.values())  # field -> contracted axes after L
+
+
+def lora_axes(field: str, which: str) -> tuple[str, ...]:
+    """Logical axes of a slot stack's a/b leaf, derived from the base weight's declaration
+    (models.llama.LayerWeights): A keeps the weight's input axes, B its output axes, so an
+    adapter is split across a mesh exactly like the weight it adapts."""
+    base = param_axes(next(f for f in dataclasses.fields(LayerWeights) if f.name == field))
+    layers, num_in = base[0], _NUM_IN[field]
+    if which == "a":
+        return (layers, *base[1 : 1 + num_in], "lora_slots", "lora_rank")
+    return (layers, "lora_slots", "lora_rank", *base[1 + num_in :])
+
+
 def lora_shardings(cfg: ModelConfig, mesh, max_loras: int, max_rank: int) -> LoraWeights:
-    """NamedShardings of the slot stack from `models.lora.lora_axes` (each A split like its
+    """NamedShardings of the slot stack from `lora_axes` (each A split like its
     weight's input axes, each B like its output axes) through engine/sharding's rules."""
     from jax.sharding import NamedSharding
 

@@ -413,7 +413,7 @@ class EngineCore:
             max_loras=self.config.max_loras,
             max_lora_rank=self.config.max_lora_rank,
             max_num_seqs=self.sched_config.max_num_seqs,
-            dtype=jax.tree.leaves(self.params)[0].dtype,
+            dtype=self.params.embed.dtype,
             mesh=self.mesh,
             device=None if self.mesh is not None else device_or_sharding,
         )

@@ -72,7 +72,6 @@ LORA_TARGETS: dict[str, tuple[str, int]] = {
     "down_proj": ("w_down", 1),
 }
 TARGET_FIELDS = tuple(field for field, _ in LORA_TARGETS.values())
-_NUM_IN = dict(LORA_TARGETS.values())
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(LORA_TARGETS) + r")\.lora_([AB])"
     r"\.weight$"
@@ -99,19 +98,6 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[in
         "w_up": ((D,), (F,)),
         "w_down": ((F,), (D,)),
     }
-
-
-def lora_axes(field: str, which: str) -> tuple[str, ...]:
-    """Logical axes of a slot stack's a/b leaf, derived from the base weight's declaration
-    (models.llama.LayerWeights): A keeps the weight's input axes, B its output axes, so an
-    adapter is split across a mesh exactly like the weight it adapts."""
-    from models.llama import LayerWeights, param_axes
-
-    base = param_axes(next(f for f in dataclasses.fields(LayerWeights) if f.name == field))
-    layers, num_in = base[0], _NUM_IN[field]
-    if which == "a":
-        return (layers, *base[1 : 1 + num_in], "lora_slots", "lora_rank")
-    return (layers, "lora_slots", "lora_rank", *base[1 + num_in :])
 
 
 # ---- one adapter on the host -------------------------------------------------------------

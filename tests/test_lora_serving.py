@@ -115,6 +115,13 @@ def test_runtime_load_and_unload_over_http(lora_engine, tiny_model, tmp_path):
         body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "model": "a2"}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["pagedjax"]["versions"]["adapter"] == "a2"
+        models = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "a1", "a2"]
+        assert models[2]["parent"] == "tiny"
+        assert (
+            models[2]["pagedjax"]["versions"]["adapter_hash"]
+            == r.json()["pagedjax"]["versions"]["adapter_hash"]
+        )
         r = httpx.post(load, json={"lora_name": "big", "lora_path": big}, timeout=60)
         assert r.status_code == 400 and "max_lora_rank=8" in r.text
         r = httpx.post(load, json={"lora_name": "x"}, timeout=60)
