@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from engine import LLM, SamplingParams
+from models.lora import LoraInputs
 from models.lora_random import write_peft_adapter
 from models.registry import load_model
 
@@ -125,20 +126,78 @@ def run(args) -> dict:
     }
 
 
+def forward_cost(model, rank: int, num_tokens: int, reps: int) -> dict:
+    """The model forward over `num_tokens` rows (dense attention: the LoRA cost sits in the
+    projections), plain vs with the slot stack of NUM_ADAPTERS adapters, rows round-robin
+    over base and the adapters; the two alternate and the minimum of `reps` is kept, so a
+    shared CPU's load disturbs the ratio less than whole bursts."""
+    import jax
+    import jax.numpy as jnp
+
+    from engine.adapters import AdapterManager
+    from models.dense_generate import DenseKVCache, dense_attention
+    from models.llama import forward, layer_layout
+
+    cfg = model.config
+    params = layer_layout(model.params, "auto")
+    manager = AdapterManager(cfg, cfg, max_loras=NUM_ADAPTERS, max_lora_rank=rank, max_num_seqs=1)
+    with tempfile.TemporaryDirectory() as root:
+        for i in range(NUM_ADAPTERS):
+            path = os.path.join(root, f"a{i}")
+            write_peft_adapter(path, cfg, r=rank, alpha=rank, scale=0.02, seed=i)
+            manager.load(f"a{i}", path)
+    ids = jnp.asarray(_prompts(1, num_tokens, cfg.vocab_size, 0)[0], jnp.int32)
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)
+    rows = jnp.arange(num_tokens, dtype=jnp.int32) % (NUM_ADAPTERS + 1)  # 0 = base
+
+    @jax.jit
+    def run(params, lora):
+        cache = DenseKVCache.zeros(cfg, num_tokens, jnp.float32)
+        attention = dense_attention(cfg, positions)
+        return forward(params, cfg, ids, positions, cache, attention, lora=lora)[0]
+
+    lora = LoraInputs(manager.weights, rows)
+    variants = {"plain": None, "lora": lora}
+    times = {k: [] for k in variants}
+    for arg in variants.values():
+        run(params, arg).block_until_ready()  # compile
+    for _ in range(reps):
+        for name, arg in variants.items():
+            t0 = time.perf_counter()
+            run(params, arg).block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    plain_ms, lora_ms = (1e3 * min(times[k]) for k in ("plain", "lora"))
+    return {
+        "num_tokens": num_tokens,
+        "plain_ms": plain_ms,
+        "lora_ms": lora_ms,
+        "lora_vs_plain_time": lora_ms / plain_ms,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
 def render(res: dict) -> str:
-    lines = [
-        f"LoRA throughput: {res['model']}, concurrency {res['concurrency']}, prompt "
-        f"{res['prompt_tokens']} + {res['output_tokens']} output tokens, rank {res['rank']}, "
-        f"best of {res['repeats']}",
-        f"{'case':8} {'output tok/s':>13} {'vs base':>8} {'wall s':>8} {'load 1m':>8}",
-    ]
-    for case, r in res["cases"].items():
+    lines = []
+    if res.get("cases"):
+        lines += [
+            f"LoRA throughput: {res['model']}, concurrency {res['concurrency']}, prompt "
+            f"{res['prompt_tokens']} + {res['output_tokens']} output tokens, rank "
+            f"{res['rank']}, best of {res['repeats']}",
+            f"{'case':8} {'output tok/s':>13} {'vs base':>8} {'wall s':>8} {'load 1m':>8}",
+        ]
+        for case, r in res["cases"].items():
+            lines.append(
+                f"{case:8} {r['output_tok_s']:13.1f} {r['vs_base']:8.3f} {r['wall_s']:8.2f} "
+                f"{r['load_avg_1m']:8.1f}"
+            )
+        met = "met" if res["target_met"] else "NOT met"
+        lines.append(f"target lora-4 >= {res['target_lora4_vs_base']}x base: {met}")
+    for f in res.get("forward", []):
         lines.append(
-            f"{case:8} {r['output_tok_s']:13.1f} {r['vs_base']:8.3f} {r['wall_s']:8.2f} "
-            f"{r['load_avg_1m']:8.1f}"
+            f"forward {f['num_tokens']:4d} tokens: plain {f['plain_ms']:.1f} ms, with "
+            f"{NUM_ADAPTERS} adapters mixed {f['lora_ms']:.1f} ms "
+            f"({f['lora_vs_plain_time']:.3f}x time), load {f['load_avg_1m']:.1f}"
         )
-    met = "met" if res["target_met"] else "NOT met"
-    lines.append(f"target lora-4 >= {res['target_lora4_vs_base']}x base: {met}")
     return "\n".join(lines)
 
 
@@ -151,13 +210,22 @@ def main(argv=None) -> dict:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--layer_loop", default="auto", help="auto | scan | unrolled")
+    p.add_argument("--forward_reps", type=int, default=20, help="0: no forward timing")
+    p.add_argument("--forward_tokens", type=int, nargs="+", default=[32, 256])
+    p.add_argument("--forward_only", action="store_true", help="only the forward timing")
     p.add_argument("--smoke", action="store_true", help="tiny model, small sizes")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.concurrency, args.output_tokens, args.repeats = "tiny", 4, 4, 1
         args.prompt_tokens, args.rank = 8, 4
-    res = run(args)
+        args.forward_reps, args.forward_tokens = 2, [8]
+    res = run(args) if not args.forward_only else {"cases": {}}
+    if args.forward_reps:
+        model = load_model(args.model)
+        res["forward"] = [
+            forward_cost(model, args.rank, t, args.forward_reps) for t in args.forward_tokens
+        ]
     print(render(res))
     if args.json:
         with open(args.json, "w") as f:
