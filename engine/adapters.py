@@ -47,6 +47,7 @@ from models.lora import (
     init_lora_weights,
     lora_shapes,
     read_adapter,
+    split_layers,
     write_slot,
 )
 
@@ -65,9 +66,12 @@ class AdapterManager:
         dtype=jnp.float32,
         mesh=None,
         device=None,
+        unrolled: bool = False,
     ):
         """`checkpoint_cfg`: the model as loaded (what adapters are checked against);
-        `run_cfg`: as the engine runs it (KV heads may be replicated under a mesh)."""
+        `run_cfg`: as the engine runs it (KV heads may be replicated under a mesh);
+        `unrolled`: the engine's params are one LoraWeights per layer (`layer_layout`), so
+        the forward gets the stack split per layer too (`split_layers`, after each load)."""
         if max_loras < 1:
             raise ValueError(f"max_loras={max_loras} is invalid: >= 1 for an AdapterManager")
         self.cfg, self.run_cfg = checkpoint_cfg, run_cfg
@@ -76,12 +80,19 @@ class AdapterManager:
             None if mesh is None else lora_shardings(run_cfg, mesh, max_loras, max_lora_rank)
         )
         weights = init_lora_weights(run_cfg, max_loras, max_lora_rank, dtype)
-        self.weights: LoraWeights = self._place(weights, device)
+        self.weights: LoraWeights = self._place(weights, device)  # stacked [L, ...]
+        self.unrolled = unrolled
+        self._run_weights = split_layers(self.weights) if unrolled else self.weights
         self._named: dict[str, AdapterRef] = {}
         self._users = [0] * (max_loras + 1)  # [row slot] live requests using it
         self._held: list[AdapterRef | None] = [None] * (max_loras + 1)  # [row slot] content
         self._request_slot: dict[str, int] = {}
         self._batch_slot = np.zeros(max_num_seqs, np.int32)  # [batch slot] row slot id
+
+    @property
+    def run_weights(self) -> LoraWeights | tuple[LoraWeights, ...]:
+        """The slot stack as the forward reads it (split per layer when unrolled)."""
+        return self._run_weights
 
     # ---- names ------------------------------------------------------------------------------
     @property
@@ -129,6 +140,7 @@ class AdapterManager:
         self.weights = write_slot(self.weights, jnp.int32(slot - 1), a, b)
         if self._shardings is not None:
             self.weights = jax.device_put(self.weights, self._shardings)
+        self._run_weights = split_layers(self.weights) if self.unrolled else self.weights
 
     def _place(self, weights: LoraWeights, device) -> LoraWeights:
         if self._shardings is not None:
@@ -173,7 +185,7 @@ class AdapterManager:
             rows = np.zeros(shape.num_decode + shape.num_prefill_tokens, np.int32)
         else:
             rows = self.row_slots(batch, shape)
-        return LoraInputs(self.weights, rows)
+        return LoraInputs(self.run_weights, rows)
 
     def stats(self) -> dict:
         named = {ref.slot for ref in self._named.values()}

@@ -72,7 +72,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
 from engine.step import NONFINITE_TOKEN, engine_step
-from models.llama import cast_params, layer_layout
+from models.llama import LayerWeights, cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
@@ -416,6 +416,7 @@ class EngineCore:
             dtype=self.params.embed.dtype,
             mesh=self.mesh,
             device=None if self.mesh is not None else device_or_sharding,
+            unrolled=not isinstance(self.params.layers, LayerWeights),
         )
 
     def load_adapter(self, name: str, path: str):

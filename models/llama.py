@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from models.lora import LoraInputs, lora_delta, lora_row_mask
+from models.lora import LoraInputs, LoraWeights, lora_delta, lora_row_mask
 from models.quant import Int8Weight, int8_proj, linear
 
 Array = jax.Array
@@ -283,10 +283,9 @@ def forward(
     inv_freq = rope_inv_freq(cfg)
     lora_weights, lora_mask = None, None
     if lora is not None:
-        lora_weights = lora.weights
-        lora_mask = lora_row_mask(
-            lora.row_slots, lora_weights.num_slots, lora_weights.max_rank, x.dtype
-        )  # [T, N*R]
+        lora_weights = lora.weights  # stacked, or one per layer (like params.layers)
+        first = lora_weights[0] if isinstance(lora_weights, tuple) else lora_weights
+        lora_mask = lora_row_mask(lora.row_slots, first.num_slots, first.max_rank, x.dtype)
     body = functools.partial(_layer, cfg, attention, inv_freq, positions, lora_mask)
     if isinstance(params.layers, LayerWeights):  # stacked [L, ...]: one traced layer body
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -294,8 +293,11 @@ def forward(
         (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
     else:  # a tuple of per-layer weights: the layers unrolled, each reads its own arrays
         for i, w in enumerate(params.layers):
-            # NOTE: LoRA stacks stay [L, ...] here too: a layer's slice is small (N*R columns)
-            lw = None if lora_weights is None else jax.tree.map(lambda a, i=i: a[i], lora_weights)
+            lw = lora_weights
+            if isinstance(lw, LoraWeights):  # NOTE: a stacked slot stack: slice (copies)
+                lw = jax.tree.map(lambda a, i=i: a[i], lw)
+            elif lw is not None:
+                lw = lw[i]
             (x, cache), _ = body((x, cache), (w, jnp.int32(i), lw))
     if logits_indices is not None:
         x = x[logits_indices]  # [R, D]

@@ -248,12 +248,21 @@ class LoraWeights:
     b: dict[str, Array]  # field -> [L, N, R, *out]
 
     @property
-    def num_slots(self) -> int:
-        return next(iter(self.b.values())).shape[1]
+    def num_slots(self) -> int:  # N (stacked [L, *in, N, R] or one layer's [*in, N, R])
+        return next(iter(self.a.values())).shape[-2]
 
     @property
-    def max_rank(self) -> int:
-        return next(iter(self.b.values())).shape[2]
+    def max_rank(self) -> int:  # R
+        return next(iter(self.a.values())).shape[-1]
+
+
+@jax.jit
+def split_layers(weights: LoraWeights) -> tuple[LoraWeights, ...]:
+    """One LoraWeights per layer (copies), for the unrolled layer loop
+    (`models.llama.layer_layout`): a layer reads its own arrays instead of copying a slice
+    of the stack every step."""
+    num_layers = next(iter(weights.a.values())).shape[0]
+    return tuple(jax.tree.map(lambda x, i=i: x[i], weights) for i in range(num_layers))
 
 
 def lora_shapes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype=jnp.float32):
@@ -344,5 +353,5 @@ def lora_delta_gather(x: Array, a: Array, b: Array, row_slots: Array) -> Array:
 class LoraInputs:
     """What `models.llama.forward` needs for LoRA: the slot stack and each row's slot."""
 
-    weights: LoraWeights
+    weights: LoraWeights | tuple[LoraWeights, ...]  # stacked, or per layer (`split_layers`)
     row_slots: Array  # [T] int32: 0 = base, s = storage slot s - 1
