@@ -457,6 +457,8 @@ def check_flags() -> None:
     loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)  # LoRA: --lora=NAME=DIR
     if loras or FLAGS.max_loras:
         shared.require("lora", FLAGS.lora, FLAGS.model != "mock", "needs a real --model")
+        # NOTE: the handlers resolve adapter names on the engine object in this process
+        shared.require("lora", FLAGS.lora, not FLAGS.engine_process, "not with --engine_process")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
