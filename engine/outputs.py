@@ -82,7 +82,11 @@ class OutputProcessor:
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(
-        self, er: EngineRequest, now_s: float, cache_salt: str | None = None
+        self,
+        er: EngineRequest,
+        now_s: float,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
     ) -> Request:
         """Validate and queue. Raises InvalidRequestError (DuplicateRequestError) naming the
         field, the value and the limit."""
@@ -97,7 +101,9 @@ class OutputProcessor:
             raise DuplicateRequestError(er.request_id)
         if cache_salt is None:
             cache_salt = cache_salt_for(er.tenant, self.cache_sharing)
-        req = Request.from_engine_request(er, now_s=now_s, cache_salt=cache_salt)
+        req = Request.from_engine_request(
+            er, now_s=now_s, cache_salt=cache_salt, adapter_id=adapter_id
+        )
         self.scheduler.add_request(req)
         detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
         self._stops[er.request_id] = StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok)

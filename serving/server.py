@@ -71,6 +71,8 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
     http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
+    # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
+    allow_runtime_lora: bool = False
 
 
 class PagedJaxServer:
@@ -168,6 +170,7 @@ class PagedJaxServer:
             from serving.http_api import HttpApi
             from serving.http_server import HttpServer
 
+            self.generator.allow_runtime_lora = config.allow_runtime_lora
             self.http_api = HttpApi(self.generator, self.metrics)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
@@ -347,6 +350,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     shared.define_quantization()
+    shared.define_lora()
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
@@ -450,6 +454,11 @@ def check_flags() -> None:
     shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
     shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
     _check_file("tenants_config", FLAGS.tenants_config)
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)  # LoRA: --lora=NAME=DIR
+    if loras or FLAGS.max_loras:
+        shared.require("lora", FLAGS.lora, FLAGS.model != "mock", "needs a real --model")
+        # NOTE: the handlers resolve adapter names on the engine object in this process
+        shared.require("lora", FLAGS.lora, not FLAGS.engine_process, "not with --engine_process")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
@@ -483,7 +492,18 @@ def engine_options_from_flags() -> dict:
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        **lora_options_from_flags(),
     }
+
+
+def lora_options_from_flags() -> dict:
+    """LoRA engine options and the adapters to load (--lora, --max_loras, --max_lora_rank);
+    nothing when no adapter is served, so the plain engine is built exactly as before."""
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)
+    max_loras = len(loras) if FLAGS.max_loras is None else FLAGS.max_loras
+    if not max_loras:
+        return {}
+    return {"max_loras": max_loras, "max_lora_rank": FLAGS.max_lora_rank, "lora": loras}
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -509,6 +529,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_failure_threshold=FLAGS.breaker_failures,
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
