@@ -124,6 +124,10 @@ class EngineConfig:
     # Speculative decoding (configs/spec_config.py; engine/spec_decode.py): None = off, or
     # a SpeculativeConfig / dict / string such as "ngram:k=4".
     speculative: SpeculativeConfig | None = None
+    # ---- LoRA (engine/adapters.py): device slots for this many adapters of rank <= R;
+    # 0 = no LoRA (the step programs are exactly the plain model's).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
@@ -136,6 +140,8 @@ class EngineConfig:
             f"one of {sorted(DTYPE_BYTES)}",
         )
         self.quant_config  # noqa: B018 (validates quantization and quantize_lm_head)
+        _check("max_loras", self.max_loras, self.max_loras >= 0, ">= 0 (0: no LoRA)")
+        _check("max_lora_rank", self.max_lora_rank, self.max_lora_rank >= 1, ">= 1")
         _check(
             "cache_sharing",
             self.cache_sharing,

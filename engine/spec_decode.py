@@ -128,6 +128,8 @@ class SpecDecoder:
     def __init__(self, core, config: SpeculativeConfig):
         if core.mesh is not None:
             raise NotImplementedError("speculative decoding with a mesh (one device only)")
+        if getattr(core, "adapters", None) is not None:  # spec_engine_step has no LoRA input
+            raise NotImplementedError("speculative decoding with LoRA adapters (max_loras > 0)")
         self.core = core
         self.config = config
         self.k = config.num_speculative_tokens

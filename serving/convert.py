@@ -112,6 +112,8 @@ def versions_dict(identity) -> dict[str, str]:
             "tokenizer_hash",
             "chat_template_hash",
             "engine_version",
+            "adapter",
+            "adapter_hash",
             "speculative",
         )
     }
