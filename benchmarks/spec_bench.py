@@ -19,8 +19,8 @@ How each figure is measured:
   tok/s: output tokens / wall time of the run (prefill included); acceptance: accepted /
   drafted tokens; tokens/verify: tokens a verified sequence emits per step; draft overhead:
   host ms proposing per verify step, as a share of the verify step's ms.
-- Policy: the largest measured batch at which ngram still beats off on tok/s, taken over
-  both workloads (speculation must not lose on the free story either): this is what
+- Policy: the largest measured batch at which ngram beats off on tok/s on some workload
+  and keeps >= 0.9x of it on every workload (the free story, whose drafts fail): what
   `SpeculativeConfig.disable_by_batch_size` should be on this machine. Printed at the end.
 Load average is printed with every figure: other processes share this CPU.
 """
@@ -138,13 +138,15 @@ def fmt(row: dict) -> str:
     )
 
 
-def policy(rows: list[dict]) -> int | None:
-    """Largest batch where ngram beats off on tok/s in every workload (None: never)."""
+def policy(rows: list[dict], floor: float = 0.9) -> int | None:
+    """Largest batch where speculation pays somewhere (ngram/off tok/s > 1 on some
+    workload) and costs at most 1 - floor everywhere (>= floor on every workload, e.g. a
+    free story whose drafts all fail); None: no such batch."""
     best = None
     for b in sorted({r["batch"] for r in rows}):
         tok_s = {(r["workload"], r["mode"]): r["tok_s"] for r in rows if r["batch"] == b}
-        workloads = {w for w, _ in tok_s}
-        if all(tok_s[(w, "ngram")] > tok_s[(w, "off")] for w in workloads):
+        ratios = [tok_s[(w, "ngram")] / tok_s[(w, "off")] for w in {w for w, _ in tok_s}]
+        if max(ratios) > 1 and min(ratios) >= floor:
             best = b
     return best
 
@@ -182,7 +184,7 @@ def main(argv=None) -> list[dict]:
                 flush=True,
             )
     best = policy(rows)
-    print(f"policy: disable_by_batch_size={best} (largest batch where ngram wins everywhere)")
+    print(f"policy: disable_by_batch_size={best} (a gain somewhere, >= 0.9x everywhere)")
     for r in rows:
         r.pop("outputs")
     if args.out:
