@@ -37,6 +37,7 @@ _EXPORTABLE = ("stop", "length")
 class KVTransferEngine:
     def __init__(self, core):
         self.core = core
+        self.replicas = [core]  # warm-up (serving/server.py engine_warmup) runs on the core
         core.scheduler.on_finish = self._on_finish
         self._lock = threading.Condition()
         self._export_ids: set[str] = set()  # handler threads add; engine thread reads
