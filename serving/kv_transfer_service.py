@@ -44,6 +44,12 @@ API_KEY = "x-api-key"
 EXPORT_WAIT_S = 10.0  # the payload is published before the final delta: normally instant
 
 
+def time_left_s(context) -> float | None:
+    """The call's deadline as seconds left; None without one (gRPC then reports ~inf)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e8 else remaining
+
+
 def wrap_engine(engine):
     """A real EngineCore gets the KV export/import wrapper; other engines are returned as
     they are (MockEngine has no K/V; DataParallelEngine: not supported yet)."""
@@ -126,7 +132,7 @@ class KVTransferService(kv_grpc.KVTransferServicer):
         key = dict(context.invocation_metadata()).get(API_KEY)
         call = stub.Prefill(
             request.request,
-            timeout=context.time_remaining(),
+            timeout=time_left_s(context),
             metadata=((API_KEY, key),) if key else None,
         )
         context.add_callback(call.cancel)
