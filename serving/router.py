@@ -1,6 +1,7 @@
 """The cache-aware router: one gRPC endpoint in front of prefill, decode and `both` workers.
 
-    python -m serving.router --workers=127.0.0.1:50061,127.0.0.1:50062,... --port=50051 \
+    python -m serving.router --workers=127.0.0.1:50061,dns:pagedjax-decode:50051,... \
+        --port=50051 \
         [--policy=affinity|round_robin] [--revision=sha256:...]
 
 It serves the same `pagedjax.v1.PagedJax` API as a worker (Generate, Tokenize, ListModels,
@@ -137,6 +138,10 @@ class RouterService(pb_grpc.PagedJaxServicer):
         """Relay one attempt; returns False when it failed before any message and may be
         retried, True when the call is over (or aborts the context)."""
         timeout = time_left_s(context)
+        if not self.pool.acquire(*route.addresses):  # a worker left the pool since pick()
+            if retryable:
+                return False
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"workers {route.addresses} left")
         if route.kind == "both":
             call = self.pool.workers[route.prefill].generate.Generate(
                 req, timeout=timeout, metadata=metadata
@@ -148,7 +153,6 @@ class RouterService(pb_grpc.PagedJaxServicer):
                 metadata=metadata,
             )
         context.add_callback(call.cancel)
-        self.pool.acquire(*route.addresses)
         sent = False
         try:
             for msg in call:
@@ -256,7 +260,9 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("workers", [], "worker addresses host:port (roles are asked, not given)")
+    flags.DEFINE_list(
+        "workers", [], "host:port or dns:NAME:PORT (re-resolved) entries; roles are asked"
+    )
     flags.DEFINE_string("host", "[::]", "address to bind")
     flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
     flags.DEFINE_enum("policy", "affinity", list(POLICIES), "how a worker is chosen")
@@ -271,7 +277,7 @@ def main(argv) -> None:
     if not FLAGS.workers:
         raise shared.UsageError("workers", "", "at least one host:port")
     for i, target in enumerate(FLAGS.workers):
-        shared.check_target(f"workers[{i}]", target)
+        shared.check_target(f"workers[{i}]", target.removeprefix("dns:"))
     shared.check_port("port", FLAGS.port, FLAGS.host)
     shared.check_positive("health_interval_s", FLAGS.health_interval_s)
     shared.setup_logging(FLAGS.log_level)

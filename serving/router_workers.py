@@ -10,6 +10,10 @@ to, so one stream never mixes K/V or outputs of two models. A call that fails wi
 UNAVAILABLE marks its worker unhealthy at once (`mark_down`); the next successful check
 brings it back.
 
+Discovery: a `dns:NAME:PORT` entry (a Kubernetes headless Service, deploy/k8s/) is resolved
+again every round; each address it returns is a worker, and one that disappears from the
+answer leaves the pool once it has no request in flight.
+
 Load = requests this router has in flight on the worker (`acquire` / `release`), exact for
 the traffic it sends and free to read.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 
 import grpc
@@ -56,11 +61,25 @@ class Worker:
         return self.healthy and not self.refused
 
 
+def resolve(spec: str) -> list[str]:
+    """`host:port` -> [it]; `dns:NAME:PORT` -> every address NAME resolves to, now."""
+    if not spec.startswith("dns:"):
+        return [spec]
+    host, _, port = spec[4:].rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    hosts = sorted({info[4][0] for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
 class WorkerPool:
-    def __init__(self, addresses: list[str], revision: str = "", interval_s: float = 0.5):
-        if not addresses:
-            raise ValueError("workers: at least one host:port")
-        self.workers = {a: Worker(a, grpc.insecure_channel(a)) for a in addresses}
+    def __init__(self, specs: list[str], revision: str = "", interval_s: float = 0.5):
+        if not specs:
+            raise ValueError("workers: at least one host:port or dns:NAME:PORT")
+        self.specs = list(specs)
+        self.workers: dict[str, Worker] = {}
         self.reference: dict | None = {"revision": revision} if revision else None
         self.interval_s = interval_s
         self._lock = threading.Lock()
@@ -85,8 +104,19 @@ class WorkerPool:
 
     # ---- checks ----------------------------------------------------------------------------
     def check_all(self) -> None:
+        self._discover()
         for w in list(self.workers.values()):
             self.check(w)
+
+    def _discover(self) -> None:
+        found = [a for spec in self.specs for a in resolve(spec)]
+        with self._lock:
+            for a in found:
+                if a not in self.workers:
+                    self.workers[a] = Worker(a, grpc.insecure_channel(a))
+            for a in [a for a, w in self.workers.items() if a not in found and not w.inflight]:
+                log.info("worker %s left the DNS answer", a)
+                self.workers.pop(a).channel.close()
 
     def check(self, w: Worker, timeout_s: float = 2.0) -> None:
         try:
@@ -142,15 +172,21 @@ class WorkerPool:
         return [a for a, w in self.workers.items() if w.routable and w.role == role]
 
     def is_routable(self, address: str) -> bool:
-        return self.workers[address].routable
+        w = self.workers.get(address)
+        return w is not None and w.routable
 
     def load(self, address: str) -> int:
-        return self.workers[address].inflight
+        w = self.workers.get(address)
+        return w.inflight if w is not None else 0
 
-    def acquire(self, *addresses: str) -> None:
+    def acquire(self, *addresses: str) -> bool:
+        """Count one more request on each worker (False, counting none: one has left)."""
         with self._lock:
+            if any(a not in self.workers for a in addresses):
+                return False
             for a in addresses:
                 self.workers[a].inflight += 1
+            return True
 
     def release(self, *addresses: str) -> None:
         with self._lock:
