@@ -96,6 +96,25 @@ def wait_ready(p: Proc, pattern: str, timeout_s: float) -> None:
     raise TimeoutError(f"{p.name} not ready within {timeout_s}s; see {p.log_path}")
 
 
+def wait_serving(address: str, timeout_s: float) -> None:
+    """Until the gRPC health check of `address` says SERVING (warm-up over)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < end:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING within {timeout_s}s")
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -141,8 +160,9 @@ class LocalCluster:
                         pinned,
                     )
                 )
-            for w in self.workers:
+            for w in self.workers:  # listening, then warmed up
                 wait_ready(w, r"^serving on \d+", self.start_timeout_s)
+                wait_serving(w.address, self.start_timeout_s)
             workers = ",".join(w.address for w in self.workers)
             router_cmd = ["serving.router", f"--workers={workers}", "--host=127.0.0.1"]
             self.router = spawn(
@@ -153,6 +173,7 @@ class LocalCluster:
                 self.log_dir,
             )
             wait_ready(self.router, r"^routing on \d+", 60)
+            wait_serving(self.address, 60)
         except BaseException:
             self.stop()
             raise
