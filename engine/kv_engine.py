@@ -24,13 +24,21 @@ request's pages are ordinary scheduler pages, freed when it ends or is cancelled
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from engine.api_types import EngineRequest, RequestOutput
-from engine.kv_transfer import KVPayload, import_request, make_payload
+from engine.kv_transfer import (
+    KVChecksumError,
+    KVPayload,
+    KVTransferMismatchError,
+    import_request,
+    make_payload,
+)
 from engine.request import Request
 
+log = logging.getLogger(__name__)
 _EXPORTABLE = ("stop", "length")
 
 
@@ -74,7 +82,13 @@ class KVTransferEngine:
             self.core.add_request(er, cache_salt)
             return
         t0 = time.perf_counter()
-        outs = import_request(self.core, er, payload, cache_salt)
+        try:
+            outs = import_request(self.core, er, payload, cache_salt)
+        except (KVTransferMismatchError, KVChecksumError) as e:
+            # checked on the handler thread already; this engine changed since (a reload)
+            log.warning("request %s: K/V not imported (%s); recomputing", er.request_id, e)
+            outs = []
+            self.core.add_request(er, cache_salt)
         if not outs:  # no room: queued as a plain request (recomputes its prompt)
             self.counters["kv_import_fallbacks"] += 1
             return

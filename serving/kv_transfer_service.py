@@ -91,6 +91,8 @@ class KVTransferService(kv_grpc.KVTransferServicer):
         req.request_id = request.request_id or uuid.uuid4().hex
         req.max_tokens, req.min_tokens, req.stream = 1, min(req.min_tokens, 1), False
         engine.expect_export(req.request_id)
+        # NOTE: counted as a Generate call, so the outcome counters still sum to the calls
+        self.server.metrics.generate_calls.inc()
         try:
             for _ in self.server.service.Generate(req, context):
                 pass  # the first token travels in the payload
@@ -122,6 +124,7 @@ class KVTransferService(kv_grpc.KVTransferServicer):
             )
         )
         engine.stage(inner.request_id, payload)
+        self.server.metrics.generate_calls.inc()  # as in Prefill
         try:
             yield from self.server.service.Generate(inner, context)
         finally:

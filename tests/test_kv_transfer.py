@@ -137,6 +137,19 @@ def test_cancel_after_import_frees_pages(engines):
     assert_idle(b)
 
 
+def test_cancelled_prefill_exports_nothing_and_frees_pages(engines):
+    a, _ = engines
+    er = requests("-x")[2]
+    a.expect_export(er.request_id)
+    a.add_request(dataclasses.replace(er, sampling=prefill_sampling(er.sampling)))
+    a.step()  # scheduled: its pages are taken
+    a.abort_request(er.request_id)
+    run(a)
+    assert a.take_export(er.request_id, timeout_s=0) is None
+    a.discard_export(er.request_id)
+    assert_idle(a)
+
+
 def test_mismatches_and_corruption_are_refused(engines):
     a, b = engines
     er = requests("-m")[3]

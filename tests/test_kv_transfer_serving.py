@@ -18,7 +18,7 @@ from serving.kv_transfer_service import wrap_engine
 from serving.kv_transfer_wire import payload_chunks, receive_payload
 from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
-from serving.testing import running_server, wait_for
+from serving.testing import calls_seen, outcome_counts, running_server, wait_for
 
 OPTS = dict(
     page_size=4,
@@ -87,6 +87,7 @@ def test_decode_pulls_from_prefill_and_equals_one_engine(workers, tiny_model):
     for s in (ps, ds):
         wait_for(lambda s=s: s.loop.last_stats.get("kv_pages_used") == 0, what="pages freed")
         s.loop.engine.pool.check_invariants()
+        assert sum(outcome_counts(s).values()) == calls_seen(s) == len(PROMPTS)
     info = kv_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{ds.port}")).WorkerInfo(
         kv_pb.WorkerInfoRequest()
     )
