@@ -26,6 +26,7 @@ Sections (each prints its figures with os.getloadavg() as soon as they exist):
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import random
@@ -36,16 +37,35 @@ import time
 from absl import app, flags
 
 F = flags.FLAGS
-flags.DEFINE_list("sections", ["transfer", "affinity", "interference"], "what to run")
-flags.DEFINE_string("model", "tiny", "tiny | smollm2-135m")
-flags.DEFINE_bool("smoke", False, "small sizes (a quick check that it runs)")
-flags.DEFINE_string("json", None, "write every figure here")
-flags.DEFINE_integer("num_system_prompts", 20, "affinity: shared system prompts")
-flags.DEFINE_integer("questions", 4, "affinity: requests per system prompt")
-flags.DEFINE_integer("chats", 4, "interference: concurrent streaming chats")
-flags.DEFINE_integer("chat_tokens", 96, "interference: output tokens per chat")
-flags.DEFINE_integer("long_prompts", 3, "interference: long prompts arriving during the chats")
-flags.DEFINE_integer("long_prompt_tokens", 0, "0: 900 (tiny) or 2000 (smollm2-135m)")
+
+
+def define_flags() -> None:
+    """Defined only when run as a program (tests import this module)."""
+    flags.DEFINE_list("sections", ["transfer", "affinity", "interference"], "what to run")
+    flags.DEFINE_string("model", "tiny", "tiny | smollm2-135m")
+    flags.DEFINE_bool("smoke", False, "small sizes (a quick check that it runs)")
+    flags.DEFINE_string("json", None, "write every figure here")
+    flags.DEFINE_integer("num_system_prompts", 20, "affinity: shared system prompts")
+    flags.DEFINE_integer("questions", 4, "affinity: requests per system prompt")
+    flags.DEFINE_integer("chats", 4, "interference: concurrent streaming chats")
+    flags.DEFINE_integer("chat_tokens", 96, "interference: output tokens per chat")
+    flags.DEFINE_integer("long_prompts", 3, "interference: long prompts arriving during the chats")
+    flags.DEFINE_integer("long_prompt_tokens", 0, "0: 960 (tiny) or 2000 (smollm2-135m)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The sizes (the flags of the same names)."""
+
+    model: str = "tiny"
+    smoke: bool = False
+    num_system_prompts: int = 20
+    questions: int = 4
+    chats: int = 4
+    chat_tokens: int = 96
+    long_prompts: int = 3
+    long_prompt_tokens: int = 0
+
 
 ENGINE = {"page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 256}
 ENGINE["prefill_chunk_size"] = 256
@@ -65,7 +85,7 @@ def worker_args(model: str, max_model_len: int) -> list[str]:
     flags_ = {**ENGINE, "max_model_len": max_model_len}
     return [
         f"--model={model}",
-        "--warmup_max_shapes=16",
+        "--warmup_max_shapes=0",  # compile on use: only the shapes the workload needs
         "--capacity_probe=false",
         "--log_level=warning",
         *(f"--{k}={v}" for k, v in flags_.items()),
@@ -73,7 +93,7 @@ def worker_args(model: str, max_model_len: int) -> list[str]:
 
 
 # ---- transfer -----------------------------------------------------------------------------------
-def transfer(results: dict) -> None:
+def transfer(results: dict, o: Options) -> None:
     import grpc
 
     from configs.engine_config import EngineConfig
@@ -89,10 +109,10 @@ def transfer(results: dict) -> None:
     from serving.proto import kv_transfer_pb2_grpc as kv_grpc
     from serving.testing import running_server
 
-    model = load_model(F.model)
+    model = load_model(o.model)
     vocab = min(model.config.vocab_size, model.tokenizer.vocab_size)
-    lengths = [64, 256] if F.smoke else [64, 256, 512, 960]
-    config = EngineConfig(model=F.model, max_model_len=1024, num_pages=512, **ENGINE)
+    lengths = [64, 256] if o.smoke else [64, 256, 512, 960]
+    config = EngineConfig(model=o.model, max_model_len=1024, num_pages=512, **ENGINE)
     receiver = EngineCore(model, config)
     rows = []
     with running_server(
@@ -129,7 +149,7 @@ def transfer(results: dict) -> None:
                 }
             )
             print(f"  transfer {rows[-1]} ({load()})", file=sys.stderr, flush=True)
-    report(results, "transfer", {"model": F.model, "rows": rows})
+    report(results, "transfer", {"model": o.model, "rows": rows})
 
 
 # ---- affinity -----------------------------------------------------------------------------
@@ -166,15 +186,16 @@ def run_phase(target: str, prompts: list[str], concurrency: int = 3) -> list:
         return [j.result() for j in jobs]
 
 
-def affinity(results: dict) -> None:
+def affinity(results: dict, o: Options) -> None:
     from serving.cluster import LocalCluster
     from serving.router import Router
 
-    n_sys, n_q = (6, 3) if F.smoke else (F.num_system_prompts, F.questions)
+    n_sys, n_q = (6, 3) if o.smoke else (o.num_system_prompts, o.questions)
     figures = {}
-    with LocalCluster(0, 0, 3, worker_args=worker_args(F.model, 1024)) as cluster:
+    with LocalCluster(0, 0, 3, worker_args=worker_args(o.model, 1024)) as cluster:
         rr = Router([w.address for w in cluster.workers], policy="round_robin").start()
-        try:
+        try:  # untimed: every replica compiles its shapes on prompts no phase uses
+            run_phase(f"127.0.0.1:{rr.port}", [system_prompt(3000 + i, 120) for i in range(6)])
             for phase, (target, seed0) in {
                 "round_robin": (f"127.0.0.1:{rr.port}", 1000),
                 "affinity": (cluster.address, 2000),
@@ -213,12 +234,13 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def interference_phase(target: str, long_tokens: int) -> dict:
+def interference_phase(target: str, long_tokens: int, o: Options) -> dict:
     from serving.client import GenerateClient
 
-    chats, chat_tokens = (2, 32) if F.smoke else (F.chats, F.chat_tokens)
-    n_long = 1 if F.smoke else F.long_prompts
-    long_prompt = " ".join(["stone"] * long_tokens)  # about one token per word
+    chats, chat_tokens = (2, 32) if o.smoke else (o.chats, o.chat_tokens)
+    n_long = 1 if o.smoke else o.long_prompts
+    rng = random.Random(long_tokens)  # ids below 250: in every model's vocabulary here
+    long_prompts = [[rng.randrange(3, 250) for _ in range(long_tokens)] for _ in range(n_long)]
     with GenerateClient(target) as client, concurrent.futures.ThreadPoolExecutor(8) as ex:
 
         def chat(i):
@@ -230,7 +252,7 @@ def interference_phase(target: str, long_tokens: int) -> dict:
         def long(i):
             time.sleep(0.5 + i)  # arrive while the chats stream
             return client.generate(
-                f"{i} " + long_prompt, max_tokens=2, temperature=0.0, timeout_s=900
+                token_ids=long_prompts[i], max_tokens=2, temperature=0.0, timeout_s=900
             )
 
         chat_jobs = [ex.submit(chat, i) for i in range(chats)]
@@ -252,18 +274,18 @@ def interference_phase(target: str, long_tokens: int) -> dict:
     }
 
 
-def interference(results: dict) -> None:
+def interference(results: dict, o: Options) -> None:
     from serving.cluster import LocalCluster
 
-    long_tokens = F.long_prompt_tokens or (900 if F.model == "tiny" else 2000)
-    if F.smoke:
+    long_tokens = o.long_prompt_tokens or (960 if o.model == "tiny" else 2000)
+    if o.smoke:
         long_tokens = 200
-    max_len = 1024 if F.model == "tiny" else 2304
+    max_len = 1024 if o.model == "tiny" else 2304
     figures = {}
     for name, (p, d, r) in {"colocated": (0, 0, 2), "disaggregated": (1, 1, 0)}.items():
-        with LocalCluster(p, d, r, worker_args=worker_args(F.model, max_len)) as cluster:
-            interference_phase(cluster.address, 32)  # untimed: compiles the shapes it uses
-            figures[name] = interference_phase(cluster.address, long_tokens)
+        with LocalCluster(p, d, r, worker_args=worker_args(o.model, max_len)) as cluster:
+            interference_phase(cluster.address, 32, o)  # untimed: compiles the shapes it uses
+            figures[name] = interference_phase(cluster.address, long_tokens, o)
         print(f"  interference {name} {figures[name]} ({load()})", file=sys.stderr)
     report(results, "interference", figures)
 
@@ -272,8 +294,11 @@ def main(argv) -> None:
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    o = Options(**{f.name: getattr(F, f.name) for f in dataclasses.fields(Options)})
     for section in F.sections:
-        {"transfer": transfer, "affinity": affinity, "interference": interference}[section](results)
+        {"transfer": transfer, "affinity": affinity, "interference": interference}[section](
+            results, o
+        )
     if F.json:
         with open(F.json, "w") as f:
             json.dump(results, f, indent=1, default=float)
@@ -281,4 +306,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

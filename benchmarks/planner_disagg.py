@@ -140,20 +140,24 @@ def render(p: dict) -> str:
 
 
 F = flags.FLAGS
-flags.DEFINE_string("model", "llama-3.1-8b", "a configs.model_config preset")
-flags.DEFINE_string("kv_dtype", "bfloat16", "KV element type")
-flags.DEFINE_float("rate", 40.0, "requests per second")
-flags.DEFINE_float("prompt_tokens", 2000, "mean prompt tokens")
-flags.DEFINE_float("output_tokens", 250, "mean output tokens")
-flags.DEFINE_float("prefix_hit_rate", 0.0, "fraction of prompt tokens served by prefix caches")
-flags.DEFINE_float("prefill_tokens_per_s", 31000, "measured, per prefill worker")
-flags.DEFINE_float("decode_tokens_per_s", 5200, "measured, per decode worker")
-flags.DEFINE_float("tpot_s", 0.0123, "measured time per output token at that batch")
-flags.DEFINE_float("transfer_gb_per_s", 450, "measured KV bandwidth prefill -> decode (GB/s)")
-flags.DEFINE_float("kv_budget_gib", 58, "KV memory per decode worker (GiB)")
-flags.DEFINE_float("reserve", 0.3, "headroom kept free on every pool")
-flags.DEFINE_integer("devices_per_worker", 1, "devices of one worker (TP group size)")
-flags.DEFINE_enum("format", "text", ["text", "json"], "output")
+
+
+def define_flags() -> None:
+    """Defined only when run as a program (benchmarks.planner defines some of the same names)."""
+    flags.DEFINE_string("model", "llama-3.1-8b", "a configs.model_config preset")
+    flags.DEFINE_string("kv_dtype", "bfloat16", "KV element type")
+    flags.DEFINE_float("rate", 40.0, "requests per second")
+    flags.DEFINE_float("prompt_tokens", 2000, "mean prompt tokens")
+    flags.DEFINE_float("output_tokens", 250, "mean output tokens")
+    flags.DEFINE_float("prefix_hit_rate", 0.0, "fraction of prompt tokens served by prefix caches")
+    flags.DEFINE_float("prefill_tokens_per_s", 31000, "measured, per prefill worker")
+    flags.DEFINE_float("decode_tokens_per_s", 5200, "measured, per decode worker")
+    flags.DEFINE_float("tpot_s", 0.0123, "measured time per output token at that batch")
+    flags.DEFINE_float("transfer_gb_per_s", 450, "measured KV bandwidth prefill -> decode (GB/s)")
+    flags.DEFINE_float("kv_budget_gib", 58, "KV memory per decode worker (GiB)")
+    flags.DEFINE_float("reserve", 0.3, "headroom kept free on every pool")
+    flags.DEFINE_integer("devices_per_worker", 1, "devices of one worker (TP group size)")
+    flags.DEFINE_enum("format", "text", ["text", "json"], "output")
 
 
 def main(argv):
@@ -190,4 +194,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(shared.main_guard(main), flags_parser=shared.parse_flags)
