@@ -50,6 +50,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("chats", 4, "interference: concurrent streaming chats")
     flags.DEFINE_integer("chat_tokens", 96, "interference: output tokens per chat")
     flags.DEFINE_integer("long_prompts", 3, "interference: long prompts arriving during the chats")
+    flags.DEFINE_integer("transfer_repeats", 5, "transfer: timed repeats per length")
     flags.DEFINE_integer("long_prompt_tokens", 0, "0: 960 (tiny) or 2000 (smollm2-135m)")
 
 
@@ -65,6 +66,7 @@ class Options:
     chat_tokens: int = 96
     long_prompts: int = 3
     long_prompt_tokens: int = 0
+    transfer_repeats: int = 5
 
 
 ENGINE = {"page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 256}
@@ -123,7 +125,8 @@ def transfer(results: dict, o: Options) -> None:
         stub = kv_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
         rng = random.Random(0)
         for n in lengths:
-            for rep in range(3):  # the first compiles
+            timed = []  # (TransferStats, import_s) of the repeats after the first (compiles)
+            for rep in range(1 + o.transfer_repeats):
                 ids = [rng.randrange(3, vocab) for _ in range(n)]
                 rid = f"t{n}-{rep}"
                 req = build_request(token_ids=ids, request_id=rid, max_tokens=1, temperature=0.0)
@@ -136,16 +139,21 @@ def transfer(results: dict, o: Options) -> None:
                 receiver.abort_request(rid)
                 while receiver.has_unfinished():
                     receiver.step()
+                if rep:
+                    timed.append((stats, import_s))
+            wire_s = statistics.median(t.transfer_s for t, _ in timed)
+            prefill_s = statistics.median(t.prefill_s for t, _ in timed)
             rows.append(
                 {
                     "prompt_tokens": n,
                     "kv_bytes": stats.num_bytes,
                     "kv_bytes_per_token": stats.num_bytes / n,
-                    "wire_ms": 1e3 * stats.transfer_s,
-                    "wire_gb_per_s": stats.gb_per_s,
-                    "prefill_ms": 1e3 * stats.prefill_s,
-                    "import_ms": 1e3 * import_s,
-                    "wire_over_prefill": stats.transfer_s / stats.prefill_s,
+                    "wire_ms_median": 1e3 * wire_s,
+                    "wire_ms_min": 1e3 * min(t.transfer_s for t, _ in timed),
+                    "wire_gb_per_s_median": stats.num_bytes / wire_s / 1e9,
+                    "prefill_ms_median": 1e3 * prefill_s,
+                    "import_ms_median": 1e3 * statistics.median(i for _, i in timed),
+                    "wire_over_prefill": wire_s / prefill_s,
                 }
             )
             print(f"  transfer {rows[-1]} ({load()})", file=sys.stderr, flush=True)
