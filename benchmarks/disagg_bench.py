@@ -292,7 +292,9 @@ def interference(results: dict, o: Options) -> None:
     figures = {}
     for name, (p, d, r) in {"colocated": (0, 0, 2), "disaggregated": (1, 1, 0)}.items():
         with LocalCluster(p, d, r, worker_args=worker_args(o.model, max_len)) as cluster:
-            interference_phase(cluster.address, 32, o)  # untimed: compiles the shapes it uses
+            # untimed, same sizes: compiles the step shapes and the KV gather/scatter buckets
+            # the timed run needs (workers compile on use), so no compile lands in its ITL
+            interference_phase(cluster.address, long_tokens, o)
             figures[name] = interference_phase(cluster.address, long_tokens, o)
         print(f"  interference {name} {figures[name]} ({load()})", file=sys.stderr)
     report(results, "interference", figures)

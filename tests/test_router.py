@@ -3,8 +3,9 @@
 Policy tests are plain Python. The `subprocess` tests start real workers on the tiny model
 (one prefill, one decode, one `both` replica, each pinned to a core) and the router:
 router output == one engine token for token over a concurrent mixed batch, with the
-resolved versions; a cancel at the router frees the pages on every worker; a killed decode
-worker is taken out of routing and requests go to the replica; a worker serving another
+resolved versions; a cancel at the router frees the pages on every worker; killing the
+decode worker mid-stream ends that stream UNAVAILABLE, leaks nothing on the prefill worker,
+and takes it out of routing (requests go to the replica); a worker serving another
 model revision is refused.
 """
 
@@ -158,15 +159,23 @@ def test_router_pair_equals_one_engine_and_cancel_frees_pages(cluster, reference
 
 
 @pytest.mark.subprocess
-def test_killed_decode_worker_leaves_routing(cluster, reference):
+def test_killed_decode_worker_ends_its_streams_and_leaves_routing(cluster, reference):
     want, _ = reference
-    replica = cluster.workers[2]
+    prefill, decode, replica = cluster.workers
     before = worker_stats(replica.address)["tokens_processed"]
-    cluster.kill(cluster.workers[1])  # the only decode worker: no pair is left
-    results = generate_all(cluster.address)
+    with GenerateClient(cluster.address) as client:
+        request = build_request("stream me", max_tokens=100, temperature=0.0, ignore_eos=True)
+        stream = iter(client.stream(request))
+        next(stream)  # the decode worker is streaming this request
+        cluster.kill(decode)  # the only decode worker: no pair is left
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stream:
+                pass
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert worker_stats(prefill.address)["kv_pages_used"] == 0  # nothing leaked there
+    results = generate_all(cluster.address)  # now routed to the `both` replica
     assert [r.token_ids for r in results] == want, [(r.code, r.details) for r in results]
-    assert worker_stats(replica.address)["tokens_processed"] > before  # the replica served
-    assert worker_stats(cluster.workers[0].address)["kv_pages_used"] == 0  # prefill side
+    assert worker_stats(replica.address)["tokens_processed"] > before
 
 
 @pytest.mark.subprocess
