@@ -242,18 +242,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def interference_phase(target: str, long_tokens: int, o: Options) -> dict:
+def interference_phase(target: str, long_tokens: int, o: Options, seed: int) -> dict:
     from serving.client import GenerateClient
 
     chats, chat_tokens = (2, 32) if o.smoke else (o.chats, o.chat_tokens)
     n_long = 1 if o.smoke else o.long_prompts
-    rng = random.Random(long_tokens)  # ids below 250: in every model's vocabulary here
+    rng = random.Random(seed)  # ids below 250: in every model's vocabulary here
     long_prompts = [[rng.randrange(3, 250) for _ in range(long_tokens)] for _ in range(n_long)]
     with GenerateClient(target) as client, concurrent.futures.ThreadPoolExecutor(8) as ex:
 
         def chat(i):
             return client.generate(
-                f"chat {i}: tell me a story", max_tokens=chat_tokens, temperature=0.0,
+                f"chat {seed}-{i}: tell me a story", max_tokens=chat_tokens, temperature=0.0,
                 ignore_eos=True, timeout_s=900,
             )  # fmt: skip
 
@@ -294,8 +294,8 @@ def interference(results: dict, o: Options) -> None:
         with LocalCluster(p, d, r, worker_args=worker_args(o.model, max_len)) as cluster:
             # untimed, same sizes: compiles the step shapes and the KV gather/scatter buckets
             # the timed run needs (workers compile on use), so no compile lands in its ITL
-            interference_phase(cluster.address, long_tokens, o)
-            figures[name] = interference_phase(cluster.address, long_tokens, o)
+            interference_phase(cluster.address, long_tokens, o, seed=1)  # other prompts
+            figures[name] = interference_phase(cluster.address, long_tokens, o, seed=2)
         print(f"  interference {name} {figures[name]} ({load()})", file=sys.stderr)
     report(results, "interference", figures)
 
