@@ -29,7 +29,8 @@ Ordering with overlapped steps: both the gather and the scatter take `core.kv` a
 the step in flight (data dependence on the donated cache), and the pages they touch are held
 by no step in flight (exported pages are referenced by the export; imported pages were free).
 Tested on one device; with a mesh the gather/scatter are plain jit over the sharded cache
-(not tested here).
+(not tested here). JAX is imported on first use, so serving imports this module (metadata,
+wire format) without it (the server with --model=mock starts without JAX).
 """
 
 from __future__ import annotations
@@ -40,14 +41,11 @@ import hashlib
 import json
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from configs.errors import PagedJaxError
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.errors import InvalidRequestError
-from engine.kv_cache import PagedKVCache
 from engine.sampling_params import SamplingParams
 
 KV_FIELDS = ("k_pages", "v_pages", "k_scales", "v_scales")
@@ -134,7 +132,7 @@ def engine_kv_meta(core) -> dict:
     cfg, kv = core.cfg, core.kv
     return {
         "model": core.identity.as_dict(),
-        "kv_dtype": str(jnp.dtype(kv.k_pages.dtype)),
+        "kv_dtype": str(kv.k_pages.dtype),
         "page_size": core.sched_config.page_size,
         "num_layers": cfg.num_layers,
         "num_kv_heads": kv.k_pages.shape[1],
@@ -172,21 +170,30 @@ def _padded_ids(page_ids: list[int]) -> np.ndarray:
     return ids
 
 
-@jax.jit
-def _gather(kv: PagedKVCache, ids: jax.Array) -> PagedKVCache:
-    # every field [L, K, N, ...] -> [L, K, n, ...]
-    return jax.tree.map(lambda x: x[:, :, ids], kv)
+@functools.cache
+def _device_fns():
+    """(gather, scatter), jitted on first use."""
+    import jax
 
+    @jax.jit
+    def gather(kv, ids):
+        # every field [L, K, N, ...] -> [L, K, n, ...]
+        return jax.tree.map(lambda x: x[:, :, ids], kv)
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(kv: PagedKVCache, ids: jax.Array, pages: PagedKVCache) -> PagedKVCache:
-    # padding ids write the null page, whose contents nobody reads
-    return jax.tree.map(lambda x, p: x.at[:, :, ids].set(p.astype(x.dtype)), kv, pages)
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def scatter(kv, ids, pages):
+        # padding ids write the null page, whose contents nobody reads
+        return jax.tree.map(lambda x, p: x.at[:, :, ids].set(p.astype(x.dtype)), kv, pages)
+
+    return gather, scatter
 
 
 def export_pages(core, page_ids: list[int]) -> dict[str, np.ndarray]:
     """Copy pages `page_ids` of `core.kv` to host numpy arrays ({field: [L, K, n, ...]})."""
-    got = jax.device_get(_gather(core.kv, jnp.asarray(_padded_ids(page_ids))))
+    import jax
+
+    gather, _ = _device_fns()
+    got = jax.device_get(gather(core.kv, _padded_ids(page_ids)))
     n = len(page_ids)
     return {
         name: np.asarray(getattr(got, name))[:, :, :n]
@@ -208,8 +215,10 @@ def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> No
             raise KVTransferMismatchError(name, None, "present (int8 KV)")
         return np.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
 
-    pages = PagedKVCache(*(padded(name) for name in KV_FIELDS))
-    core.kv = _scatter(core.kv, jnp.asarray(ids), pages)
+    from engine.kv_cache import PagedKVCache
+
+    _, scatter = _device_fns()
+    core.kv = scatter(core.kv, ids, PagedKVCache(*(padded(name) for name in KV_FIELDS)))
 
 
 # ---- whole requests ------------------------------------------------------------------------

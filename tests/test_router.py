@@ -193,3 +193,16 @@ def test_router_refuses_a_worker_of_another_revision(cluster):
             assert not router.pool.routable("both")
         finally:
             router.stop()
+
+
+@pytest.mark.subprocess
+def test_router_and_kv_service_import_without_jax():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, serving.server, serving.router, serving.cluster, serving.kv_transfer_wire;"
+        "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')];"
+        "assert not bad, bad[:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
