@@ -83,11 +83,13 @@ def report(results: dict, section: str, figures: dict) -> None:
     print(f"[{section}] {json.dumps(figures, default=float)}", file=sys.stderr, flush=True)
 
 
-def worker_args(model: str, max_model_len: int) -> list[str]:
+def worker_args(model: str, max_model_len: int, shapes: int = 0) -> list[str]:
+    """`shapes` > 0: the engine's whole step-shape set, built before serving (nothing
+    compiles while serving; batches are padded to one of them); 0: compile on use."""
     flags_ = {**ENGINE, "max_model_len": max_model_len}
     return [
         f"--model={model}",
-        "--warmup_max_shapes=0",  # compile on use: only the shapes the workload needs
+        f"--warmup_max_shapes={shapes}",
         "--capacity_probe=false",
         "--log_level=warning",
         *(f"--{k}={v}" for k, v in flags_.items()),
@@ -282,6 +284,21 @@ def interference_phase(target: str, long_tokens: int, o: Options, seed: int) -> 
     }
 
 
+def compiled_steps(cluster) -> int:
+    """Step programs the cluster's workers have built so far (WorkerInfo stats)."""
+    import grpc
+
+    from serving.proto import kv_transfer_pb2 as kv_pb
+    from serving.proto import kv_transfer_pb2_grpc as kv_grpc
+
+    total = 0
+    for w in cluster.workers:
+        with grpc.insecure_channel(w.address) as ch:
+            info = kv_grpc.KVTransferStub(ch).WorkerInfo(kv_pb.WorkerInfoRequest(), timeout=10)
+        total += int(info.stats.get("num_compiled_steps", 0))
+    return total
+
+
 def interference(results: dict, o: Options) -> None:
     from serving.cluster import LocalCluster
 
@@ -291,11 +308,14 @@ def interference(results: dict, o: Options) -> None:
     max_len = 1024 if o.model == "tiny" else 2304
     figures = {}
     for name, (p, d, r) in {"colocated": (0, 0, 2), "disaggregated": (1, 1, 0)}.items():
-        with LocalCluster(p, d, r, worker_args=worker_args(o.model, max_len)) as cluster:
+        args = worker_args(o.model, max_len, shapes=3)  # no compile inside the timed run
+        with LocalCluster(p, d, r, worker_args=args) as cluster:
             # untimed, same sizes: compiles the step shapes and the KV gather/scatter buckets
             # the timed run needs (workers compile on use), so no compile lands in its ITL
             interference_phase(cluster.address, long_tokens, o, seed=1)  # other prompts
+            before = compiled_steps(cluster)
             figures[name] = interference_phase(cluster.address, long_tokens, o, seed=2)
+            figures[name]["step_compiles_during_run"] = compiled_steps(cluster) - before
         print(f"  interference {name} {figures[name]} ({load()})", file=sys.stderr)
     report(results, "interference", figures)
 
