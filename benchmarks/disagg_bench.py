@@ -312,8 +312,7 @@ def interference(results: dict, o: Options) -> None:
         # worker at this load, so two untimed runs compile what the timed one needs and
         # the compiles that still land in it are counted
         with LocalCluster(p, d, r, worker_args=worker_args(o.model, max_len)) as cluster:
-            # untimed, same sizes: compiles the step shapes and the KV gather/scatter buckets
-            # the timed run needs (workers compile on use), so no compile lands in its ITL
+            # untimed, same sizes: compiles the step shapes and KV gather/scatter buckets
             for seed in (1, 3):  # other prompts than the timed run (no prefix-cache help)
                 interference_phase(cluster.address, long_tokens, o, seed=seed)
             before = compiled_steps(cluster)
