@@ -263,12 +263,57 @@ class PagedJaxServer:
             self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
+        # -- overload (#17): an engine in a child process ends with the server
+        close_engine(self.loop.engine)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
+
+
+# -- overload (#17): the engine in a child process (serving/engine_process.py) ---------------
+def close_engine(engine) -> None:
+    """Stop an engine's child process (in-process engines have nothing to stop)."""
+    from serving.engine_process import ProcessEngine
+
+    if isinstance(engine, ProcessEngine):
+        engine.close()
+
+
+def build_serving_engine(
+    model: str,
+    options: dict,
+    *,
+    in_process: bool,
+    compilation_cache_dir: str | None = None,
+    **build_kwargs,
+):
+    """(engine, warm-up callable or None) for the server: the engine built here, or in a
+    child process (`in_process=False`, then warmed there, with its own compilation cache
+    set up from `compilation_cache_dir`). `options` as build_engine's, plus
+    warmup_max_shapes."""
+    options = dict(options)
+    max_shapes = options.pop("warmup_max_shapes", 0)
+    shapes = {"max_step_shapes": max_shapes} if max_shapes else {}
+    if in_process:
+        engine = build_engine(model, {**options, **shapes}, **build_kwargs)
+        return engine, engine_warmup(engine, max_shapes)
+    from serving.engine_process import ProcessEngine
+
+    engine = ProcessEngine.start(
+        model,
+        {**options, **shapes},
+        build_kwargs=build_kwargs,
+        compilation_cache_dir=compilation_cache_dir,
+    )
+    if not max_shapes or model == "mock":
+        return engine, None
+    return engine, lambda: engine.warmup(max_shapes)
+
+
+# -- end overload (#17) ------------------------------------------------------------------------
 
 
 def _warm_tokenizer(tokenizer) -> None:
@@ -355,6 +400,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
     flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
     flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
+    flags.DEFINE_bool(
+        "engine_process",
+        False,
+        "run the engine in a child process of its own (its host work then does not hold "
+        "the handlers' interpreter lock); False: on a thread of the server process",
+    )
 
 
 # flag -> (lowest allowed value, None allowed): every numeric server flag, checked at start.
@@ -592,12 +643,13 @@ def main(argv) -> None:
         enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
-    shapes = {"max_step_shapes": FLAGS.warmup_max_shapes} if FLAGS.warmup_max_shapes else {}
-    engine = build_engine(
+    build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)
+    engine, warmup = build_serving_engine(
         FLAGS.model,
-        {**options, **shapes, "warmup_max_shapes": 0},
-        mock_step_time_s=FLAGS.mock_step_time_s,
-        max_model_len=FLAGS.max_model_len,
+        {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+        in_process=not FLAGS.engine_process,
+        compilation_cache_dir=FLAGS.compilation_cache_dir,
+        **build_kwargs,
     )
     engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
     try:
@@ -605,21 +657,24 @@ def main(argv) -> None:
             engine,
             config_from_flags(options),
             TenantRegistry.from_file(FLAGS.tenants_config),
-            warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
+            warmup=warmup,
         )
     except PortInUseError as e:
         log.error("%s", e)
+        close_engine(engine)
         sys.exit(2)
 
     def rebuild():
-        return kv_transfer_service.wrap_engine(
-            build_engine(
-                FLAGS.model,
-                {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
-                mock_step_time_s=FLAGS.mock_step_time_s,
-                max_model_len=FLAGS.max_model_len,
-            )
+        engine, warm = build_serving_engine(
+            FLAGS.model,
+            {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+            in_process=not FLAGS.engine_process,
+            compilation_cache_dir=FLAGS.compilation_cache_dir,
+            **build_kwargs,
         )
+        if warm is not None:
+            warm()
+        return kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()
