@@ -1,7 +1,7 @@
 """A local disaggregated cluster in one command: workers + router as processes.
 
     python -m serving.cluster --prefill=1 --decode=1 --replicas=0 --port=50051 \
-        --worker_args="--model=tiny --max_num_seqs=8" [--pin_cpus=true] [--log_dir=DIR]
+        --worker_args="--model=tiny --max_num_seqs=8" [--pin_cpus=true] [--logs_dir=DIR]
 
 starts `--prefill` prefill workers, `--decode` decode workers and `--replicas` `both`
 replicas (`python -m serving.server --role=...` on free loopback ports), then
@@ -9,7 +9,7 @@ replicas (`python -m serving.server --role=...` on free loopback ports), then
 line per worker, and stops everything on SIGTERM / SIGINT. Each worker is pinned to one
 core (os.sched_setaffinity on the fresh child, so every thread it starts inherits it),
 round-robin over the cores this process may use; the router is not pinned. Worker logs go
-to `--log_dir` (default: a temporary directory, printed).
+to `--logs_dir` (default: a temporary directory, printed).
 
 `LocalCluster` is the same thing as a context manager (tests, benchmarks/disagg_bench.py).
 For the real thing see deploy/k8s/ (a Deployment per role, the router in front).
@@ -219,7 +219,7 @@ def define_flags() -> None:
     flags.DEFINE_string("worker_args", "--model=tiny", "flags for every serving.server")
     flags.DEFINE_string("router_args", "", "extra flags for serving.router")
     flags.DEFINE_bool("pin_cpus", True, "pin each worker to one core (sched_setaffinity)")
-    flags.DEFINE_string("log_dir", None, "worker and router logs (default: a temp dir)")
+    flags.DEFINE_string("logs_dir", None, "worker and router logs (default: a temp dir)")
 
 
 def main(argv) -> None:
@@ -237,7 +237,7 @@ def main(argv) -> None:
             router_args=shlex.split(FLAGS.router_args),
             port=FLAGS.port,
             pin_cpus=FLAGS.pin_cpus,
-            log_dir=FLAGS.log_dir,
+            log_dir=FLAGS.logs_dir,
         )
     except ValueError as e:
         raise shared.UsageError("prefill/decode/replicas", "", str(e)) from None
