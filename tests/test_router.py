@@ -206,3 +206,23 @@ def test_router_and_kv_service_import_without_jax():
         "assert not bad, bad[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "module, args, says",
+    [
+        ("serving.cluster", ["--prefill=1", "--decode=0"], "both zero or both >= 1"),
+        ("serving.cluster", ["--replicas=-1"], "replicas"),
+        ("serving.router", [], "workers"),
+        ("serving.router", ["--workers=nohost"], "HOST:PORT"),
+    ],
+)
+def test_programs_refuse_bad_flags_with_one_line(module, args, says):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-500:]
