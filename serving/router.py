@@ -100,6 +100,13 @@ class RouterService(pb_grpc.PagedJaxServicer):
             return Route("both", self._choose(both, request, usable))
         raise NoRoute("no routable worker (need a prefill + decode pair or a `both` replica)")
 
+    def has_route(self) -> bool:
+        """A pair or a replica is routable now (the router's own health)."""
+        pool = self.pool
+        return bool(pool.routable("prefill") and pool.routable("decode")) or bool(
+            pool.routable("both")
+        )
+
     def _choose(self, members: list[str], request, usable) -> str:
         if self.policy == "round_robin":
             return self._rr.pick(sorted(members), usable)
@@ -236,18 +243,23 @@ class Router:
 
     def start(self) -> Router:
         self.pool.start()
+        self._update_health()  # from the first call on, not after one interval
         self.grpc_server.start()
         threading.Thread(target=self._publish_health, daemon=True).start()
         return self
 
     def _publish_health(self) -> None:
         while not self._stop.wait(self.pool.interval_s):
-            try:
-                self.service.pick(pb.GenerateRequest(text="health"))
-                status = health_pb2.HealthCheckResponse.SERVING
-            except NoRoute:
-                status = health_pb2.HealthCheckResponse.NOT_SERVING
-            self.health.set("", status)
+            self._update_health()
+
+    def _update_health(self) -> None:
+        serving = self.service.has_route()
+        self.health.set(
+            "",
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stop.set()
