@@ -165,6 +165,9 @@ class RouterService(pb_grpc.PagedJaxServicer):
             for msg in call:
                 sent = True
                 yield msg
+            trailing = tuple(call.trailing_metadata() or ())
+            if trailing:  # e.g. the decode worker's x-pagedjax-kv-* transfer figures
+                context.set_trailing_metadata(trailing)
             return True
         except grpc.RpcError as e:
             if not context.is_active():

@@ -147,7 +147,16 @@ def test_router_pair_equals_one_engine_and_cancel_frees_pages(cluster, reference
         assert res.versions["revision"] == identity.revision
     prefill, decode = cluster.workers[0], cluster.workers[1]
     assert worker_stats(decode.address)["kv_pulls"] == len(PROMPTS)
-    assert worker_stats(prefill.address)["kv_exports"] == len(PROMPTS)
+    wait_until(lambda: worker_stats(prefill.address)["kv_exports"] == len(PROMPTS), 30, "exports")
+    with GenerateClient(cluster.address) as client:  # transfer figures reach the client
+        call = client.stream(build_request(PROMPTS[0], max_tokens=2, temperature=0.0))
+        list(call)
+        trailing = dict(call.trailing_metadata())
+    assert int(trailing["x-pagedjax-kv-bytes"]) > 0
+    assert float(trailing["x-pagedjax-kv-transfer-ms"]) > 0
+    wait_until(  # stats refresh every 0.1 s on the worker's engine thread
+        lambda: worker_stats(prefill.address)["kv_exports"] == len(PROMPTS) + 1, 30, "export"
+    )
     # a cancel at the router ends the request on the decode worker: pages freed everywhere
     with GenerateClient(cluster.address) as client:
         call = client.stream(build_request("cancel me", max_tokens=100, temperature=0.0))
@@ -175,7 +184,7 @@ def test_killed_decode_worker_ends_its_streams_and_leaves_routing(cluster, refer
     assert worker_stats(prefill.address)["kv_pages_used"] == 0  # nothing leaked there
     results = generate_all(cluster.address)  # now routed to the `both` replica
     assert [r.token_ids for r in results] == want, [(r.code, r.details) for r in results]
-    assert worker_stats(replica.address)["tokens_processed"] > before
+    wait_until(lambda: worker_stats(replica.address)["tokens_processed"] > before, 30, "replica")
 
 
 @pytest.mark.subprocess
