@@ -120,6 +120,10 @@ class EngineConfig:
     # The compiled step shapes: at most this many (the coarsest set if that is larger);
     # every batch is padded to one of them (engine/shapes.py).
     max_step_shapes: int = 64
+    # ---- LoRA (engine/adapters.py): device slots for this many adapters of rank <= R;
+    # 0 = no LoRA (the step programs are exactly the plain model's).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
@@ -131,6 +135,8 @@ class EngineConfig:
             f"one of {sorted(DTYPE_BYTES)}",
         )
         self.quant_config  # noqa: B018 (validates quantization and quantize_lm_head)
+        _check("max_loras", self.max_loras, self.max_loras >= 0, ">= 0 (0: no LoRA)")
+        _check("max_lora_rank", self.max_lora_rank, self.max_lora_rank >= 1, ">= 1")
         _check(
             "cache_sharing",
             self.cache_sharing,

@@ -29,6 +29,18 @@ class EngineRequest:
     tenant: str = "default"
     deadline_s: float | None = None  # absolute, time.monotonic() clock
     arrival_s: float | None = None  # time.monotonic(); set by the engine if None
+    adapter: str | None = None  # LoRA adapter name (engine/adapters.py); None = base model
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterRef:
+    """A loaded LoRA adapter as responses name it (engine/adapters.py)."""
+
+    name: str
+    content_hash: str  # "sha256:<hex>" of its files: part of every prefix-cache key
+    path: str
+    rank: int
+    slot: int  # row slot id in the device stack (1..max_loras)
 
 
 @dataclasses.dataclass
@@ -100,6 +112,7 @@ class GenerateOutput:
     prompt: str | None  # the text given or rendered from chat messages; None for token ids
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    adapter: AdapterRef | None = None  # the LoRA adapter that answered (None: base model)
 
     @property
     def finished(self) -> bool:

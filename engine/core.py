@@ -51,8 +51,10 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
+from engine.adapters import AdapterManager, UnknownAdapterError
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
+from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
@@ -70,7 +72,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
 from engine.step import NONFINITE_TOKEN, engine_step
-from models.llama import cast_params, layer_layout
+from models.llama import LayerWeights, cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,7 @@ class EngineCore:
         self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
         self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
         self._penalties_ready = False
+        self.adapters = self._adapter_manager(model, kv_sharding)  # LoRA; None: max_loras=0
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -175,7 +178,13 @@ class EngineCore:
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
-        self.outputs.add_request(er, time.monotonic(), cache_salt)
+        adapter = self._acquire_adapter(er)  # LoRA: its content hash keys the prefix cache
+        adapter_id = None if adapter is None else adapter.content_hash
+        try:
+            self.outputs.add_request(er, time.monotonic(), cache_salt, adapter_id=adapter_id)
+        except BaseException:
+            self._release_adapter(er.request_id)
+            raise
         self._seeds[er.request_id] = resolve_seed(er.sampling, self._rng)
 
     def abort_request(self, request_id: str) -> None:
@@ -265,17 +274,22 @@ class EngineCore:
         result = SampleResult.unpack(packed)
         tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
         now = time.monotonic()
-        self._fail_nonfinite(step.plan, tokens, now, outputs)
+        if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
+            self._fail_nonfinite(step.plan, tokens, now, outputs)
         sampled = {
-            s.request.request_id: int(t)
-            for s, t in zip(step.plan.scheduled, tokens)
+            s.request.request_id: t
+            for s, t in zip(step.plan.scheduled, tokens.tolist())
             if s.samples and not s.request.is_finished
         }
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
         received = self.scheduler.update_after_step(step.plan, sampled, now)
         t2 = time.perf_counter()
-        logprobs = self._logprobs(step.plan, result, step.built.sampler_rows)
+        logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
+            self._logprobs(step.plan, result, step.built.sampler_rows)
+            if step.built.logprobs
+            else None
+        )
         outputs += self.outputs.emit(received, now, logprobs)
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1
@@ -319,6 +333,7 @@ class EngineCore:
             self._last_tokens,
             batch.pack() if isinstance(batch, StepBatch) else batch,
             **self._static_args(shape, flags, use_penalties),
+            lora=self._lora_inputs(batch if isinstance(batch, StepBatch) else None, shape),
         )
         return packed
 
@@ -333,6 +348,7 @@ class EngineCore:
             self._last_tokens,
             StepBatch.zeros(shape).pack(),
             **self._static_args(shape, flags, use_penalties),
+            lora=self._lora_inputs(None, shape),
         ).compile()
 
     def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
@@ -354,6 +370,8 @@ class EngineCore:
 
     def _take_slot(self, req: Request) -> None:
         slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
+        if self.adapters is not None:
+            self.adapters.bind(slot, req.request_id)
         if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
@@ -388,6 +406,49 @@ class EngineCore:
         """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
         self._seeds.pop(request_id, None)
         self.builder.release(request_id)
+        self._release_adapter(request_id)
+
+    # ---- LoRA adapters (engine/adapters.py) -----------------------------------------------
+    def _adapter_manager(self, model, device_or_sharding):
+        if not self.config.max_loras:
+            return None
+        return AdapterManager(
+            model.config,
+            self.cfg,
+            max_loras=self.config.max_loras,
+            max_lora_rank=self.config.max_lora_rank,
+            max_num_seqs=self.sched_config.max_num_seqs,
+            dtype=self.params.embed.dtype,
+            mesh=self.mesh,
+            device=None if self.mesh is not None else device_or_sharding,
+            unrolled=not isinstance(self.params.layers, LayerWeights),
+        )
+
+    def load_adapter(self, name: str, path: str):
+        """Installs a PEFT LoRA adapter under `name` (between steps; safe while requests
+        run). Returns its AdapterRef. Needs EngineConfig(max_loras >= 1)."""
+        if self.adapters is None:
+            raise InvalidRequestError("max_loras", 0, ">= 1 to load LoRA adapters")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise UnknownAdapterError(name, [])
+        self.adapters.unload(name)
+
+    def _acquire_adapter(self, er: EngineRequest):
+        if er.adapter is None:
+            return None
+        if self.adapters is None:
+            raise UnknownAdapterError(er.adapter, [])
+        return self.adapters.acquire(er.request_id, er.adapter)
+
+    def _release_adapter(self, request_id: str) -> None:
+        if self.adapters is not None:
+            self.adapters.release(request_id)
+
+    def _lora_inputs(self, batch: StepBatch | None, shape: BatchShape):
+        return None if self.adapters is None else self.adapters.inputs(batch, shape)
 
     @staticmethod
     def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
@@ -432,4 +493,5 @@ class EngineCore:
             ),
             **compiles.stats(),
             **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
+            **({} if self.adapters is None else self.adapters.stats()),
         }

@@ -82,6 +82,7 @@ class KVMeta:
     num_kv_heads: int
     head_dim: int
     first_logprob: tuple | None = None  # (token id, logprob, ((id, logprob), ...)) or None
+    adapter_id: str | None = None  # LoRA adapter content hash the K/V was computed with
 
     @property
     def num_pages(self) -> int:
@@ -247,6 +248,7 @@ def make_payload(
         kv_len=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_logprob=lp,
+        adapter_id=request.adapter_id,
         **engine_kv_meta(core),
     )
     arrays = export_pages(core, page_ids)
@@ -263,7 +265,8 @@ def import_request(
     core, er: EngineRequest, payload: KVPayload, cache_salt: str | None = None
 ) -> list[RequestOutput]:
     """Add `er` to `core` with the K/V of `payload` and emit its first token. Returns that
-    token's delta (possibly final: EOS, max_tokens=1). Without room, `er` is added as a plain
+    token's delta (possibly final: EOS, max_tokens=1). Without room, or when this engine
+    resolves another LoRA adapter for `er` than the sender used, `er` is added as a plain
     request (recomputed here) and [] is returned. Raises KVTransferMismatchError,
     KVChecksumError, InvalidRequestError (the prompt is not the payload's)."""
     meta = payload.meta
@@ -277,6 +280,8 @@ def import_request(
         core.add_request(er, cache_salt)
         return []
     core.add_request(er, cache_salt)
+    if core.scheduler.get_request(er.request_id).adapter_id != meta.adapter_id:
+        return []  # another LoRA adapter here: its K/V differ, the prompt is recomputed
     now = time.monotonic()
     page_ids = core.pool.allocate(meta.num_pages)
     import_pages(core, page_ids, payload.arrays)

@@ -47,7 +47,7 @@ class Request:
     # Extra prefix-cache key, derived by the server from the authenticated tenant
     # (engine.page_pool.cache_salt_for); requests with different salts never share pages.
     cache_salt: str | None = None
-    adapter_id: str | None = None  # LoRA adapter (later); part of the prefix-cache key
+    adapter_id: str | None = None  # LoRA adapter content hash; part of the prefix-cache key
     deadline_s: float | None = None  # absolute, time.monotonic() clock
     arrival_s: float = 0.0
 

@@ -46,6 +46,9 @@ class ModelIdentity:
     engine_version: str  # pagedjax's installed version
     quantization: str = "none"  # weights: configs.quant_config descriptor
     kv_dtype: str = "float32"  # the KV cache's element type (set by the engine)
+    # LoRA: the adapter a response came from (engine.adapters.request_identity); "" = base
+    adapter: str = ""
+    adapter_hash: str = ""  # "sha256:<hex>" of the adapter's files
 
     @classmethod
     def resolve(

@@ -76,6 +76,7 @@ def build_request(
     priority: str = "normal",
     stream: bool = True,
     request_id: str = "",
+    adapter: str = "",
     **sampling,
 ) -> pb.GenerateRequest:
     """One GenerateRequest; `messages` is a list of {"role", "content"} dicts."""
@@ -86,6 +87,7 @@ def build_request(
         request_id=request_id,
         model=model,
         revision=revision,
+        adapter=adapter,
         min_tokens=min_tokens,
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
@@ -194,6 +196,9 @@ class GenerateClient:
                     "engine_version",
                 )
             }
+            if f.versions.adapter:  # LoRA: the adapter that answered, and its content hash
+                v = f.versions
+                res.versions.update(adapter=v.adapter, adapter_hash=v.adapter_hash)
 
     def tokenize(self, text: str, model: str = "") -> list[int]:
         resp = self.stub.Tokenize(

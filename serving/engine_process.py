@@ -84,7 +84,7 @@ class ChildStepError(EngineStepError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """What the child builds: serving.server.build_engine(model, options, **build_kwargs)."""
+    """What the child builds: serving.engine_build.build_engine(model, options, **build_kwargs)."""
 
     model: str
     options: dict
@@ -179,7 +179,7 @@ class ProcessEngine:
 
     # ---- the rest ---------------------------------------------------------------------------
     def warmup(self, max_shapes: int) -> None:
-        """Compile the engine's step shapes in the child (serving.server.engine_warmup)."""
+        """Compile the engine's step shapes in the child (serving.engine_build.engine_warmup)."""
         self._warm_shapes = max_shapes
         # NOTE: no reply timeout: 90-120 SmolLM2 step programs took over 30 min on this
         # loaded CPU; a child that dies meanwhile still ends the wait (EOF).
@@ -314,7 +314,7 @@ def _serve(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build, say ready, then answer commands until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains, then closes the pipe
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from serving.server import build_engine, engine_warmup
+    from serving.engine_build import build_engine, engine_warmup
 
     try:
         if spec.model != "mock":  # JAX's persistent cache is per process: set it up here

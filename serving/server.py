@@ -36,6 +36,7 @@ from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.capacity_model import probe
 from serving.dispatch import DispatchLedger
+from serving.engine_build import build_engine, engine_warmup
 from serving.engine_loop import EngineLoop
 from serving.generation import Generator, ServiceLimits
 from serving.guard import RequestGuard
@@ -72,6 +73,8 @@ class ServerConfig:
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
     # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
     role: str = "both"
+    # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
+    allow_runtime_lora: bool = False
 
 
 class PagedJaxServer:
@@ -171,6 +174,7 @@ class PagedJaxServer:
             from serving.http_api import HttpApi
             from serving.http_server import HttpServer
 
+            self.generator.allow_runtime_lora = config.allow_runtime_lora
             self.http_api = HttpApi(self.generator, self.metrics)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
@@ -353,6 +357,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     shared.define_quantization()
+    shared.define_lora()
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
@@ -360,8 +365,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "compilation_cache_dir",
         None,
-        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla on GPU/TPU, "
-        "off on CPU; '' or 'none': off)",
+        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
     )
     flags.DEFINE_integer(
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
@@ -457,6 +461,11 @@ def check_flags() -> None:
     shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
     shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
     _check_file("tenants_config", FLAGS.tenants_config)
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)  # LoRA: --lora=NAME=DIR
+    if loras or FLAGS.max_loras:
+        shared.require("lora", FLAGS.lora, FLAGS.model != "mock", "needs a real --model")
+        # NOTE: the handlers resolve adapter names on the engine object in this process
+        shared.require("lora", FLAGS.lora, not FLAGS.engine_process, "not with --engine_process")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
@@ -490,103 +499,18 @@ def engine_options_from_flags() -> dict:
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        **lora_options_from_flags(),
     }
 
 
-def build_engine(
-    model: str, options: dict, *, mock_step_time_s: float = 0.01, max_model_len: int | None = None
-):
-    """'mock' -> MockEngine; anything else -> the real EngineCore, imported lazily (JAX).
-
-    `options`: page_size, num_pages, max_num_seqs, max_num_batched_tokens,
-    prefill_chunk_size, prefix_caching, quantization, kv_dtype, mesh (see
-    engine_options_from_flags)."""
-    options = dict(options)
-    if model == "mock":
-        from serving.mock_engine import MockEngine
-
-        for opt, default in (("quantization", "none"), ("kv_dtype", "float32")):
-            if options.get(opt, default) != default:
-                raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
-
-        return MockEngine(
-            max_num_seqs=options["max_num_seqs"],
-            num_pages=options.get("num_pages") or 4096,
-            page_size=options["page_size"],
-            max_num_batched_tokens=options.get("max_num_batched_tokens") or 512,
-            prefill_chunk_size=options.get("prefill_chunk_size"),
-            max_model_len=max_model_len or 8192,
-            step_time_s=mock_step_time_s,
-        )
-    import engine as engine_pkg
-
-    if "build_engine" in dir(engine_pkg):
-        return engine_pkg.build_engine(model, **options)
-    from configs.engine_config import EngineConfig
-    from engine.factory import create_engine
-    from engine.sharding import loader_shardings
-    from models.registry import load_model
-
-    mesh = options.pop("mesh", None)
-    warmup_max_shapes = options.pop("warmup_max_shapes", 0)
-    if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
-        options.setdefault("max_step_shapes", warmup_max_shapes)
-    config = EngineConfig(model=model, max_model_len=max_model_len, **options)
-    shared.progress(f"loading {model} ...")
-    t0 = time.perf_counter()
-    # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
-    loaded = load_model(
-        model,
-        shardings_for=loader_shardings(mesh) if mesh else None,
-        quantization=config.quant_config,
-    )
-    core = create_engine(loaded, config, mesh=mesh)
-    shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
-    warm = engine_warmup(core, warmup_max_shapes)
-    if warm is not None:
-        warm()
-    return core
-
-
-def engine_warmup(engine, max_shapes: int):
-    """A callable building every step program of `engine`'s shape set (engine/shapes.py;
-    its size is EngineConfig.max_step_shapes, which the server sets from
-    --warmup_max_shapes), or None: nothing to do (the mock engine, or max_shapes 0).
-    PagedJaxServer runs it on the engine thread."""
-    replicas = getattr(engine, "replicas", [engine])
-    if not max_shapes or not hasattr(replicas[0], "run_step"):
-        return None
-
-    def run() -> None:
-        for replica in replicas:
-            _warmup_with_progress(replica)
-
-    return run
-
-
-def _warmup_with_progress(engine, num_reports: int = 8) -> None:
-    """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
-    line after each."""
-    from engine.warmup import warmup
-
-    shapes = engine.shapes.shapes
-    chunk = max(1, -(-len(shapes) // num_reports))
-    t0 = time.perf_counter()
-    # NOTE: warmup() logs a summary per call; the progress lines below replace them.
-    warmup_log = logging.getLogger(warmup.__module__)
-    level = warmup_log.level
-    warmup_log.setLevel(logging.ERROR)
-    try:
-        for start in range(0, len(shapes), chunk):
-            warmup(engine, shapes[start : start + chunk])
-            done = min(start + chunk, len(shapes))
-            elapsed_s = time.perf_counter() - t0
-            shared.progress(
-                f"warm-up: {done}/{len(shapes)} step shapes compiled ({elapsed_s:.0f}s)"
-            )
-    finally:
-        warmup_log.setLevel(level)
-    engine.mark_warm(time.perf_counter() - t0)  # compiles after this count as while serving
+def lora_options_from_flags() -> dict:
+    """LoRA engine options and the adapters to load (--lora, --max_loras, --max_lora_rank);
+    nothing when no adapter is served, so the plain engine is built exactly as before."""
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)
+    max_loras = len(loras) if FLAGS.max_loras is None else FLAGS.max_loras
+    if not max_loras:
+        return {}
+    return {"max_loras": max_loras, "max_lora_rank": FLAGS.max_lora_rank, "lora": loras}
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -612,6 +536,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_failure_threshold=FLAGS.breaker_failures,
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
