@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from configs.engine_config import SchedulerConfig
 from engine.api_types import FinishReason
@@ -119,6 +120,9 @@ class Scheduler:
         self._with_deadline: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: collections.Counter[str] = collections.Counter()
+        # KV transfer (engine/kv_transfer.py): called with a request about to end and its
+        # reason, BEFORE its pages are freed, so a prefill worker can keep them to export.
+        self.on_finish: Callable[[Request, FinishReason], None] | None = None
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -348,6 +352,8 @@ class Scheduler:
         return finished
 
     def _finish(self, request: Request, reason: FinishReason, now_s: float) -> None:
+        if self.on_finish is not None:
+            self.on_finish(request, reason)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -362,6 +368,27 @@ class Scheduler:
         del self.requests[request.request_id]
         self._with_deadline.pop(request.request_id, None)
         self.num_finished[reason] += 1
+
+    # ---- KV transfer (engine/kv_transfer.py) ----------------------------------------------
+    def adopt(
+        self, request_id: str, page_ids: list[int], num_computed_tokens: int, now_s: float
+    ) -> Request:
+        """Run a just-added WAITING request at once with K/V another engine computed, already
+        written into `page_ids` (allocated by the caller from this pool). The caller checked
+        that a running slot is free (len(running) < max_num_seqs)."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING or request.page_ids:
+            raise ValueError(f"request {request_id!r} is not a fresh waiting request")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise ValueError(f"no running slot for {request_id!r} (max_num_seqs)")
+        self.waiting.remove(request)
+        request.page_ids = list(page_ids)
+        request.num_computed_tokens = num_computed_tokens
+        request.num_registered_pages = 0  # registered in the prefix cache after a step
+        request.first_scheduled_s = now_s
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
 
     # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:

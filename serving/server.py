@@ -30,7 +30,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving import convert
+from serving import convert, kv_transfer_service
 from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
@@ -71,6 +71,8 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
     http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
+    # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
+    role: str = "both"
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
 
@@ -156,6 +158,8 @@ class PagedJaxServer:
             options=grpc_options(config.max_request_bytes),
         )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
+        # -- disaggregation: the KVTransfer service (Prefill / Decode / WorkerInfo)
+        self.kv_service = kv_transfer_service.install(self, config.role)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -336,6 +340,9 @@ def define_flags() -> None:
     shared.define_log_level()
     flags.DEFINE_string("host", "[::]", "address to bind")
     flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
+    flags.DEFINE_enum(  # disaggregation: serving/kv_transfer_service.py
+        "role", "both", list(kv_transfer_service.ROLES), "prefill, decode or both (replica)"
+    )
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
@@ -538,6 +545,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
         http_port=FLAGS.http_port or None,
         engine_config={"model": FLAGS.model, **engine_config},
+        role=FLAGS.role,
     )
 
 
@@ -571,6 +579,7 @@ def main(argv) -> None:
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         **build_kwargs,
     )
+    engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
     try:
         server = PagedJaxServer(
             engine,
@@ -593,7 +602,7 @@ def main(argv) -> None:
         )
         if warm is not None:
             warm()
-        return engine
+        return kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()
