@@ -167,12 +167,12 @@ class Instrument:
         builder = engine.builder
         orig_build = builder.build
 
-        def build(scheduled):
+        def build(scheduled, *args):  # args: the builder's own (a verify step's shape fit)
             ctx = [p + 1 for s in scheduled for p in range(s.start, s.start + s.num_new_tokens)]
             self.cur["decode"] = sum(1 for s in scheduled if s.num_new_tokens == 1)
             self.cur["prefill"] = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
             self.cur["contexts"] = ctx
-            return orig_build(scheduled)
+            return orig_build(scheduled, *args)
 
         builder.build = build
 

@@ -87,7 +87,7 @@ def _run_engine(
     detok_before_s = engine.outputs.detokenize_s
     if capture is not None:
         orig = engine.builder.build
-        engine.builder.build = lambda scheduled: capture.append(orig(scheduled)) or capture[-1]
+        engine.builder.build = lambda *args: capture.append(orig(*args)) or capture[-1]
     before = dataclasses.replace(engine.timings)
     t0 = time.perf_counter()
     for _ in range(steps):
