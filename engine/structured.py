@@ -30,6 +30,7 @@ import json
 from collections.abc import Sequence
 
 import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from configs.errors import InvalidRequestError
 
@@ -150,8 +151,8 @@ def _grammar_for(kind: str, value) -> str:
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in value))
     if "::=" in value:  # GBNF (llama.cpp's grammar format)
         try:
-            value = llguidance.gbnf_to_lark(value)
-        except Exception as e:  # the converter raises plain exceptions on bad GBNF
+            value = gbnf_to_lark(value)
+        except (GbnfToLarkError, ValueError) as e:
             raise InvalidRequestError("structured.grammar", value[:80], f"GBNF: {e}") from None
     return M.grammar_from_lark(value)
 
