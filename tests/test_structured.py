@@ -279,17 +279,18 @@ def test_overlap_resumes_after_constrained_requests_end(llm):
     assert saw_overlap
 
 
-def test_preemption_keeps_matcher_state():
+@pytest.mark.compile  # a second engine (another page pool size): its own step programs
+def test_preemption_keeps_matcher_state(llm):
     """A small page pool preempts requests mid-document; with seeds, outputs equal those of
-    a roomy engine (the matcher state survives the preemption)."""
+    the roomy engine (the matcher state survives the preemption)."""
     schema = SCHEMAS["array_of_objects"]
     params = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured={"json_schema": schema})
-        for i in range(8)
+        SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured={"json_schema": schema})
+        for i in range(6)
     ]
-    prompts = [[1] + list(range(10 + i, 40 + i)) for i in range(8)]
-    roomy = LLM("tiny", num_pages=200, **TINY_OPTS).generate(prompts, params)
-    tight_llm = LLM("tiny", num_pages=14, **TINY_OPTS)
+    prompts = [[1] + list(range(10 + i, 40 + i)) for i in range(6)]
+    roomy = llm.generate(prompts, params)
+    tight_llm = LLM("tiny", num_pages=12, **TINY_OPTS)
     tight = tight_llm.generate(prompts, params)
     assert tight_llm.engine.scheduler.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
