@@ -365,7 +365,9 @@ class EngineCore:
             self._last_tokens,
             batch.pack() if isinstance(batch, StepBatch) else batch,
             **self._static_args(shape, flags, use_penalties),
-            token_bitmask=token_bitmask,
+            # NOTE: passed only when set: an explicit None is another jit cache key than
+            # the default, so warm-up's programs would not be found.
+            **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
         )
         return packed
 

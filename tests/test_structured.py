@@ -191,13 +191,13 @@ def test_greedy_json_object_and_regex(llm):
             SamplingParams(
                 temperature=0, max_tokens=32, structured={"regex": r"[a-z]{1,6}@[a-z]{1,4}\.com"}
             ),
-            SamplingParams(temperature=1.0, seed=5, max_tokens=32, structured={"regex": r"\d{3}"}),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=32, structured={"regex": r"[0-9]{3}"}),
         ],
     )
     if outs[0].outputs[0].finish_reason == "stop":
         assert isinstance(json.loads(outs[0].text), dict)
     assert re.fullmatch(r"[a-z]{1,6}@[a-z]{1,4}\.com", outs[1].text), outs[1].text
-    assert re.fullmatch(r"\d{3}", outs[2].text) and outs[2].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{3}", outs[2].text) and outs[2].outputs[0].finish_reason == "stop"
 
 
 def test_regex_outputs_all_match(llm):
