@@ -11,10 +11,10 @@ How each figure is measured:
   tokens each, submitted together to one EngineCore (prefix cache off). Free requests run
   with ignore_eos; constrained requests follow a JSON Schema that cannot complete within
   output_len (an array with minItems 1000 of small objects), so both produce exactly
-  output_len tokens and the grammar is exercised at every step. Each workload runs twice on
-  the same engine and only the second run is timed (no compile timed). tok/s = output
-  tokens / wall time. The constrained engine runs non-overlapped (engine/core.py); the free
-  one overlapped, as served.
+  output_len tokens and the grammar is exercised at every step. Same engine for both: one
+  warm run each (compiles), then `--repeats` timed runs alternating free / constrained, the
+  best of each reported. tok/s = output tokens / wall time. Constrained steps run
+  non-overlapped (engine/core.py), free ones overlapped, as served.
 - Mask time: the host's StructuredRequests.bitmask per step (all constrained rows of the
   step), summed over the timed run / steps; its share of the step wall time.
 - `--compare`: random constrained walks (a token drawn uniformly among the allowed ones,
@@ -103,19 +103,33 @@ def _run(engine, batch: int, output_len: int, prompt_len: int, constrained: bool
     return tokens, time.perf_counter() - t0, steps
 
 
-def throughput(model, batch: int, output_len: int, prompt_len: int) -> dict:
+def throughput(model, batch: int, output_len: int, prompt_len: int, repeats: int) -> dict:
+    """Free and constrained runs alternate `repeats` times (after one warm run each); the
+    best run of each kind is reported (the CPU is shared: the best is the least disturbed)."""
     engine, timed = _engine(model, batch, output_len, prompt_len)
+    best: dict[str, tuple] = {}
+    kinds = ("free", "constrained")
+    for kind in kinds:
+        _run(engine, batch, output_len, prompt_len, kind == "constrained", f"warm-{kind}")
+    for r in range(repeats):
+        for kind in kinds:
+            timed.update(mask_s=0.0, steps=0)
+            c = kind == "constrained"
+            tokens, wall_s, steps = _run(engine, batch, output_len, prompt_len, c, f"{kind}{r}")
+            if kind not in best or tokens / wall_s > best[kind][0]:
+                best[kind] = (
+                    tokens / wall_s,
+                    1e3 * wall_s / steps,
+                    timed["mask_s"],
+                    wall_s,
+                    timed["steps"],
+                )
     row = {"batch": batch}
-    for kind in ("free", "constrained"):
-        c = kind == "constrained"
-        _run(engine, batch, output_len, prompt_len, c, f"warm-{kind}")  # compiles
-        timed.update(mask_s=0.0, steps=0)
-        tokens, wall_s, steps = _run(engine, batch, output_len, prompt_len, c, kind)
-        row[f"{kind}_tok_s"] = tokens / wall_s
-        row[f"{kind}_step_ms"] = 1e3 * wall_s / steps
-        if c:
-            row["mask_ms_per_step"] = 1e3 * timed["mask_s"] / max(timed["steps"], 1)
-            row["mask_share"] = timed["mask_s"] / wall_s
+    for kind in kinds:
+        row[f"{kind}_tok_s"], row[f"{kind}_step_ms"] = best[kind][:2]
+    mask_s, wall_s, mask_steps = best["constrained"][2:]
+    row["mask_ms_per_step"] = 1e3 * mask_s / max(mask_steps, 1)
+    row["mask_share"] = mask_s / wall_s
     row["ratio"] = row["constrained_tok_s"] / row["free_tok_s"]
     row["load"] = os.getloadavg()
     print(
@@ -123,7 +137,7 @@ def throughput(model, batch: int, output_len: int, prompt_len: int) -> dict:
         f"ms/step), constrained {row['constrained_tok_s']:7.1f} tok/s "
         f"({row['constrained_step_ms']:.1f} ms/step), ratio {row['ratio']:.2f}; mask "
         f"{row['mask_ms_per_step']:.2f} ms/step ({100 * row['mask_share']:.1f}% of wall); "
-        f"{_load()}",
+        f"best of {repeats}; {_load()}",
         flush=True,
     )
     return row
@@ -278,6 +292,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--output_len", type=int, default=64)
     ap.add_argument("--prompt_len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs of each kind (best)")
     ap.add_argument("--compare", action="store_true", help="grammar engines only")
     ap.add_argument("--walks", type=int, default=20, help="--compare: walks per schema")
     ap.add_argument("--out", default=None, help="write the figures as JSON")
@@ -290,7 +305,8 @@ def main(argv=None) -> None:
 
     model = load_model(args.model)
     rows = [
-        throughput(model, int(b), args.output_len, args.prompt_len) for b in args.batches.split(",")
+        throughput(model, int(b), args.output_len, args.prompt_len, args.repeats)
+        for b in args.batches.split(",")
     ]
     if args.out:
         with open(args.out, "w") as f:
