@@ -214,6 +214,7 @@ class EngineCore:
         model = engine_model(model, self.config)
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
+        self.structured.set_tokenizer(model.tokenizer)
         self.params = layer_layout(
             cast_params(model.params, self.config.dtype), self.config.layer_loop
         )

@@ -113,6 +113,13 @@ class StructuredRequests:
         self._cache: GrammarCache | None = None  # built on the first constrained request
         self._matchers: dict[str, llguidance.LLMatcher] = {}
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """A reloaded model's tokenizer: new requests compile against it (the cache key
+        holds the tokenizer's sha256); running requests keep their matchers."""
+        if tokenizer.sha256 != self._tokenizer.sha256:
+            self._tokenizer, self._cache = tokenizer, None
+            self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+
     @property
     def cache(self) -> GrammarCache:
         if self._cache is None:
