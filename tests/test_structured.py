@@ -107,6 +107,15 @@ def test_bitmask_allows_exactly_the_grammar_and_eos_at_the_end():
     assert allowed_ids(reqs.bitmask(["r"], 1)[0], 512).tolist() == [2]  # only EOS
 
 
+def test_refused_token_ends_the_request_and_a_broken_matcher_allows_only_eos():
+    tok = tiny_tokenizer()
+    reqs = StructuredRequests(tok, 512)
+    reqs.track("r", reqs.compile(StructuredOutput(regex="[0-9]+")))
+    letter = tok.encode("x", add_special_tokens=False)[0]
+    assert reqs.accept("r", letter)  # refused (cannot happen behind the mask): stop
+    assert allowed_ids(reqs.bitmask(["r"], 1)[0], 512).tolist() == [2]  # matcher in error
+
+
 def test_compiled_grammar_is_cached_per_constraint():
     reqs = StructuredRequests(tiny_tokenizer(), 512)
     c = StructuredOutput(json_schema=SCHEMAS["nested_object"])
@@ -191,7 +200,9 @@ def test_greedy_json_object_and_regex(llm):
             SamplingParams(
                 temperature=0, max_tokens=32, structured={"regex": r"[a-z]{1,6}@[a-z]{1,4}\.com"}
             ),
-            SamplingParams(temperature=1.0, seed=5, max_tokens=32, structured={"regex": r"[0-9]{3}"}),
+            SamplingParams(
+                temperature=1.0, seed=5, max_tokens=32, structured={"regex": r"[0-9]{3}"}
+            ),
         ],
     )
     if outs[0].outputs[0].finish_reason == "stop":
