@@ -15,8 +15,8 @@ running sequences n:
     default, "after"): n requests decoding (ignore_eos, long max_tokens), steps/s over a
     window of steady-state decode steps, and the host ms per step by phase (the engine's
     own `timings`): schedule / build / dispatch / wait / update / detokenize / stop (stop =
-    stop checks and the RequestOutput deltas; detokenize is timed by wrapping each
-    request's detokenizer).
+    stop checks and the RequestOutput deltas; detokenize is the OutputProcessor's own
+    `detokenize_s`, the step's batched detokenization).
 Each engine runs twice untimed first (compiles; the first runs of a new engine are slower),
 then `--repeats` rounds of sync / device loop / overlap interleaved, best round of each
 kept. The ratio engine / device loop is measured in the same run; the load average is
@@ -55,19 +55,6 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-class _TimedDetokenizer:
-    """Wraps one request's detokenizer; its add_token seconds go to `total_s[0]`."""
-
-    def __init__(self, inner, total_s: list[float]):
-        self.inner, self.total_s = inner, total_s
-
-    def add_token(self, token_id: int) -> str:
-        t0 = time.perf_counter()
-        text = self.inner.add_token(token_id)
-        self.total_s[0] += time.perf_counter() - t0
-        return text
-
-
 def make_engine(model, n: int, steps: int, overlap: bool) -> EngineCore:
     max_len = PROMPT_TOKENS + 2 * steps + 64
     page_size = 16
@@ -97,9 +84,7 @@ def _run_engine(
     prefill_steps = -(-n * PROMPT_TOKENS // engine.sched_config.max_num_batched_tokens)
     for _ in range(prefill_steps + 3):  # every request admitted, prefilled, decoding
         engine.step()
-    detok_s = [0.0]
-    for stop in engine.outputs._stops.values():  # NOTE: a benchmark reaching inside
-        stop.detokenizer = _TimedDetokenizer(stop.detokenizer, detok_s)
+    detok_before_s = engine.outputs.detokenize_s
     if capture is not None:
         orig = engine.builder.build
         engine.builder.build = lambda scheduled: capture.append(orig(scheduled)) or capture[-1]
@@ -117,7 +102,7 @@ def _run_engine(
         engine.step()
     done = after.num_steps - before.num_steps
     ms = lambda name: 1e3 * (getattr(after, name) - getattr(before, name)) / done  # noqa: E731
-    detok_ms = 1e3 * detok_s[0] / done
+    detok_ms = 1e3 * (engine.outputs.detokenize_s - detok_before_s) / done
     return {
         "steps_per_s": steps / wall_s,
         "wall_ms_per_step": 1e3 * wall_s / steps,

@@ -51,12 +51,19 @@ FAULT_TESTS = {
     "slow consumer ABORTED (stall timeout), pages freed": (
         "tests/test_serving_hardening.py::test_slow_consumer_stall_timeout"
     ),
-    "SIGTERM drains in-flight streams, exit 0": (
+    "SIGTERM drains in-flight streams, exit 0 (engine in-process and in a child process)": (
         "tests/test_serving_shutdown.py::test_sigterm_drains_the_server_program_and_exits_0"
     ),
     "drain timeout cancels the rest with an outcome, pages freed": (
         "tests/test_serving_shutdown.py::"
         "test_drain_timeout_cancels_the_rest_with_an_outcome_and_frees_pages"
+    ),
+    "engine process killed: only its requests fail (once each), a fresh one serves": (
+        "tests/test_serving_engine_process.py::"
+        "test_a_killed_engine_process_fails_what_it_held_once_and_a_new_one_serves"
+    ),
+    "HTTP response not delivered (client left after the engine finished): cancelled": (
+        "tests/test_http_delivery.py::test_streamed_response_not_delivered_is_cancelled_not_success"
     ),
     "reload under load: nothing fails, each final names its revision": (
         "tests/test_serving_shutdown.py::"
@@ -103,6 +110,12 @@ def section_burst(a) -> dict:
     from benchmarks import reliability_burst
 
     server_args = [f"--max_num_seqs={a.burst_max_num_seqs}"]
+    if a.burst_max_model_len:
+        server_args.append(f"--max_model_len={a.burst_max_model_len}")
+    if a.burst_engine_process:
+        server_args.append("--engine_process")
+    if a.burst_compilation_cache_dir:
+        server_args.append(f"--compilation_cache_dir={a.burst_compilation_cache_dir}")
     if a.burst_model != "mock":
         server_args.append(f"--warmup_max_shapes={a.burst_warmup_max_shapes}")
     if a.burst_model == "mock":
@@ -119,20 +132,30 @@ def section_burst(a) -> dict:
     out["load"] = _load()
     out["config"] = (
         f"{a.burst_n} chat calls at once, {a.burst_max_tokens} max tokens, "
-        f"{a.burst_deadline_s} s deadline, max_num_seqs {a.burst_max_num_seqs}"
+        f"{a.burst_deadline_s} s deadline, max_num_seqs {a.burst_max_num_seqs}, "
+        f"max_model_len {a.burst_max_model_len or 'default'}, "
+        f"warm-up {a.burst_warmup_max_shapes if a.burst_model != 'mock' else 0} shapes"
         + (f", mock step {a.mock_step_time_s} s" if a.burst_model == "mock" else "")
+        + (", engine in a child process" if a.burst_engine_process else ", engine in-process")
     )
     return out
 
 
-def _mock_server(max_num_seqs: int, step_time_s: float):
+def _mock_server(max_num_seqs: int, step_time_s: float, engine_process: bool = False):
     from serving.admission import AdmissionConfig
     from serving.mock_engine import MockEngine
     from serving.server import PagedJaxServer, ServerConfig
 
-    engine = MockEngine(
-        max_num_seqs=max_num_seqs, num_pages=4096, page_size=16, step_time_s=step_time_s
-    )
+    if engine_process:  # the same MockEngine, built in a child process
+        from serving.engine_process import ProcessEngine
+
+        options = {"max_num_seqs": max_num_seqs, "num_pages": 4096, "page_size": 16}
+        build = {"mock_step_time_s": step_time_s}
+        engine = ProcessEngine.start("mock", options, build_kwargs=build)
+    else:
+        engine = MockEngine(
+            max_num_seqs=max_num_seqs, num_pages=4096, page_size=16, step_time_s=step_time_s
+        )
     admission = AdmissionConfig(max_queue_requests=1024, max_tokens=64, max_model_len=512)
     return PagedJaxServer(
         engine, ServerConfig(host="127.0.0.1", port=0, admission=admission)
@@ -142,7 +165,7 @@ def _mock_server(max_num_seqs: int, step_time_s: float):
 def section_soak_fake(a) -> dict:
     from benchmarks.reliability_soak import soak
 
-    server = _mock_server(32, 0.002)
+    server = _mock_server(32, 0.002, engine_process=bool(a.soak_engine_process))
     try:
         prompts = [f"prompt {i} " * (1 + i % 20) for i in range(50)]
         out = soak(server, a.soak_fake_n, 64, a.cancel_fraction, prompts, max_tokens=32)
@@ -295,12 +318,19 @@ def write_report(results: dict, args, path_md: str) -> None:
         "Shared 2-core machine: each section carries the load average it ran at.",
         "",
     ]
+    for note in results.get("notes", ()):  # what a figure cannot say by itself
+        lines += [f"- {note}"]
+    lines += [""] if results.get("notes") else []
     for key in sorted(k for k in results if k.startswith("burst")):
         b = results[key]
         lines += [f"## Burst, model {key[6:-1]} ({b.get('config', '')}; {b['load']})",
                   "", *_burst_md(b), "", f"Server exit code after SIGTERM: "
                   f"{b['server_exit_code']}.", ""]  # fmt: skip
-    for key, title in (("soak_fake", "Soak, fake model"), ("soak_model", "Soak, real model")):
+    for key, title in (
+        ("soak_fake", "Soak, fake model"),
+        ("soak_fake[engine process]", "Soak, fake model, engine in a child process"),
+        ("soak_model", "Soak, real model"),
+    ):
         if key in results:
             lines += [f"## {title}", "", *_soak_md(results[key]), ""]
     if "timing" in results:
@@ -342,10 +372,35 @@ def main(argv=None) -> int:
     p.add_argument("--burst_deadline_s", type=float, default=15.0)
     p.add_argument("--burst_max_num_seqs", type=int, default=32)
     p.add_argument("--burst_probes", type=int, default=100)
+    p.add_argument(
+        "--burst_max_model_len",
+        type=int,
+        default=256,
+        help="the burst server's --max_model_len (0: the model's): the burst's chats fit 256, "
+        "and a shorter context means a smaller set of step shapes to compile (90 vs 120)",
+    )
+    p.add_argument(
+        "--burst_compilation_cache_dir",
+        default="",
+        help="JAX compilation cache for the burst server (off on CPU by default): a second "
+        "run then loads the step programs the first one compiled",
+    )
+    p.add_argument(
+        "--burst_engine_process",
+        type=int,
+        default=1,
+        help="1: the server runs its engine in a child process (--engine_process); 0: in-process",
+    )
     p.add_argument("--burst_warmup_max_shapes", type=int, default=32)
     p.add_argument("--mock_step_time_s", type=float, default=0.05)
     p.add_argument("--soak_fake_n", type=int, default=10_000)
     p.add_argument("--soak_model_n", type=int, default=1_000)
+    p.add_argument(
+        "--soak_engine_process",
+        type=int,
+        default=0,
+        help="1: soak_fake's MockEngine runs in a child process (serving/engine_process.py)",
+    )
     p.add_argument("--cancel_fraction", type=float, default=0.2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--model_max_num_seqs", type=int, default=16)
@@ -364,7 +419,10 @@ def main(argv=None) -> int:
     for name in a.sections.split(","):
         print(f"[reliability] {name} ... ({_load()})", flush=True)
         start = time.monotonic()
-        key = f"burst[{a.burst_model}]" if name == "burst" else name
+        variant = "" if a.burst_engine_process else ", engine in-process"
+        key = f"burst[{a.burst_model}{variant}]" if name == "burst" else name
+        if name == "soak_fake" and a.soak_engine_process:
+            key = "soak_fake[engine process]"
         results[key] = globals()[f"section_{name}"](a)
         results[key]["section_wall_s"] = time.monotonic() - start
         print(json.dumps(results[key], indent=1, default=str), flush=True)

@@ -21,6 +21,7 @@ import time
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.client import build_request
 from serving.proto import pagedjax_pb2 as pb
@@ -47,11 +48,29 @@ def start_server(model: str, extra_args: list[str], log_path: str, timeout_s: fl
     while time.monotonic() < end:
         line = proc.stdout.readline()
         if line.startswith("serving on"):  # "serving on PORT (metrics port ...)"
+            wait_ready(port, end - time.monotonic())
             return proc, port
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
     proc.kill()
     raise TimeoutError(f"server did not start within {timeout_s}s; see {log_path}")
+
+
+def wait_ready(port: int, timeout_s: float) -> None:
+    """Until gRPC health says SERVING: warm-up (compiling the step shapes) runs after the
+    server listens, and a burst before it ends would only measure `warming_up` refusals."""
+    end = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < end:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"server on port {port} not SERVING within {timeout_s:.0f}s")
 
 
 async def _one(stub, i: int, max_tokens: int, deadline_s: float, tag: str) -> dict:

@@ -289,17 +289,22 @@ class EngineCore:
         result = SampleResult.unpack(packed)
         tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
         now = time.monotonic()
-        self._fail_nonfinite(step.plan, tokens, now, outputs)
+        if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
+            self._fail_nonfinite(step.plan, tokens, now, outputs)
         sampled = {
-            s.request.request_id: int(t)
-            for s, t in zip(step.plan.scheduled, tokens)
+            s.request.request_id: t
+            for s, t in zip(step.plan.scheduled, tokens.tolist())
             if s.samples and not s.request.is_finished
         }
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
         received = self.scheduler.update_after_step(step.plan, sampled, now)
         t2 = time.perf_counter()
-        logprobs = self._logprobs(step.plan, result, step.built.sampler_rows)
+        logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
+            self._logprobs(step.plan, result, step.built.sampler_rows)
+            if step.built.logprobs
+            else None
+        )
         outputs += self.outputs.emit(received, now, logprobs)
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1

@@ -81,8 +81,8 @@ class LLM:
         `generate` compiles only the few shapes it reaches (seconds) instead of the engine's
         whole shape set (minutes for a real model on CPU): what a notebook wants. Every
         program compiled is kept in JAX's persistent compilation cache
-        (`compilation_cache_dir`, default engine/compilation_cache.py: on for GPU/TPU, off on
-        CPU unless given; "" turns it off), so the next `LLM(...)` on this machine loads it.
+        (`compilation_cache_dir`, default engine/compilation_cache.py: ~/.cache/pagedjax/xla;
+        "" turns it off), so the next `LLM(...)` on this machine loads it.
         `warmup=True` builds every program up front (a server's choice: no compile while
         serving)."""
         from engine.compilation_cache import enable as enable_compilation_cache

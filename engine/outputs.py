@@ -23,6 +23,7 @@ Plain Python, no JAX: the mock engine (and the serving tests) import it without 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from configs.engine_config import CacheSharingPolicy
@@ -38,6 +39,7 @@ from engine.page_pool import cache_salt_for
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_checker import StopChecker
+from models.detokenizer import detokenize_step
 
 
 def request_metrics(req: Request) -> RequestMetrics:
@@ -76,6 +78,7 @@ class OutputProcessor:
         self.cache_sharing = cache_sharing
         self._on_finished = on_finished
         self._stops: dict[str, StopChecker] = {}
+        self.detokenize_s = 0.0  # host seconds in the step's detokenization (host_bench)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(
@@ -153,15 +156,34 @@ class OutputProcessor:
     ) -> list[RequestOutput]:
         """Stop checks and deltas for the requests that just received a token (what
         `scheduler.update_after_step` returned; `commit` = the two together)."""
+        # ---- hostspeed (#20): the step's detokenization batched, per-row work trimmed ----
+        stops = [self._stops[req.request_id] for req in received]
+        tokens = [req.output_token_ids[-1] for req in received]
+        t0 = time.perf_counter()
+        texts = self._detokenize(stops, tokens)
+        self.detokenize_s += time.perf_counter() - t0
         outputs = []
-        for req in received:
-            lp = None if logprobs is None else logprobs.get(req.request_id)
-            outputs.append(self._on_token(req, [lp] if lp is not None else None, now_s))
+        for req, stop, token, text in zip(received, stops, tokens, texts):
+            lp = logprobs.get(req.request_id) if logprobs else None
+            outputs.append(self._on_token(req, stop, token, text, lp, now_s))
         return outputs
 
-    def _on_token(self, req: Request, logprobs, now_s: float) -> RequestOutput:
-        token = req.output_token_ids[-1]
-        text, reason = self._stops[req.request_id].add_token(token)
+    @staticmethod
+    def _detokenize(stops: list[StopChecker], tokens: list[int]) -> list[str | None]:
+        """Each row's detokenized text (None where the token ends the request as a stop id:
+        that token is never detokenized), in one batched call (models/detokenizer.py)."""
+        rows = [i for i, (s, t) in enumerate(zip(stops, tokens)) if not s.ends_on(t)]
+        texts: list[str | None] = [None] * len(tokens)
+        decoded = detokenize_step([stops[i].detokenizer for i in rows], [tokens[i] for i in rows])
+        for i, text in zip(rows, decoded):
+            texts[i] = text
+        return texts
+
+    def _on_token(
+        self, req: Request, stop: StopChecker, token: int, text, lp, now_s: float
+    ) -> RequestOutput:
+        text, reason = stop.add_token(token, text)
+        logprobs = [lp] if lp is not None else None
         if reason is not None:
             self.scheduler.finish_request(req.request_id, reason, now_s)
             return self._final(req, [token], text, logprobs)

@@ -58,7 +58,7 @@ from engine.page_pool import PagePool
 from engine.request import Request, RequestStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: hundreds are built per step (host time, #20)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step: all_token_ids[start : start + num_new]
@@ -208,10 +208,16 @@ class Scheduler:
         self, now_s: float, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> int:
         # Decodes first, then the most important; victims come from the not yet scheduled.
+        # (The key is _rank's tuple flattened, computed inline: one call per running request.)
+        rate = self.config.priority_aging_per_s
         order = collections.deque(
             sorted(
                 (r for r in self.running if not r.max_outputs_reached),
-                key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._rank(r)),
+                key=lambda r: (
+                    r.num_tokens - r.num_computed_tokens > 1,
+                    rate * r.arrival_s - r.priority,
+                    r.arrival_s,
+                ),
             )
         )
         while order and budget > 0:

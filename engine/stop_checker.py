@@ -63,17 +63,30 @@ class StopChecker:
         self.num_output_tokens = 0
         self.finish_reason: FinishReason | None = None
 
-    def add_token(self, token_id: int) -> StopResult:
-        """Account for one sampled token; returns the text to emit and the finish reason."""
+    def ends_on(self, token_id: int) -> bool:
+        """Whether `token_id`, as the next output, ends the request as a stop id (rule 1):
+        such a token is never detokenized (engine/outputs.py batches the others)."""
+        return token_id in self._stop_ids and self.num_output_tokens >= self.params.min_tokens
+
+    def add_token(self, token_id: int, text: str | None = None) -> StopResult:
+        """Account for one sampled token; returns the text to emit and the finish reason.
+        `text`: what `self.detokenizer.add_token(token_id)` returned, when the caller ran
+        the detokenizer already (a batched step; never for a token that `ends_on`)."""
         if self.finish_reason is not None:
             raise RequestFinishedError(self.num_output_tokens)
         index = self.num_output_tokens
         self.num_output_tokens += 1
         if token_id in self._stop_ids and index >= self.params.min_tokens:
             return self._finish("stop", self.flush())
-        text, stopped = self._scan(
-            self.detokenizer.add_token(token_id), check=index >= self.params.min_tokens
-        )
+        if text is None:
+            text = self.detokenizer.add_token(token_id)
+        if not self.params.stop:  # fast path: nothing is ever held back
+            if self._grammar_done is not None and self._grammar_done(token_id):
+                return self._finish("stop", text)
+            if self.num_output_tokens >= self.params.max_tokens:
+                return self._finish("length", text)
+            return StopResult(text, None)
+        text, stopped = self._scan(text, check=index >= self.params.min_tokens)
         if stopped:
             return self._finish("stop", text)
         if self._grammar_done is not None and self._grammar_done(token_id):

@@ -8,7 +8,8 @@ The programs are
       padded to max_model_len).
 Each program is built ahead of time (`jit.lower(...).compile()` with the engine's own
 arguments, which fills the cache a call uses) without running it, so warm-up costs only
-compile (or persistent-cache load) time; `execute=True` runs each step once on an
+compile (or persistent-cache load) time, on `default_workers()` threads at once (XLA
+compiles without the interpreter lock); `execute=True` runs each step once on an
 all-padding batch instead (what a multi-host leader needs: its followers build their
 programs when it announces the steps). After `warmup` nothing compiles:
 `EngineCore.stats()["compiles_after_warmup"]` stays 0 (tests/test_engine_overlap.py drives
@@ -18,13 +19,16 @@ a random workload to check it). With JAX's persistent compilation cache
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
+import os
 import time
 
 import jax
 import numpy as np
 
+from engine import compilation_cache
 from engine.batch import BatchShape, StepBatch
 from engine.sampling import FULL_FLAGS, GREEDY_FLAGS
 from engine.shapes import reachable_shapes  # noqa: F401  (re-exported: the full product)
@@ -42,9 +46,11 @@ def warmup(
     sampling: tuple[str, ...] = SAMPLER_VARIANTS,
     max_shapes: int | None = None,
     execute: bool = False,
+    workers: int | None = None,
 ) -> float:
     """Builds the step for `shapes` (default: the engine's whole ShapeSet, or its
-    `max_shapes` cheapest) and each variant in `sampling`; returns and logs the seconds."""
+    `max_shapes` cheapest) and each variant in `sampling`; returns and logs the seconds.
+    `workers`: programs built at once (default `default_workers()`)."""
     variants = {
         "greedy": (GREEDY_FLAGS, False),
         "full": (FULL_FLAGS, False),
@@ -56,15 +62,16 @@ def warmup(
     if shapes is None:
         shapes = engine.shapes.shapes[:max_shapes]
     t0 = time.perf_counter()
-    if "penalties" in sampling:
-        _warm_penalty_state(engine)
-    for shape, name in itertools.product(shapes, sampling):
-        flags, use_penalties = variants[name]
+    programs = [(shape, *variants[name]) for shape, name in itertools.product(shapes, sampling)]
+    with compilation_cache.warmup_guard():  # a crash while loading sets the cache aside
+        if "penalties" in sampling:
+            _warm_penalty_state(engine)
         if execute:
-            packed = engine.run_step(StepBatch.zeros(shape), shape, flags, use_penalties)
-            jax.block_until_ready(packed)
+            for shape, flags, use_penalties in programs:
+                packed = engine.run_step(StepBatch.zeros(shape), shape, flags, use_penalties)
+                jax.block_until_ready(packed)
         else:
-            engine.compile_step(shape, flags, use_penalties)
+            _build_all(engine, programs, workers)
     warmup_s = time.perf_counter() - t0
     engine.mark_warm(warmup_s)
     log.warning(
@@ -76,6 +83,26 @@ def warmup(
         warmup_s,
     )
     return warmup_s
+
+
+def default_workers() -> int:
+    """Threads that build programs at once: one per CPU core, at most 8. XLA compiles (and
+    loads from the persistent cache) without holding the interpreter lock, so programs
+    build in parallel; tracing and lowering, in Python, do not."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _build_all(engine, programs: list, workers: int | None) -> None:
+    """`engine.compile_step` for each (shape, flags, use_penalties), `workers` at a time,
+    cheapest first (the order of `programs`); the first error is raised."""
+    workers = default_workers() if workers is None else workers
+    if workers <= 1 or len(programs) <= 1:
+        for program in programs:
+            engine.compile_step(*program)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool:
+        for future in [pool.submit(engine.compile_step, *p) for p in programs]:
+            future.result()
 
 
 def _warm_penalty_state(engine) -> None:

@@ -186,6 +186,8 @@ class WaitingQueue:
         self.cfg, self.clock, self.capacity = cfg, clock, capacity
         self.num_in_engine = 0  # set by the engine thread
         self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
+        # tokens each request in the engine may still generate (set by the engine thread)
+        self.engine_remaining_tokens: list[int] = []
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
         self._prompt_sum = 0
@@ -264,14 +266,18 @@ class WaitingQueue:
         prefill_ahead = self.unprefilled_engine_tokens
         if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
             prefill_ahead += self._prompt_sum
+        mean_max_tokens = self._max_tokens_sum / n if self._items else item.max_tokens
+        remaining = list(self.engine_remaining_tokens)[: self.num_in_engine]
+        remaining += [round(mean_max_tokens)] * (self.num_in_engine - len(remaining))
         return self.capacity.estimate(
             prefill_tokens_ahead=prefill_ahead,
             ahead=ahead,
             prompt_tokens=item.prompt_tokens or item.num_tokens,
             max_tokens=item.max_tokens,
             mean_prompt_tokens=self._prompt_sum / n if self._items else item.prompt_tokens,
-            mean_max_tokens=self._max_tokens_sum / n if self._items else item.max_tokens,
+            mean_max_tokens=mean_max_tokens,
             drain_per_s=None if rates is None else rates[0],
+            engine_remaining_tokens=remaining,
         )
 
     def estimated_wait_s(self) -> float | None:

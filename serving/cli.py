@@ -30,8 +30,7 @@ shared.define_quantization()
 flags.DEFINE_string(
     "compilation_cache_dir",
     None,
-    "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla on GPU/TPU, "
-    "off on CPU; '' or 'none': off)",
+    "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
 )
 COMMANDS = ("generate",)
 

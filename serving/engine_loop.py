@@ -184,6 +184,7 @@ class EngineLoop:
             self._feed()
         self.waiting.num_in_engine = len(self._in_engine)
         self.waiting.unprefilled_engine_tokens = self._unprefilled_tokens()
+        self.waiting.engine_remaining_tokens = self._remaining_tokens()
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
         )
@@ -200,7 +201,10 @@ class EngineLoop:
             return  # the old engine finishes what it holds first
         engine, done = self._swap
         log.info("engine swapped: %s -> %s", self.engine.identity, engine.identity)
-        self.engine, self._swap = engine, None
+        old, self.engine, self._swap = self.engine, engine, None
+        close = getattr(old, "close", None)  # ProcessEngine (serving/engine_process.py)
+        if close is not None:
+            close()  # its child process served its last request
         if self.on_swap is not None:
             self.on_swap(engine)
         done.set()
@@ -263,6 +267,12 @@ class EngineLoop:
                 )
                 self.unregister(r.request_id)
                 continue
+            except Exception as e:  # noqa: BLE001 - e.g. the engine process could not start
+                log.error("engine.add_request failed: %r", e)
+                self.breaker.record_failure()
+                self._end(r, "failed", "engine_add", grpc.StatusCode.INTERNAL, repr(e))
+                self.unregister(r.request_id)
+                continue
             self._in_engine.add(r.request_id)
             self.metrics.prompt_tokens.inc(len(r.engine_request.prompt_token_ids))
 
@@ -302,6 +312,16 @@ class EngineLoop:
             if r is not None and not r.token_times_s:
                 total += len(r.engine_request.prompt_token_ids)
         return total
+
+    def _remaining_tokens(self) -> list[int]:
+        """Tokens each request in the engine may still generate (its max_tokens left)."""
+        remaining = []
+        for request_id in self._in_engine:
+            r = self._lookup(request_id)
+            if r is not None:
+                sp = r.engine_request.sampling
+                remaining.append(max(0, sp.max_tokens - len(r.token_times_s)))
+        return remaining
 
     def _observe_prefill(self, r: ActiveRequest, first_token_s: float) -> None:
         if self.waiting.capacity is not None:

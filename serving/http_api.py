@@ -38,11 +38,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from serving import convert
+from serving import http_delivery as delivery
 from serving import http_responses as resp
 from serving import http_schemas as schemas
 from serving.generation import (
@@ -111,8 +113,11 @@ class HttpApi:
             return resp.refusal_response(e)
         headers = resp.identity_headers(self.identity)
         if body.stream:
-            stream = self._sse(body, chat, request_id, choices, len(prompts), wake)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            gone = asyncio.Event()  # overload (#17): set when the client disconnects
+            stream = self._sse(body, chat, request_id, choices, len(prompts), wake, gone)
+            return delivery.DeliveryStreamingResponse(
+                stream, gone, media_type="text/event-stream", headers=headers
+            )
         return await self._complete(request, body, chat, request_id, choices, len(prompts), wake)
 
     def _prompts(self, body, chat: bool) -> list:
@@ -152,6 +157,7 @@ class HttpApi:
                         revision=body.revision or request.headers.get(REVISION_HEADER, ""),
                         priority=schemas.engine_priority(body.priority),
                         stream_listener=listener,
+                        success_on_delivery=True,  # overload (#17): http_delivery.py
                     )
                 )
         return calls
@@ -210,20 +216,37 @@ class HttpApi:
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            async for c, text, lps, _ in self._deltas(choices, wake, gone):
+            async for c, text, lps, times in self._deltas(choices, wake, gone):
                 c.text += text
                 c.logprobs += lps
+                delivery.sent(c.request, len(times))  # nothing is sent until the end
         except StreamEnded as e:
+            watcher.cancel()
             self._cancel_unfinished(choices, "sibling_failed")
             t = e.terminal
             return resp.error_response(t.code, t.details, retry_after_ms=t.retry_after_ms)
-        finally:
+        except BaseException:
             watcher.cancel()
+            raise
         if gone.is_set():
+            watcher.cancel()
             self._cancel_unfinished(choices)
             return Response(status_code=499)
         body_json = self._full_body(body, chat, request_id, choices, num_prompts)
-        return JSONResponse(body_json, headers=resp.identity_headers(self.identity))
+        # overload (#17): success once the body was written to a connection still open
+        return delivery.DeliveredJSONResponse(
+            body_json,
+            gone=gone,
+            watcher=watcher,
+            on_sent=lambda: self._delivered(choices),
+            on_gone=lambda: self._cancel_unfinished(choices),
+            headers=resp.identity_headers(self.identity),
+        )
+
+    def _delivered(self, choices) -> None:
+        """Every choice's last byte went to the transport: the requests' outcome is success."""
+        for c in choices:
+            self.generator.ledger.settle(c.request, "success", "", grpc.StatusCode.OK)
 
     def _full_body(self, body, chat, request_id, choices, num_prompts) -> dict:
         out = resp.envelope(
@@ -252,9 +275,10 @@ class HttpApi:
             )
         return choice
 
-    async def _sse(self, body, chat, request_id, choices, num_prompts, wake):
+    async def _sse(self, body, chat, request_id, choices, num_prompts, wake, gone):
         """Server-sent events; ends with `data: [DONE]`, or with an error event. A client
-        that disconnects cancels this generator (Starlette), which cancels the choices."""
+        that disconnects cancels this generator (Starlette), which cancels the choices; one
+        still there when [DONE] was taken by the transport makes them successes."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         offsets = {c.index: 0 for c in choices}
@@ -262,6 +286,7 @@ class HttpApi:
             async for c, text, lps, times in self._deltas(choices, wake):
                 c.num_tokens += len(times)
                 if not (text or lps or c.summary or (times and body.return_token_times)):
+                    delivery.sent(c.request, len(times))
                     continue  # e.g. text held back while it may still become a stop string
                 chunk = resp.envelope(kind, request_id, self.identity, created)
                 chunk["choices"] = [self._stream_choice(body, chat, c, text, lps, offsets)]
@@ -277,7 +302,9 @@ class HttpApi:
                         **chunk.get("pagedjax", {}),
                         **resp.extension(self.identity, [x.summary for x in choices]),
                     }
+                delivery.sending(c.request)
                 yield _event(chunk)
+                delivery.sent(c.request, len(times))
             if body.include_usage:
                 chunk = resp.envelope(kind, request_id, self.identity, created)
                 summaries = [x.summary for x in choices]
@@ -286,6 +313,9 @@ class HttpApi:
                 chunk["pagedjax"] = resp.extension(self.identity, summaries)
                 yield _event(chunk)
             yield "data: [DONE]\n\n"
+            await asyncio.sleep(0)  # a disconnect uvicorn saw meanwhile cancels us here
+            if not gone.is_set():
+                self._delivered(choices)
         except StreamEnded as e:
             self._cancel_unfinished(choices, "sibling_failed")
             t = e.terminal

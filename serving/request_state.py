@@ -122,8 +122,8 @@ class ActiveRequest:
     timings: dict | None = None  # queue_s, ttft_s, tpot_s, e2e_s once finished
     finish_reason: str | None = None
     outcome: str | None = None
-    # True: success is recorded by the transport once the final message was sent (gRPC);
-    # False: when the engine finishes (the HTTP API).
+    # True: success is recorded by the transport once the final message was sent (gRPC, and
+    # the HTTP API: serving/http_delivery.py); False: when the engine finishes (direct use).
     success_on_delivery: bool = False
     # Written by the handler thread (read by the engine thread for the slow-consumer policy):
     tokens_sent: int = 0  # tokens in messages the transport has accepted

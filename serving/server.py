@@ -36,6 +36,7 @@ from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.capacity_model import probe
 from serving.dispatch import DispatchLedger
+from serving.engine_build import build_engine, engine_warmup
 from serving.engine_loop import EngineLoop
 from serving.generation import Generator, ServiceLimits
 from serving.guard import RequestGuard
@@ -259,12 +260,57 @@ class PagedJaxServer:
             self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
+        # -- overload (#17): an engine in a child process ends with the server
+        close_engine(self.loop.engine)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
+
+
+# -- overload (#17): the engine in a child process (serving/engine_process.py) ---------------
+def close_engine(engine) -> None:
+    """Stop an engine's child process (in-process engines have nothing to stop)."""
+    from serving.engine_process import ProcessEngine
+
+    if isinstance(engine, ProcessEngine):
+        engine.close()
+
+
+def build_serving_engine(
+    model: str,
+    options: dict,
+    *,
+    in_process: bool,
+    compilation_cache_dir: str | None = None,
+    **build_kwargs,
+):
+    """(engine, warm-up callable or None) for the server: the engine built here, or in a
+    child process (`in_process=False`, then warmed there, with its own compilation cache
+    set up from `compilation_cache_dir`). `options` as build_engine's, plus
+    warmup_max_shapes."""
+    options = dict(options)
+    max_shapes = options.pop("warmup_max_shapes", 0)
+    shapes = {"max_step_shapes": max_shapes} if max_shapes else {}
+    if in_process:
+        engine = build_engine(model, {**options, **shapes}, **build_kwargs)
+        return engine, engine_warmup(engine, max_shapes)
+    from serving.engine_process import ProcessEngine
+
+    engine = ProcessEngine.start(
+        model,
+        {**options, **shapes},
+        build_kwargs=build_kwargs,
+        compilation_cache_dir=compilation_cache_dir,
+    )
+    if not max_shapes or model == "mock":
+        return engine, None
+    return engine, lambda: engine.warmup(max_shapes)
+
+
+# -- end overload (#17) ------------------------------------------------------------------------
 
 
 def _warm_tokenizer(tokenizer) -> None:
@@ -308,8 +354,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "compilation_cache_dir",
         None,
-        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla on GPU/TPU, "
-        "off on CPU; '' or 'none': off)",
+        "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
     )
     flags.DEFINE_integer(
         "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
@@ -348,6 +393,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
     flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
     flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
+    flags.DEFINE_bool(
+        "engine_process",
+        False,
+        "run the engine in a child process of its own (its host work then does not hold "
+        "the handlers' interpreter lock); False: on a thread of the server process",
+    )
 
 
 # flag -> (lowest allowed value, None allowed): every numeric server flag, checked at start.
@@ -435,102 +486,6 @@ def engine_options_from_flags() -> dict:
     }
 
 
-def build_engine(
-    model: str, options: dict, *, mock_step_time_s: float = 0.01, max_model_len: int | None = None
-):
-    """'mock' -> MockEngine; anything else -> the real EngineCore, imported lazily (JAX).
-
-    `options`: page_size, num_pages, max_num_seqs, max_num_batched_tokens,
-    prefill_chunk_size, prefix_caching, quantization, kv_dtype, mesh (see
-    engine_options_from_flags)."""
-    options = dict(options)
-    if model == "mock":
-        from serving.mock_engine import MockEngine
-
-        for opt, default in (("quantization", "none"), ("kv_dtype", "float32")):
-            if options.get(opt, default) != default:
-                raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
-
-        return MockEngine(
-            max_num_seqs=options["max_num_seqs"],
-            num_pages=options.get("num_pages") or 4096,
-            page_size=options["page_size"],
-            max_num_batched_tokens=options.get("max_num_batched_tokens") or 512,
-            prefill_chunk_size=options.get("prefill_chunk_size"),
-            max_model_len=max_model_len or 8192,
-            step_time_s=mock_step_time_s,
-        )
-    import engine as engine_pkg
-
-    if "build_engine" in dir(engine_pkg):
-        return engine_pkg.build_engine(model, **options)
-    from configs.engine_config import EngineConfig
-    from engine.factory import create_engine
-    from engine.sharding import loader_shardings
-    from models.registry import load_model
-
-    mesh = options.pop("mesh", None)
-    warmup_max_shapes = options.pop("warmup_max_shapes", 0)
-    if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
-        options.setdefault("max_step_shapes", warmup_max_shapes)
-    config = EngineConfig(model=model, max_model_len=max_model_len, **options)
-    shared.progress(f"loading {model} ...")
-    t0 = time.perf_counter()
-    # With a mesh each param shard goes straight to its devices; "data:N" gives N replicas.
-    loaded = load_model(
-        model,
-        shardings_for=loader_shardings(mesh) if mesh else None,
-        quantization=config.quant_config,
-    )
-    core = create_engine(loaded, config, mesh=mesh)
-    shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
-    warm = engine_warmup(core, warmup_max_shapes)
-    if warm is not None:
-        warm()
-    return core
-
-
-def engine_warmup(engine, max_shapes: int):
-    """A callable building every step program of `engine`'s shape set (engine/shapes.py;
-    its size is EngineConfig.max_step_shapes, which the server sets from
-    --warmup_max_shapes), or None: nothing to do (the mock engine, or max_shapes 0).
-    PagedJaxServer runs it on the engine thread."""
-    replicas = getattr(engine, "replicas", [engine])
-    if not max_shapes or not hasattr(replicas[0], "run_step"):
-        return None
-
-    def run() -> None:
-        for replica in replicas:
-            _warmup_with_progress(replica)
-
-    return run
-
-
-def _warmup_with_progress(engine, num_reports: int = 8) -> None:
-    """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
-    line after each."""
-    from engine.warmup import warmup
-
-    shapes = engine.shapes.shapes
-    chunk = max(1, -(-len(shapes) // num_reports))
-    t0 = time.perf_counter()
-    # NOTE: warmup() logs a summary per call; the progress lines below replace them.
-    warmup_log = logging.getLogger(warmup.__module__)
-    level = warmup_log.level
-    warmup_log.setLevel(logging.ERROR)
-    try:
-        for start in range(0, len(shapes), chunk):
-            warmup(engine, shapes[start : start + chunk])
-            done = min(start + chunk, len(shapes))
-            elapsed_s = time.perf_counter() - t0
-            shared.progress(
-                f"warm-up: {done}/{len(shapes)} step shapes compiled ({elapsed_s:.0f}s)"
-            )
-    finally:
-        warmup_log.setLevel(level)
-    engine.mark_warm(time.perf_counter() - t0)  # compiles after this count as while serving
-
-
 def config_from_flags(engine_config: dict) -> ServerConfig:
     admission = AdmissionConfig(
         max_prompt_tokens=FLAGS.max_prompt_tokens,
@@ -584,31 +539,37 @@ def main(argv) -> None:
         enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
-    shapes = {"max_step_shapes": FLAGS.warmup_max_shapes} if FLAGS.warmup_max_shapes else {}
-    engine = build_engine(
+    build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)
+    engine, warmup = build_serving_engine(
         FLAGS.model,
-        {**options, **shapes, "warmup_max_shapes": 0},
-        mock_step_time_s=FLAGS.mock_step_time_s,
-        max_model_len=FLAGS.max_model_len,
+        {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+        in_process=not FLAGS.engine_process,
+        compilation_cache_dir=FLAGS.compilation_cache_dir,
+        **build_kwargs,
     )
     try:
         server = PagedJaxServer(
             engine,
             config_from_flags(options),
             TenantRegistry.from_file(FLAGS.tenants_config),
-            warmup=engine_warmup(engine, FLAGS.warmup_max_shapes),
+            warmup=warmup,
         )
     except PortInUseError as e:
         log.error("%s", e)
+        close_engine(engine)
         sys.exit(2)
 
     def rebuild():
-        return build_engine(
+        engine, warm = build_serving_engine(
             FLAGS.model,
             {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
-            mock_step_time_s=FLAGS.mock_step_time_s,
-            max_model_len=FLAGS.max_model_len,
+            in_process=not FLAGS.engine_process,
+            compilation_cache_dir=FLAGS.compilation_cache_dir,
+            **build_kwargs,
         )
+        if warm is not None:
+            warm()
+        return engine
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()

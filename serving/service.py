@@ -9,6 +9,24 @@ Success is recorded only once the final message was handed to the transport (the
 yield of it returned). The handler notes what the transport accepted (`tokens_sent`,
 `send_started_s`) for the engine thread's slow-consumer policy
 (request_state.SlowConsumerPolicy).
+
+Slow gRPC readers: what the server can and cannot see. The handler's `yield` returns once
+gRPC core has taken the message for its HTTP/2 stream, and core takes messages as long as
+the *client's* receive window has room. A default grpcio client announces a large window
+and grows it by BDP probing (to megabytes), and its core reads the socket on its own,
+whatever the application iterates: a Python client reading one message every 0.5 s let the
+server's transport accept 4,000 messages (> 1 MB) without pushing back. So:
+  - seen at once: cancel, disconnect, deadline (the call's callback -> cancelled{client} or
+    timed_out{deadline}); a reader whose window has filled (its messages wait in `yield`:
+    the stall timeout and max_tokens_ahead of the policy trip, ABORTED, pages freed);
+  - not seen: a default client that reads slowly but whose buffered bytes still fit its
+    window (megabytes, i.e. more tokens than max_tokens allows): to the server it is a fast
+    reader, its request runs to the end and counts as a success once the final message was
+    handed to the transport. The server cannot shrink a client's receive window; a client
+    that wants backpressure opens its channel with a small window
+    (`grpc.http2.bdp_probe=0`, a small `grpc.http2.lookahead_bytes`), and the policy then
+    trips. Acknowledged delivery would need an application-level ack (a bidirectional
+    stream), which this API does not have.
 """
 
 from __future__ import annotations

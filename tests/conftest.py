@@ -4,6 +4,11 @@ import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# NOTE: the persistent compilation cache is on by default (engine/compilation_cache.py); the
+# suite turns it off (set the variable to a directory to run it with one) so tests never
+# write to the user's ~/.cache and one test's programs cannot change another's path. The
+# cache's own tests (tests/test_compilation_cache.py) load from it in fresh processes.
+os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE_DIR", "")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

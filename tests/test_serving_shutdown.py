@@ -81,18 +81,41 @@ def test_drain_timeout_cancels_the_rest_with_an_outcome_and_frees_pages():
     client.close()
 
 
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid` (Linux /proc)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.subprocess
-def test_sigterm_drains_the_server_program_and_exits_0():
+@pytest.mark.parametrize("engine_flags", [[], ["--engine_process"]], ids=["in_process", "child"])
+def test_sigterm_drains_the_server_program_and_exits_0(engine_flags):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.server", "--model=mock", "--host=127.0.0.1",
-         "--port=0", "--metrics_port=-1", "--mock_step_time_s=0.01", "--drain_timeout_s=30"],
+         "--port=0", "--metrics_port=-1", "--mock_step_time_s=0.01", "--drain_timeout_s=30",
+         *engine_flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving on"), (line, proc.stderr.read() if proc.poll() else "")
         port = int(line.split()[2])  # "serving on PORT (metrics port ...)"
+        children = _children(proc.pid)
+        if engine_flags:
+            assert children  # the engine process (and spawn's resource tracker)
         with GenerateClient(f"127.0.0.1:{port}") as client:
             call = client.stream(build_request("abc", max_tokens=100, request_id="inflight"))
             first = next(call)
@@ -104,6 +127,7 @@ def test_sigterm_drains_the_server_program_and_exits_0():
                 final = msg.final if msg.HasField("final") else final
             assert len(tokens) == 100 and final.finish_reason == "length"
         assert proc.wait(60) == 0
+        wait_for(lambda: not any(map(_running, children)), 20.0, "child processes gone")
     finally:
         if proc.poll() is None:
             proc.kill()
