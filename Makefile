@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format install clean reliability
+.PHONY: demo test test-fast lint format install clean reliability disagg-bench
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: install
 RELIABILITY_ARGS ?=
 reliability: install
 	$(VPY) -m benchmarks.reliability $(RELIABILITY_ARGS)
+
+# Prefill/decode disaggregation and routing figures (issue 16; tens of minutes on 2 cores).
+disagg-bench: install
+	$(VPY) -m benchmarks.disagg_bench $(DISAGG_ARGS)
 
 # The inner loop (about a minute of CPU): every package, without the three slow kinds of test
 # (markers in pyproject.toml). `make test` and CI run everything.

@@ -14,6 +14,7 @@ import dataclasses
 from configs.kv_memory import DTYPE_BYTES, kv_bytes_per_token
 from configs.model_config import ModelConfig
 from configs.quant_config import QuantConfig
+from configs.spec_config import SpeculativeConfig
 
 PARAM_DTYPES = (None, "float32", "bfloat16", "float16")
 
@@ -120,8 +121,16 @@ class EngineConfig:
     # The compiled step shapes: at most this many (the coarsest set if that is larger);
     # every batch is padded to one of them (engine/shapes.py).
     max_step_shapes: int = 64
+    # Speculative decoding (configs/spec_config.py; engine/spec_decode.py): None = off, or
+    # a SpeculativeConfig / dict / string such as "ngram:k=4".
+    speculative: SpeculativeConfig | None = None
+    # ---- LoRA (engine/adapters.py): device slots for this many adapters of rank <= R;
+    # 0 = no LoRA (the step programs are exactly the plain model's).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         _check("page_size", self.page_size, self.page_size >= 1, ">= 1")
         _check("dtype", self.dtype, self.dtype in PARAM_DTYPES, f"one of {PARAM_DTYPES}")
         _check(
@@ -131,6 +140,8 @@ class EngineConfig:
             f"one of {sorted(DTYPE_BYTES)}",
         )
         self.quant_config  # noqa: B018 (validates quantization and quantize_lm_head)
+        _check("max_loras", self.max_loras, self.max_loras >= 0, ">= 0 (0: no LoRA)")
+        _check("max_lora_rank", self.max_lora_rank, self.max_lora_rank >= 1, ">= 1")
         _check(
             "cache_sharing",
             self.cache_sharing,

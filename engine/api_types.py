@@ -29,6 +29,18 @@ class EngineRequest:
     tenant: str = "default"
     deadline_s: float | None = None  # absolute, time.monotonic() clock
     arrival_s: float | None = None  # time.monotonic(); set by the engine if None
+    adapter: str | None = None  # LoRA adapter name (engine/adapters.py); None = base model
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterRef:
+    """A loaded LoRA adapter as responses name it (engine/adapters.py)."""
+
+    name: str
+    content_hash: str  # "sha256:<hex>" of its files: part of every prefix-cache key
+    path: str
+    rank: int
+    slot: int  # row slot id in the device stack (1..max_loras)
 
 
 @dataclasses.dataclass
@@ -42,6 +54,9 @@ class RequestMetrics:
     e2e_s: float | None = None  # arrival -> finish
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # speculative decoding (engine/spec_decode.py): drafts verified / accepted
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -100,6 +115,7 @@ class GenerateOutput:
     prompt: str | None  # the text given or rendered from chat messages; None for token ids
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    adapter: AdapterRef | None = None  # the LoRA adapter that answered (None: base model)
 
     @property
     def finished(self) -> bool:

@@ -295,8 +295,9 @@ class BatchBuilder:
             self.num_pages[slot] = len(page_ids)
 
     # ---- one step ---------------------------------------------------------------------------
-    def build(self, scheduled) -> BuiltStep:
-        """`scheduled`: the plan's ScheduledRequest list (each request holds a slot)."""
+    def build(self, scheduled, fit_shape: Callable | None = None) -> BuiltStep:
+        """`scheduled`: the plan's ScheduledRequest list (each request holds a slot);
+        `fit_shape` overrides the builder's (speculative steps: engine/spec_decode.py)."""
         ps = self.page_size
         n = len(scheduled)
         slots = np.empty(n, np.int32)
@@ -327,7 +328,7 @@ class BatchBuilder:
             pages_per_seq=int(-(-ends.max() // ps)),
             max_query_len=max((s.num_new_tokens for s in chunks), default=0),
         )
-        shape = self.fit_shape(needed)
+        shape = (fit_shape or self.fit_shape)(needed)
         batch = StepBatch.zeros(shape)
         self._fill_decode(batch, slots[d], starts[d], tokens[d])
         self._fill_prefill(batch, shape, chunks, slots[p], starts[p])
@@ -369,9 +370,7 @@ class BatchBuilder:
         rows = Sd + np.arange(T)
         seq = np.repeat(np.arange(len(chunks)), lens)  # [T] chunk of each token
         pos = starts[seq] + (np.arange(T) - qs[seq])  # [T]
-        b.token_ids[rows] = np.concatenate(
-            [s.request.all_token_ids[s.start : s.start + s.num_new_tokens] for s in chunks]
-        )
+        b.token_ids[rows] = np.concatenate([_chunk_token_ids(s) for s in chunks])
         b.positions[rows] = pos
         b.slot_mapping[rows] = self.page_table[slots[seq], pos // ps] * ps + pos % ps
         n = len(chunks)
@@ -389,3 +388,10 @@ class BatchBuilder:
         for name, per_slot in self.sampling.items():
             getattr(t, name)[rows] = per_slot[slots]
         t.step[rows] = out_index
+
+
+def _chunk_token_ids(s) -> list[int]:
+    """The token ids a prefill-group sequence computes this step: known tokens, then (for a
+    speculating decode, engine/spec_decode.py) its drafted tokens."""
+    ids = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+    return ids + list(s.spec_token_ids) if s.spec_token_ids else ids

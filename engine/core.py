@@ -60,8 +60,10 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
+from engine.adapters import AdapterManager, UnknownAdapterError
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
 from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
+from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
@@ -78,9 +80,10 @@ from engine.sampling import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
+from engine.spec_decode import SpecDecoder
 from engine.step import NONFINITE_TOKEN, engine_step
 from engine.structured_matcher import StructuredRequests
-from models.llama import cast_params, layer_layout
+from models.llama import LayerWeights, cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,11 @@ class _Launched:
     plan: SchedulerOutput
     built: BuiltStep
     packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
+    # speculative decoding (engine/spec_decode.py): (packed, spec_packed, num_accepted) on
+    # device, the plan indices of the verified requests, and when it was dispatched
+    spec_results: tuple | None = None
+    spec_batch: list | None = None
+    dispatched_at: float = 0.0
 
 
 class EngineCore:
@@ -124,7 +132,7 @@ class EngineCore:
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
         compiles.install()
-        model = engine_model(model, config)
+        model = _with_speculation(engine_model(model, config), config)
         self.model = model
         self.config = config
         self.cfg = model.config
@@ -165,6 +173,7 @@ class EngineCore:
         self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
         self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
         self._penalties_ready = False
+        self.adapters = self._adapter_manager(model, kv_sharding)  # LoRA; None: max_loras=0
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -183,16 +192,25 @@ class EngineCore:
         self.warmup_s: float | None = None
         self._compiles_at_warmup: int | None = None
         self._logged_compiles = 0
+        spec = config.speculative  # speculative decoding (engine/spec_decode.py)
+        self.spec = None if spec is None else SpecDecoder(self, spec)
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
-        constraint = er.sampling.structured
-        if constraint is None:
-            self.outputs.add_request(er, time.monotonic(), cache_salt)
-        else:  # compile first: a constraint that fails leaves nothing behind
-            matcher = self.structured.compile(constraint)
-            done = functools.partial(self.structured.accept, er.request_id)
-            self.outputs.add_request(er, time.monotonic(), cache_salt, grammar_done=done)
+        adapter = self._acquire_adapter(er)  # LoRA: its content hash keys the prefix cache
+        adapter_id = None if adapter is None else adapter.content_hash
+        constraint, matcher, done = er.sampling.structured, None, None
+        try:
+            if constraint is not None:  # compile first: a failure leaves nothing behind
+                matcher = self.structured.compile(constraint)
+                done = functools.partial(self.structured.accept, er.request_id)
+            self.outputs.add_request(
+                er, time.monotonic(), cache_salt, adapter_id=adapter_id, grammar_done=done
+            )
+        except BaseException:
+            self._release_adapter(er.request_id)
+            raise
+        if matcher is not None:
             self.structured.track(er.request_id, matcher)
         self._seeds[er.request_id] = resolve_seed(er.sampling, self._rng)
 
@@ -211,7 +229,7 @@ class EngineCore:
             )
         if self.mesh is not None:
             raise NotImplementedError("reload_model with a mesh (params need resharding)")
-        model = engine_model(model, self.config)
+        model = _with_speculation(engine_model(model, self.config), self.config)
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
         self.structured.set_tokenizer(model.tokenizer)
@@ -230,6 +248,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one (overlapped) or this one
         (synchronous); returns the outputs of the step it processed."""
+        # NOTE: structured output turns speculation off while constrained requests run
+        # (drafts are not checked against the grammar matcher).
+        if self.spec is not None and not self.structured.active and self.spec.should_speculate():
+            return self.spec.step()  # synchronous speculative step (engine/spec_decode.py)
         outputs: list[RequestOutput] = []
         if not self.config.async_scheduling or self.structured.active:
             if self._in_flight is not None:  # constrained rows need every token on the host
@@ -246,10 +268,13 @@ class EngineCore:
         return outputs
 
     # ---- one step, in order --------------------------------------------------------------
-    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
-        """Schedule, build and dispatch a step (returns None when nothing is scheduled)."""
+    def _launch(self, outputs: list[RequestOutput], spec=None) -> _Launched | None:
+        """Schedule, build and dispatch a step (returns None when nothing is scheduled).
+        `spec`: the SpecDecoder when drafts were proposed for this step."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
+        if spec is not None:
+            spec.after_schedule(plan)
         outputs += self.outputs.finished(plan)
         for rid in plan.preempted_request_ids:
             self.builder.release(rid)
@@ -259,13 +284,18 @@ class EngineCore:
         for s in plan.scheduled:
             self._take_slot(s.request)
         t1 = time.perf_counter()
-        built = self.builder.build(plan.scheduled)
+        built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
         # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
         # penalties) are what warm-up builds. Flags never change a row's token.
         flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
         try:
             bitmask = self._token_bitmask(plan, built)
+            # NOTE: no speculation while constrained requests run (step() checks), so a
+            # step with a bitmask never takes the speculative path.
+            spec_run = None if spec is None else spec.run(plan, built, flags is FULL_FLAGS)
+            if spec_run is not None:  # speculative decoding: drafts verified in this step
+                return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
             packed = self.run_step(built.batch, built.shape, flags, built.penalties, bitmask)
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
@@ -371,6 +401,7 @@ class EngineCore:
             self._last_tokens,
             batch.pack() if isinstance(batch, StepBatch) else batch,
             **self._static_args(shape, flags, use_penalties),
+            lora=self._lora_inputs(batch if isinstance(batch, StepBatch) else None, shape),
             # NOTE: passed only when set: an explicit None is another jit cache key than
             # the default, so warm-up's programs would not be found.
             **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
@@ -388,6 +419,7 @@ class EngineCore:
             self._last_tokens,
             StepBatch.zeros(shape).pack(),
             **self._static_args(shape, flags, use_penalties),
+            lora=self._lora_inputs(None, shape),
         ).compile()
 
     def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
@@ -409,6 +441,8 @@ class EngineCore:
 
     def _take_slot(self, req: Request) -> None:
         slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
+        if self.adapters is not None:
+            self.adapters.bind(slot, req.request_id)
         if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
@@ -444,6 +478,49 @@ class EngineCore:
         self._seeds.pop(request_id, None)
         self.structured.remove(request_id)
         self.builder.release(request_id)
+        self._release_adapter(request_id)
+
+    # ---- LoRA adapters (engine/adapters.py) -----------------------------------------------
+    def _adapter_manager(self, model, device_or_sharding):
+        if not self.config.max_loras:
+            return None
+        return AdapterManager(
+            model.config,
+            self.cfg,
+            max_loras=self.config.max_loras,
+            max_lora_rank=self.config.max_lora_rank,
+            max_num_seqs=self.sched_config.max_num_seqs,
+            dtype=self.params.embed.dtype,
+            mesh=self.mesh,
+            device=None if self.mesh is not None else device_or_sharding,
+            unrolled=not isinstance(self.params.layers, LayerWeights),
+        )
+
+    def load_adapter(self, name: str, path: str):
+        """Installs a PEFT LoRA adapter under `name` (between steps; safe while requests
+        run). Returns its AdapterRef. Needs EngineConfig(max_loras >= 1)."""
+        if self.adapters is None:
+            raise InvalidRequestError("max_loras", 0, ">= 1 to load LoRA adapters")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise UnknownAdapterError(name, [])
+        self.adapters.unload(name)
+
+    def _acquire_adapter(self, er: EngineRequest):
+        if er.adapter is None:
+            return None
+        if self.adapters is None:
+            raise UnknownAdapterError(er.adapter, [])
+        return self.adapters.acquire(er.request_id, er.adapter)
+
+    def _release_adapter(self, request_id: str) -> None:
+        if self.adapters is not None:
+            self.adapters.release(request_id)
+
+    def _lora_inputs(self, batch: StepBatch | None, shape: BatchShape):
+        return None if self.adapters is None else self.adapters.inputs(batch, shape)
 
     @staticmethod
     def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
@@ -488,4 +565,15 @@ class EngineCore:
             ),
             **compiles.stats(),
             **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
+            **({} if self.spec is None else self.spec.stats.as_dict()),
+            **({} if self.adapters is None else self.adapters.stats()),
         }
+
+
+def _with_speculation(model, config: EngineConfig):
+    """The model with an identity naming the engine's speculative decoding (what every
+    response's resolved versions report), e.g. "ngram:k=4"."""
+    if config.speculative is None:
+        return model
+    identity = dataclasses.replace(model.identity, speculative=config.speculative.describe())
+    return dataclasses.replace(model, identity=identity)

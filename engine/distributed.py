@@ -154,6 +154,11 @@ def create_multihost_engine(model, config, *, mesh, impl: str = "auto"):
 
     if jax.process_count() == 1:
         return EngineCore(model, config, impl=impl, mesh=mesh)
+    if config.max_loras:  # NOTE: followers would need each step's adapter rows and loads
+        raise ValueError(
+            f"max_loras={config.max_loras} is invalid: 0 with several processes (multi-host "
+            f"LoRA is not implemented)"
+        )
     if jax.process_index() == 0:
         return LeaderEngineCore(model, config, impl=impl, mesh=mesh, channel=StepChannel())
     return EngineCore(model, config, impl=impl, mesh=mesh)

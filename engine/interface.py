@@ -3,7 +3,9 @@
 Implemented by engine.core.EngineCore (one model replica), engine.replicas.DataParallelEngine
 (several) and serving.mock_engine.MockEngine (the real Scheduler, PagePool, StopChecker and
 output code of engine/outputs.py with only the device step replaced by a hand-checkable
-rule). serving/ calls nothing else on an engine.
+rule). engine.kv_engine.KVTransferEngine wraps an EngineCore for prefill/decode
+disaggregation (K/V export and import; serving/kv_transfer_service.py also calls its
+mailboxes). serving/ calls nothing else on an engine.
 
 All methods are called from ONE thread (serving/engine_loop.py's engine thread).
 """

@@ -8,6 +8,8 @@
     outs[0].prompt, outs[0].prompt_token_ids, outs[0].outputs[1].text, .token_ids, .finish_reason
     outs[0].text, outs[0].metrics.ttft_s          # flat fields: the first completion
     llm.chat([{"role": "user", "content": "Hi!"}])  # one conversation, or a list of them
+    llm = LLM("smollm2-135m", max_loras=4, max_lora_rank=16)         # multi-LoRA serving
+    llm.load_adapter("sql", "/path/to/peft_dir"); llm.generate(prompts, params, adapter="sql")
     for delta in llm.generate_stream("Tell me a story"): print(delta.new_text, end="")
 
 Prompts: a string is used as is (BOS added if the tokenizer adds one); a list of chat messages
@@ -35,7 +37,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from configs.engine_config import EngineConfig
-from engine.api_types import CompletionOutput, EngineRequest, GenerateOutput, RequestOutput
+from engine.adapters import UnknownAdapterError
+from engine.api_types import (
+    AdapterRef,
+    CompletionOutput,
+    EngineRequest,
+    GenerateOutput,
+    RequestOutput,
+)
 from engine.errors import InvalidRequestError
 from engine.factory import create_engine
 from engine.llm_options import (
@@ -171,23 +180,30 @@ class LLM:
         use_tqdm: bool | Callable = False,
         priority: int = 0,
         tenant: str = "default",
+        adapter: str | None | Sequence[str | None] = None,
     ) -> list[GenerateOutput]:
         """Runs all prompts together (continuous batching); returns one result per prompt, in
         order. `sampling_params.n` > 1 adds n requests per prompt; they share the prompt's
-        KV pages through the prefix cache, and with a seed, completion i uses seed + i."""
+        KV pages through the prefix cache, and with a seed, completion i uses seed + i.
+        `adapter`: a loaded LoRA adapter's name for every prompt, or a list (one per
+        prompt); None = the base model. Each result's `.adapter` names what answered."""
         prompts = _as_prompt_list(prompts)
         resolved = [self.resolve_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         params = _params_per_prompt(sampling_params, len(prompts))
+        adapters = self._adapters_per_prompt(adapter, len(prompts))
         results = [
-            GenerateOutput("", r.text, r.token_ids, [CompletionOutput(i) for i in range(sp.n)])
-            for r, sp in zip(resolved, params)
+            GenerateOutput(
+                "", r.text, r.token_ids, [CompletionOutput(i) for i in range(sp.n)], adapter=a
+            )
+            for r, sp, a in zip(resolved, params, adapters)
         ]
         completion_of: dict[str, CompletionOutput] = {}
         try:
             for res, sp in zip(results, params):
+                name = None if res.adapter is None else res.adapter.name
                 for c in res.outputs:
                     sp_i = _nth(sp, c.index)
-                    c.request_id = self._add(res.prompt_token_ids, sp_i, priority, tenant)
+                    c.request_id = self._add(res.prompt_token_ids, sp_i, priority, tenant, name)
                     completion_of[c.request_id] = c
                 res.request_id = res.outputs[0].request_id
             self._run_until_done(completion_of, use_tqdm)
@@ -206,6 +222,7 @@ class LLM:
         use_tqdm: bool | Callable = False,
         priority: int = 0,
         tenant: str = "default",
+        adapter: str | None | Sequence[str | None] = None,
     ) -> list[GenerateOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, each
         rendered with the model's chat template and a generation prompt."""
@@ -223,7 +240,12 @@ class LLM:
                 raise TypeError(f"messages[{i}]: expected a non-empty list of message dicts")
             _check_messages(conv, f"messages[{i}]")
         return self.generate(
-            conversations, sampling_params, use_tqdm=use_tqdm, priority=priority, tenant=tenant
+            conversations,
+            sampling_params,
+            use_tqdm=use_tqdm,
+            priority=priority,
+            tenant=tenant,
+            adapter=adapter,
         )
 
     def generate_stream(
@@ -233,6 +255,7 @@ class LLM:
         *,
         priority: int = 0,
         tenant: str = "default",
+        adapter: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields this request's deltas as they come (other requests keep running). Validates
         now; the request is added at the first `next()`. Closing the generator (break, del,
@@ -241,10 +264,12 @@ class LLM:
         _params_per_prompt(params, 1)
         if params.n != 1:
             raise InvalidRequestError("n", params.n, "generate_stream streams one completion: 1")
-        return self._stream(self.resolve_prompt(prompt).token_ids, params, priority, tenant)
+        self._adapters_per_prompt(adapter, 1)  # unknown names fail now
+        ids = self.resolve_prompt(prompt).token_ids
+        return self._stream(ids, params, priority, tenant, adapter)
 
-    def _stream(self, ids: list[int], params: SamplingParams, priority: int, tenant: str):
-        rid = self._add(ids, params, priority, tenant)
+    def _stream(self, ids, params: SamplingParams, priority: int, tenant: str, adapter):
+        rid = self._add(ids, params, priority, tenant, adapter)
         finished = False
         try:
             while self.engine.has_unfinished():
@@ -258,9 +283,17 @@ class LLM:
             if not finished:
                 self.engine.abort_request(rid)
 
-    def _add(self, ids: list[int], params: SamplingParams, priority: int, tenant: str) -> str:
+    def _add(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        tenant: str,
+        adapter: str | None = None,
+    ) -> str:
         rid = f"llm-{next(self._ids)}"
-        self.engine.add_request(EngineRequest(rid, ids, params, priority=priority, tenant=tenant))
+        er = EngineRequest(rid, ids, params, priority=priority, tenant=tenant, adapter=adapter)
+        self.engine.add_request(er)
         return rid
 
     def _run_until_done(self, completion_of: dict[str, CompletionOutput], use_tqdm) -> None:
@@ -281,6 +314,40 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    # ---- LoRA adapters (engine/adapters.py) ------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> AdapterRef:
+        """Loads a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)
+        under `name` into every engine replica; needs LLM(..., max_loras >= 1). Loading a
+        name again with new content replaces it (running requests keep the old one)."""
+        refs = [engine.load_adapter(name, path) for engine in self._engines()]
+        return refs[0]
+
+    def unload_adapter(self, name: str) -> None:
+        for engine in self._engines():
+            engine.unload_adapter(name)
+
+    def adapters(self) -> dict[str, AdapterRef]:
+        """Loaded adapters by name."""
+        manager = self._engines()[0].adapters
+        return {} if manager is None else manager.loaded
+
+    def _adapters_per_prompt(self, adapter, num_prompts: int) -> list[AdapterRef | None]:
+        names = [adapter] * num_prompts if adapter is None or isinstance(adapter, str) else adapter
+        if not isinstance(names, (list, tuple)) or len(names) != num_prompts:
+            raise InvalidRequestError(
+                "adapter", adapter, f"None, a name, or a list of {num_prompts} (one per prompt)"
+            )
+        loaded = self.adapters()
+        out = []
+        for name in names:
+            if name is not None and name not in loaded:
+                raise UnknownAdapterError(name, sorted(loaded))
+            out.append(None if name is None else loaded[name])
+        return out
+
+    def _engines(self) -> list:
+        return getattr(self.engine, "replicas", [self.engine])
 
     # ---- engine ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:

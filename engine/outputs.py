@@ -46,7 +46,10 @@ def request_metrics(req: Request) -> RequestMetrics:
     """Final timings of a finished request (engine clock, time.monotonic())."""
     t = req.token_times_s
     m = RequestMetrics(
-        cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions
+        cached_tokens=max(req.num_cached_tokens, 0),
+        num_preemptions=req.num_preemptions,
+        spec_drafted_tokens=req.spec_drafted_tokens,
+        spec_accepted_tokens=req.spec_accepted_tokens,
     )
     if req.first_scheduled_s is not None:
         m.queue_s = req.first_scheduled_s - req.arrival_s
@@ -86,6 +89,7 @@ class OutputProcessor:
         er: EngineRequest,
         now_s: float,
         cache_salt: str | None = None,
+        adapter_id: str | None = None,
         grammar_done: Callable[[int], bool] | None = None,
     ) -> Request:
         """Validate and queue. Raises InvalidRequestError (DuplicateRequestError) naming the
@@ -102,7 +106,9 @@ class OutputProcessor:
             raise DuplicateRequestError(er.request_id)
         if cache_salt is None:
             cache_salt = cache_salt_for(er.tenant, self.cache_sharing)
-        req = Request.from_engine_request(er, now_s=now_s, cache_salt=cache_salt)
+        req = Request.from_engine_request(
+            er, now_s=now_s, cache_salt=cache_salt, adapter_id=adapter_id
+        )
         self.scheduler.add_request(req)
         detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
         self._stops[er.request_id] = StopChecker(
@@ -167,6 +173,23 @@ class OutputProcessor:
             lp = logprobs.get(req.request_id) if logprobs else None
             outputs.append(self._on_token(req, stop, token, text, lp, now_s))
         return outputs
+
+    def emit_tokens(
+        self, req: Request, tokens: list[int], now_s: float, logprobs: list | None = None
+    ) -> RequestOutput:
+        """Several new tokens of one request at once (a speculative step's accepted run,
+        engine/spec_decode.py): each is appended and stop-checked in order; a stop (EOS,
+        stop id or string, max_tokens) ends the request there and drops the rest."""
+        stop, texts = self._stops[req.request_id], []
+        for i, token in enumerate(tokens):
+            req.append_output_token(token, now_s)
+            text, reason = stop.add_token(token)
+            texts.append(text)
+            if reason is not None:
+                self.scheduler.finish_request(req.request_id, reason, now_s)
+                lps = None if logprobs is None else logprobs[: i + 1]
+                return self._final(req, tokens[: i + 1], "".join(texts), lps)
+        return self._delta(req, list(tokens), "".join(texts), logprobs)
 
     @staticmethod
     def _detokenize(stops: list[StopChecker], tokens: list[int]) -> list[str | None]:

@@ -47,7 +47,7 @@ class Request:
     # Extra prefix-cache key, derived by the server from the authenticated tenant
     # (engine.page_pool.cache_salt_for); requests with different salts never share pages.
     cache_salt: str | None = None
-    adapter_id: str | None = None  # LoRA adapter (later); part of the prefix-cache key
+    adapter_id: str | None = None  # LoRA adapter content hash; part of the prefix-cache key
     deadline_s: float | None = None  # absolute, time.monotonic() clock
     arrival_s: float = 0.0
 
@@ -67,6 +67,16 @@ class Request:
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
     # Outputs sampled by dispatched steps whose values the host has not read yet (0 or 1).
     num_pending_outputs: int = 0
+    # ---- speculative decoding (engine/spec_decode.py) ----
+    # Drafted tokens to verify after the last known token in the next step (set by the
+    # proposer right before schedule(); the scheduler computes them with the decode).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_drafted_tokens: int = 0  # drafts verified over the request's life
+    spec_accepted_tokens: int = 0  # of which accepted
+    # Backoff (engine/spec_decode.py): consecutive verify steps that accepted nothing, and
+    # the output count before which the request is not drafted for again.
+    spec_misses: int = 0
+    spec_resume_at: int = 0
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

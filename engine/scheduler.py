@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from configs.engine_config import SchedulerConfig
 from engine.api_types import FinishReason
@@ -65,6 +66,9 @@ class ScheduledRequest:
     start: int  # = request.num_computed_tokens when scheduled (position of the first one)
     samples: bool  # start + num_new_tokens == num_tokens: a token is sampled from the last
     output_index: int = 0  # when sampling: index of the output token this step samples
+    # Speculative decoding: drafts computed after the last known token (num_new_tokens =
+    # 1 + len(spec_token_ids)); the step verifies them and emits 1..len + 1 tokens.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -116,6 +120,9 @@ class Scheduler:
         self._with_deadline: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: collections.Counter[str] = collections.Counter()
+        # KV transfer (engine/kv_transfer.py): called with a request about to end and its
+        # reason, BEFORE its pages are freed, so a prefill worker can keep them to export.
+        self.on_finish: Callable[[Request, FinishReason], None] | None = None
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -223,7 +230,12 @@ class Scheduler:
         while order and budget > 0:
             request = order.popleft()
             num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
+            num_new += self._spec_tokens_fitting(request, num_new, budget)
             while not self._grow_pages(request, num_new):
+                if request.spec_token_ids:  # drafts never preempt anyone: drop them
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = max([request, *order], key=self._rank)
                 self._preempt(victim, now_s)
                 preempted.append(victim.request_id)
@@ -266,11 +278,25 @@ class Scheduler:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now_s
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens
+        drafts, request.spec_token_ids = tuple(request.spec_token_ids), []
+        samples = start + num_new == request.num_tokens + len(drafts)
         output_index = request.num_output_tokens + request.num_pending_outputs
         request.num_computed_tokens += num_new
         request.num_pending_outputs += samples
-        return ScheduledRequest(request, num_new, start, samples, output_index if samples else 0)
+        return ScheduledRequest(
+            request, num_new, start, samples, output_index if samples else 0, drafts
+        )
+
+    def _spec_tokens_fitting(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts this step computes: all of them after its one
+        remaining token when they fit the chunk and the budget, else none (dropped)."""
+        n = len(request.spec_token_ids)
+        if n and not (
+            request.num_remaining_tokens == num_new == 1
+            and 1 + n <= min(self.config.prefill_chunk_size, budget)
+        ):
+            request.spec_token_ids, n = [], 0
+        return n
 
     def _rank(self, request: Request) -> tuple[float, float]:
         """Sort key, most important first: effective priority, then earliest arrival."""
@@ -299,6 +325,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, now_s: float) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self._release(request, now_s)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -325,6 +352,8 @@ class Scheduler:
         return finished
 
     def _finish(self, request: Request, reason: FinishReason, now_s: float) -> None:
+        if self.on_finish is not None:
+            self.on_finish(request, reason)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -339,6 +368,27 @@ class Scheduler:
         del self.requests[request.request_id]
         self._with_deadline.pop(request.request_id, None)
         self.num_finished[reason] += 1
+
+    # ---- KV transfer (engine/kv_transfer.py) ----------------------------------------------
+    def adopt(
+        self, request_id: str, page_ids: list[int], num_computed_tokens: int, now_s: float
+    ) -> Request:
+        """Run a just-added WAITING request at once with K/V another engine computed, already
+        written into `page_ids` (allocated by the caller from this pool). The caller checked
+        that a running slot is free (len(running) < max_num_seqs)."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING or request.page_ids:
+            raise ValueError(f"request {request_id!r} is not a fresh waiting request")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise ValueError(f"no running slot for {request_id!r} (max_num_seqs)")
+        self.waiting.remove(request)
+        request.page_ids = list(page_ids)
+        request.num_computed_tokens = num_computed_tokens
+        request.num_registered_pages = 0  # registered in the prefix cache after a step
+        request.first_scheduled_s = now_s
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
 
     # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -112,6 +112,19 @@ def step_shapes(sched_config, max_shapes: int = DEFAULT_MAX_SHAPES) -> list[Batc
     return shapes
 
 
+def spec_shapes(sched_config, spec_len: int) -> list[BatchShape]:
+    """Speculative steps (engine/spec_decode.py): Sv verified sequences of query_len <=
+    spec_len in the prefill group (max_query_len = spec_len, so the ragged attention pads
+    each to spec_len, not to a prefill chunk), beside Sd plain decodes, for every rung.
+    NOTE: a set of its own (SpecDecoder.shapes), not the engine's warm-up set: compiled on
+    first use; |Sd| x |Sv| x |P| shapes (224 for 32 sequences and 4 page-table widths)."""
+    seqs, _, pages = _ladders(sched_config)
+    return [
+        BatchShape(sd, pow2_bucket(sv * spec_len, MIN_PREFILL_TOKENS), sv, p, spec_len)
+        for sd, sv, p in itertools.product([0, *seqs], seqs, pages)
+    ]
+
+
 def step_cost(shape: BatchShape, page_size: int) -> float:
     """Relative device time of a step of this shape (see the module docstring)."""
     positions = shape.pages_per_seq * page_size

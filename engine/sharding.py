@@ -62,6 +62,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "ffn": MODEL,
     "pages": None,
     "page_slot": None,
+    "lora_slots": None,  # LoRA adapter slot stacks (engine/adapters.py)
+    "lora_rank": None,
 }
 
 KV_CACHE_AXES = ("layers", "kv_heads", "pages", "page_slot", "head_dim")

@@ -28,6 +28,7 @@ from engine.batch import BatchShape, PackedBatch, StepBatch
 from engine.kv_cache import PagedKVCache
 from engine.sampling import SamplingFlags, sample, update_counts
 from models.llama import Params, forward
+from models.lora import LoraInputs
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
 
 NONFINITE_TOKEN = -1  # sampled-token value of a row whose logits were not all finite
@@ -134,21 +135,23 @@ def engine_step(
     use_penalties: bool,
     impl: str = "auto",
     mesh=None,
+    lora: LoraInputs | None = None,
     token_bitmask: jax.Array | None = None,
 ):
     """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`:
     None (one device) or the engine's ("data", "model") mesh (params/cache placed by
     engine/sharding). `batch` may come packed (two flat buffers: one host->device copy each,
-    engine/batch.py); it is unpacked here by static slices. `token_bitmask` [Sd + Sp,
-    ceil(V/32)] int32: structured output's allowed tokens (None: a separate trace, so steps
-    without constrained rows are unchanged)."""
+    engine/batch.py); it is unpacked here by static slices. `lora`: the adapter slot stack
+    and each token row's slot (engine/adapters.py); None (no LoRA) is the plain model.
+    `token_bitmask` [Sd + Sp, ceil(V/32)] int32: structured output's allowed tokens (None:
+    a separate trace, so steps without constrained rows are unchanged)."""
     if isinstance(batch, PackedBatch):
         batch = batch.unpack(shape)
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
     from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
     token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]
     logits, kv_cache = forward(
-        params, cfg, token_ids, batch.positions, kv_cache, attention, batch.logits_indices
+        params, cfg, token_ids, batch.positions, kv_cache, attention, batch.logits_indices, lora
     )  # [Sd + Sp, V]
     if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
         logits = jax.lax.with_sharding_constraint(logits, _replicated(mesh))

@@ -46,6 +46,12 @@ class ModelIdentity:
     engine_version: str  # pagedjax's installed version
     quantization: str = "none"  # weights: configs.quant_config descriptor
     kv_dtype: str = "float32"  # the KV cache's element type (set by the engine)
+    # Speculative decoding, e.g. "ngram:k=4" (set by the engine; configs/spec_config.py).
+    # Not part of the revision: speculation never changes what is sampled.
+    speculative: str = "off"
+    # LoRA: the adapter a response came from (engine.adapters.request_identity); "" = base
+    adapter: str = ""
+    adapter_hash: str = ""  # "sha256:<hex>" of the adapter's files
 
     @classmethod
     def resolve(

@@ -25,6 +25,8 @@ Every projection is ONE 2-D matmul over a free reshape of its weight (`_proj`): 
 `DNH` einsums were ~2x slower unrolled on XLA:CPU (benchmarks/RESULTS.md, perf section).
 A projection may be an int8 `Int8Weight` (models/quant.py): `_proj` dispatches on the weight
 type, and the LM head goes through `models.quant.linear`.
+LoRA (models/lora.py): `forward(..., lora=LoraInputs(slot stack, row slots))` adds each
+row's adapter term to the seven projections; `lora=None` traces the plain model unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
+from models.lora import LoraInputs, LoraWeights, lora_delta, lora_row_mask
 from models.quant import Int8Weight, int8_proj, linear
 
 Array = jax.Array
@@ -202,23 +205,38 @@ def _proj(x: Array, w: Array, num_in: int = 1) -> Array:
     return (x.reshape(t, -1) @ w2).reshape(t, *w.shape[num_in:])
 
 
-def _layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions: Array, carry, xs):
+def _layer(
+    cfg: ModelConfig,
+    attention: AttentionFn,
+    inv_freq: Array,
+    positions: Array,
+    lora_mask: Array | None,
+    carry,
+    xs,
+):
     x, cache = carry  # x [T, D]
-    w, layer = xs  # w: one layer's LayerWeights (leading L axis removed)
+    w, layer, lw = xs  # one layer's LayerWeights (leading L axis removed); LoraWeights or None
+
+    def proj(field: str, h: Array, num_in: int = 1) -> Array:
+        y = _proj(h, getattr(w, field), num_in)
+        if lw is not None:  # static: without LoRA the traced program is unchanged
+            y = y + lora_delta(h, lw.a[field], lw.b[field], lora_mask)
+        return y
+
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q = _proj(h, w.wq)  # [T, H, hd]
-    k = _proj(h, w.wk)  # [T, K, hd]
-    v = _proj(h, w.wv)  # [T, K, hd]
+    q = proj("wq", h)  # [T, H, hd]
+    k = proj("wk", h)  # [T, K, hd]
+    v = proj("wv", h)  # [T, K, hd]
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
-    x = x + _proj(attn, w.wo, num_in=2)  # [T, D]
+    x = x + proj("wo", attn, num_in=2)  # [T, D]
     h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
-    gate = _proj(h, w.w_gate)  # [T, F]
-    up = _proj(h, w.w_up)
-    x = x + _proj(jax.nn.silu(gate) * up, w.w_down)
+    gate = proj("w_gate", h)  # [T, F]
+    up = proj("w_up", h)
+    x = x + proj("w_down", jax.nn.silu(gate) * up)
     return (x, cache), None
 
 
@@ -252,21 +270,35 @@ def forward(
     cache: Any,
     attention: AttentionFn,
     logits_indices: Array | None = None,
+    lora: LoraInputs | None = None,
 ) -> tuple[Array, Any]:
     """Runs the model over a flat token batch. Returns (logits [R, V] float32, cache).
 
     token_ids, positions: [T] int32. `logits_indices` [R] picks the rows whose logits are
     needed (the last token of each sequence); None computes logits for every token.
+    `lora`: the adapter slot stack and each row's slot (models/lora.py); None (no LoRA
+    configured) traces exactly the plain model.
     """
     x = params.embed[token_ids]  # [T, D]
     inv_freq = rope_inv_freq(cfg)
-    body = functools.partial(_layer, cfg, attention, inv_freq, positions)
+    lora_weights, lora_mask = None, None
+    if lora is not None:
+        lora_weights = lora.weights  # stacked, or one per layer (like params.layers)
+        first = lora_weights[0] if isinstance(lora_weights, tuple) else lora_weights
+        lora_mask = lora_row_mask(lora.row_slots, first.num_slots, first.max_rank, x.dtype)
+    body = functools.partial(_layer, cfg, attention, inv_freq, positions, lora_mask)
     if isinstance(params.layers, LayerWeights):  # stacked [L, ...]: one traced layer body
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
+        xs = (params.layers, layer_ids, lora_weights)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
     else:  # a tuple of per-layer weights: the layers unrolled, each reads its own arrays
         for i, w in enumerate(params.layers):
-            (x, cache), _ = body((x, cache), (w, jnp.int32(i)))
+            lw = lora_weights
+            if isinstance(lw, LoraWeights):  # NOTE: a stacked slot stack: slice (copies)
+                lw = jax.tree.map(lambda a, i=i: a[i], lw)
+            elif lw is not None:
+                lw = lw[i]
+            (x, cache), _ = body((x, cache), (w, jnp.int32(i), lw))
     if logits_indices is not None:
         x = x[logits_indices]  # [R, D]
     x = rms_norm(x, params.final_norm, cfg.norm_eps)

@@ -76,6 +76,7 @@ def build_request(
     priority: str = "normal",
     stream: bool = True,
     request_id: str = "",
+    adapter: str = "",
     structured: dict | None = None,
     **sampling,
 ) -> pb.GenerateRequest:
@@ -88,6 +89,7 @@ def build_request(
         request_id=request_id,
         model=model,
         revision=revision,
+        adapter=adapter,
         min_tokens=min_tokens,
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
@@ -201,8 +203,12 @@ class GenerateClient:
                     "tokenizer_hash",
                     "chat_template_hash",
                     "engine_version",
+                    "speculative",
                 )
             }
+            if f.versions.adapter:  # LoRA: the adapter that answered, and its content hash
+                v = f.versions
+                res.versions.update(adapter=v.adapter, adapter_hash=v.adapter_hash)
 
     def tokenize(self, text: str, model: str = "") -> list[int]:
         resp = self.stub.Tokenize(

@@ -118,7 +118,16 @@ def versions_message(identity) -> pb.ModelVersions:
 def versions_dict(identity) -> dict[str, str]:
     return {
         k: str(getattr(identity, k, ""))
-        for k in ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version")
+        for k in (
+            "name",
+            "revision",
+            "tokenizer_hash",
+            "chat_template_hash",
+            "engine_version",
+            "adapter",
+            "adapter_hash",
+            "speculative",
+        )
     }
 
 

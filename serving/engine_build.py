@@ -27,6 +27,10 @@ def build_engine(
         for opt, default in (("quantization", "none"), ("kv_dtype", "float32")):
             if options.get(opt, default) != default:
                 raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
+        if options.get("speculative") is not None:
+            raise ValueError("speculative: the mock engine does not speculate")
+        if options.get("max_loras"):
+            raise ValueError("LoRA adapters (--lora, --max_loras) need a real --model")
 
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],
@@ -47,6 +51,7 @@ def build_engine(
     from models.registry import load_model
 
     mesh = options.pop("mesh", None)
+    loras = options.pop("lora", {})  # name -> PEFT directory, loaded below
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
         options.setdefault("max_step_shapes", warmup_max_shapes)
@@ -60,6 +65,10 @@ def build_engine(
         quantization=config.quant_config,
     )
     core = create_engine(loaded, config, mesh=mesh)
+    for name, path in loras.items():  # before the engine thread starts: no lock needed
+        for replica in getattr(core, "replicas", [core]):
+            ref = replica.load_adapter(name, path)
+        shared.progress(f"LoRA adapter {name} = {ref.content_hash[:19]} (rank {ref.rank})")
     shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
     warm = engine_warmup(core, warmup_max_shapes)
     if warm is not None:

@@ -32,6 +32,7 @@ the batch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -39,6 +40,7 @@ import time
 
 import grpc
 
+from engine.adapter_refs import request_identity
 from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from serving.admission import WaitingQueue
@@ -91,6 +93,7 @@ class EngineLoop:
         self._on_start = on_start  # called once on this thread before serving (warm-up)
         self._breaker_state = "closed"
         self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # run_on_engine_thread
         self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
         self.on_swap = None  # called on the engine thread with the new engine
         self.slow_consumer = slow_consumer or SlowConsumerPolicy()
@@ -128,6 +131,26 @@ class EngineLoop:
         self._swap = (engine, done)
         self.wake.set()
         return done
+
+    def run_on_engine_thread(self, fn) -> concurrent.futures.Future:
+        """`fn(engine)` runs on the engine thread between two steps (the engine is called
+        from one thread only: e.g. a LoRA adapter load); the future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        self.wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # the caller reports it
+                    future.set_exception(e)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request whose outcome the caller recorded. A queued one leaves the queue
@@ -176,6 +199,7 @@ class EngineLoop:
                 time.sleep(self.idle_wait_s)
 
     def _iterate(self) -> None:
+        self._run_calls()
         self._apply_aborts()
         self._expire_queued()
         if self._swap is not None:
@@ -258,7 +282,7 @@ class EngineLoop:
                 self.unregister(item.request_id)
                 continue
             r.added_s = time.monotonic()
-            r.identity = self.engine.identity
+            r.identity = request_identity(self.engine, r.engine_request)  # LoRA: + adapter
             try:
                 self.engine.add_request(r.engine_request)
             except InvalidRequestError as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import re
 import socket
 import sys
@@ -114,6 +115,69 @@ def define_quantization() -> None:
     _define_once(
         flags.DEFINE_enum, "kv_dtype", "float32", sorted(DTYPE_BYTES), "KV cache element type"
     )
+
+
+def define_speculative() -> None:
+    """--speculative (configs/spec_config.py): off, "ngram", "ngram:k=4,disable_by_batch_size=8"
+    or a JSON object of SpeculativeConfig fields."""
+    _define_once(
+        flags.DEFINE_string,
+        "speculative",
+        "off",
+        "speculative decoding: off, ngram, ngram:k=4,prompt_lookup_max=4,"
+        "disable_by_batch_size=8 (or a JSON object)",
+    )
+
+
+def check_speculative(value: str, mock: bool = False):
+    """The SpeculativeConfig of --speculative (None: off); a UsageError names the flag."""
+    from configs.spec_config import SpeculativeConfig
+
+    try:
+        config = SpeculativeConfig.of(value)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise UsageError("speculative", value, str(e)) from None
+    require("speculative", value, not (mock and config), "the mock engine does not speculate")
+    return config
+
+
+def define_lora() -> None:
+    """--lora=name=path (repeatable), --max_loras, --max_lora_rank (engine/adapters.py)."""
+    _define_once(
+        flags.DEFINE_multi_string,
+        "lora",
+        [],
+        "a PEFT LoRA adapter to serve, NAME=DIR (repeatable); requests name it in the gRPC "
+        "`adapter` field or the HTTP `model` field",
+    )
+    _define_once(
+        flags.DEFINE_integer,
+        "max_loras",
+        None,
+        "adapter slots on the device (None: as many as --lora gives; 0: no LoRA)",
+    )
+    _define_once(flags.DEFINE_integer, "max_lora_rank", 16, "largest adapter rank served")
+    _define_once(
+        flags.DEFINE_bool,
+        "allow_runtime_lora",
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (reads server paths)",
+    )
+
+
+def parse_loras(values: list[str], max_loras: int | None) -> dict[str, str]:
+    """--lora values -> {name: directory}; UsageError for a malformed, duplicate or missing
+    entry, or more adapters than --max_loras slots."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        require("lora", value, bool(sep and name and path), "NAME=DIR (a PEFT adapter directory)")
+        require("lora", value, name not in out, f"adapter name {name!r} given twice")
+        require("lora", value, os.path.isdir(path), f"no such directory {path!r}")
+        out[name] = path
+    if max_loras is not None:
+        require("max_loras", max_loras, max_loras >= len(out), f">= {len(out)} (the --lora count)")
+    return out
 
 
 def define_log_level(default: str = "warning") -> None:

@@ -17,6 +17,7 @@ Admission order (each refusal is that request's one outcome):
     API key -> tenant              UNAUTHENTICATED         rejected{unauthenticated}
     draining / warming up          UNAVAILABLE             rejected{draining, warming_up}
     model / revision pin           FAILED_PRECONDITION     rejected{model_mismatch}
+    unknown LoRA `adapter`         NOT_FOUND               rejected{adapter_not_found}
     prompt, sampling, limits       INVALID_ARGUMENT        rejected{invalid_argument}
     deadline already passed        DEADLINE_EXCEEDED       timed_out{expired_on_arrival}
     circuit breaker                UNAVAILABLE + retry     rejected{circuit_open}
@@ -36,6 +37,7 @@ from collections.abc import Callable
 
 import grpc
 
+from engine.adapter_refs import loaded_adapters
 from engine.api_types import EngineRequest, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -103,6 +105,7 @@ class GenerateCall:
     time_left_s: float | None = None  # None: no deadline
     stream_listener: Callable[[], None] | None = None  # called when the stream has news
     success_on_delivery: bool = False  # the transport records success after the final send
+    adapter: str = ""  # gRPC `adapter`: a loaded LoRA adapter's name ("" = none given)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +206,22 @@ class Generator:
                 retry_after_ms=1000,
             )
 
+    def resolve_adapter(self, call: GenerateCall):
+        """The LoRA adapter `call` runs with (engine/adapters.py): the gRPC `adapter` field,
+        or, as vLLM does, an HTTP `model` naming a loaded adapter. None: the base model.
+        An unknown `adapter` is NOT_FOUND; an unknown `model` is check_model's refusal."""
+        loaded = loaded_adapters(self.engine)
+        if call.adapter:
+            if call.adapter not in loaded:
+                raise Refusal(
+                    grpc.StatusCode.NOT_FOUND,
+                    "adapter_not_found",
+                    f"adapter {call.adapter!r} is not loaded (loaded: {sorted(loaded)})",
+                    param="adapter",
+                )
+            return loaded[call.adapter]
+        return loaded.get(call.model) if call.model != self.identity.name else None
+
     def check_model(self, model: str, revision: str) -> None:
         if model and model != self.identity.name:
             raise Refusal(
@@ -254,7 +273,8 @@ class Generator:
 
     def _admit(self, call: GenerateCall, tenant: TenantPolicy, arrival_s: float) -> ActiveRequest:
         self.check_serving()
-        self.check_model(call.model, call.revision)
+        adapter = self.resolve_adapter(call)  # LoRA; an HTTP `model` may name the adapter
+        self.check_model("" if adapter is not None else call.model, call.revision)
         prompt, sp = self._validated(call)
         deadline_s = self._deadline_s(call.time_left_s, arrival_s)
         retry_ms = self.breaker.allow()
@@ -280,6 +300,7 @@ class Generator:
             priority=call.priority,
             tenant=tenant.name,
             deadline_s=deadline_s,
+            adapter=None if adapter is None else adapter.name,
         )
         stream = StreamBuffer(self.limits.stream_buffer_messages, call.stream_listener)
         r = ActiveRequest(call.request_id, tenant, reservation, engine_request, arrival_s, stream)

@@ -56,6 +56,7 @@ from serving.generation import (
     is_done,
 )
 from serving.http_endpoints import InfoEndpoints
+from serving.http_lora import LoraEndpoints
 from serving.request_state import Terminal
 
 REVISION_HEADER = "x-pagedjax-revision"
@@ -83,6 +84,7 @@ class HttpApi:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
         InfoEndpoints(self.generator, self.metrics).register(app)
+        LoraEndpoints(self.generator).register(app)
         return app
 
     # ---- generation ----------------------------------------------------------------------------
@@ -255,7 +257,7 @@ class HttpApi:
         out["choices"] = [self._full_choice(body, chat, c) for c in choices]
         summaries = [c.summary for c in choices]
         out["usage"] = resp.usage(summaries, num_prompts, body.n)
-        out["pagedjax"] = resp.extension(self.identity, summaries)
+        out["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
         return out
 
     def _full_choice(self, body, chat, c) -> dict:
@@ -300,7 +302,9 @@ class HttpApi:
                 if last and not body.include_usage:
                     chunk["pagedjax"] = {
                         **chunk.get("pagedjax", {}),
-                        **resp.extension(self.identity, [x.summary for x in choices]),
+                        **resp.extension(
+                            _answered_by(choices, self.identity), [x.summary for x in choices]
+                        ),
                     }
                 delivery.sending(c.request)
                 yield _event(chunk)
@@ -310,7 +314,7 @@ class HttpApi:
                 summaries = [x.summary for x in choices]
                 chunk["choices"] = []
                 chunk["usage"] = resp.usage(summaries, num_prompts, body.n)
-                chunk["pagedjax"] = resp.extension(self.identity, summaries)
+                chunk["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
                 yield _event(chunk)
             yield "data: [DONE]\n\n"
             await asyncio.sleep(0)  # a disconnect uvicorn saw meanwhile cancels us here
@@ -350,3 +354,9 @@ class HttpApi:
 
 def _event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+
+def _answered_by(choices, identity):
+    """The resolved identity of a response: its requests' (LoRA: with the adapter's name and
+    content hash, set when the engine took them), else the server's model."""
+    return next((c.request.identity for c in choices if c.request.identity is not None), identity)

@@ -10,6 +10,7 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.adapter_refs import adapter_identity, loaded_adapters
 from engine.errors import InvalidRequestError
 from serving import convert
 from serving import http_responses as resp
@@ -45,7 +46,16 @@ class InfoEndpoints:
             "max_model_len": self.generator.limits.admission.max_model_len,
             "pagedjax": {"versions": convert.versions_dict(self.identity)},
         }
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [model, *self._adapters(model)]})
+
+    def _adapters(self, base: dict) -> list[dict]:
+        """Loaded LoRA adapters, listed as vLLM does: a model whose parent is the base."""
+        out = []
+        for name, ref in sorted(loaded_adapters(self.generator.engine).items()):
+            identity = adapter_identity(self.identity, name, ref.content_hash)
+            versions = {"versions": convert.versions_dict(identity)}
+            out.append({**base, "id": name, "parent": base["id"], "pagedjax": versions})
+        return out
 
     async def tokenize(self, request: Request) -> Response:
         try:

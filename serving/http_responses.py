@@ -28,6 +28,7 @@ IDENTITY_HEADERS = {
     "tokenizer_hash": "x-pagedjax-tokenizer-hash",
     "chat_template_hash": "x-pagedjax-chat-template-hash",
     "engine_version": "x-pagedjax-engine-version",
+    "speculative": "x-pagedjax-speculative",
 }
 
 
@@ -63,6 +64,8 @@ HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
     grpc.StatusCode.INTERNAL: (500, "internal_error"),

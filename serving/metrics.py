@@ -65,6 +65,10 @@ _STATS_COUNTERS = {  # engine stats key -> counter attribute
     "tokens_processed": "tokens_processed",
     "compiles_total": "compiles",
     "compiles_after_warmup": "compiles_after_warmup",
+    # speculative decoding (engine/spec_decode.py)
+    "spec_verify_steps": "spec_verify_steps",
+    "spec_drafted_tokens": "spec_drafted",
+    "spec_accepted_tokens": "spec_accepted",
 }
 # engine stats keys shown as labels of pagedjax_cache_config_info
 CACHE_CONFIG_KEYS = (
@@ -159,6 +163,11 @@ class ServerMetrics:
         self.compiles_after_warmup = counter(
             "pagedjax_compiles_after_warmup", "XLA programs built while serving"
         )
+        self.spec_verify_steps = counter(
+            "pagedjax_spec_verify_steps", "Engine steps that verified speculative drafts"
+        )
+        self.spec_drafted = counter("pagedjax_spec_drafted_tokens", "Draft tokens verified")
+        self.spec_accepted = counter("pagedjax_spec_accepted_tokens", "Draft tokens accepted")
         self.generate_calls = counter(
             "pagedjax_generate_calls", "Generate calls that reached the server"
         )

@@ -30,7 +30,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving import convert
+from serving import convert, kv_transfer_service
 from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
@@ -71,6 +71,10 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
     http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
+    # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
+    role: str = "both"
+    # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
+    allow_runtime_lora: bool = False
 
 
 class PagedJaxServer:
@@ -154,6 +158,8 @@ class PagedJaxServer:
             options=grpc_options(config.max_request_bytes),
         )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
+        # -- disaggregation: the KVTransfer service (Prefill / Decode / WorkerInfo)
+        self.kv_service = kv_transfer_service.install(self, config.role)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -168,6 +174,7 @@ class PagedJaxServer:
             from serving.http_api import HttpApi
             from serving.http_server import HttpServer
 
+            self.generator.allow_runtime_lora = config.allow_runtime_lora
             self.http_api = HttpApi(self.generator, self.metrics)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
@@ -333,6 +340,9 @@ def define_flags() -> None:
     shared.define_log_level()
     flags.DEFINE_string("host", "[::]", "address to bind")
     flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
+    flags.DEFINE_enum(  # disaggregation: serving/kv_transfer_service.py
+        "role", "both", list(kv_transfer_service.ROLES), "prefill, decode or both (replica)"
+    )
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
@@ -347,6 +357,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
     shared.define_quantization()
+    shared.define_speculative()
+    shared.define_lora()
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
@@ -450,8 +462,14 @@ def check_flags() -> None:
     shared.check_port("metrics_port", FLAGS.metrics_port, allow_none=True)
     shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
     _check_file("tenants_config", FLAGS.tenants_config)
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)  # LoRA: --lora=NAME=DIR
+    if loras or FLAGS.max_loras:
+        shared.require("lora", FLAGS.lora, FLAGS.model != "mock", "needs a real --model")
+        # NOTE: the handlers resolve adapter names on the engine object in this process
+        shared.require("lora", FLAGS.lora, not FLAGS.engine_process, "not with --engine_process")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
+    shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
         shared.require(
@@ -483,7 +501,19 @@ def engine_options_from_flags() -> dict:
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        "speculative": shared.check_speculative(FLAGS.speculative),  # None: off
+        **lora_options_from_flags(),
     }
+
+
+def lora_options_from_flags() -> dict:
+    """LoRA engine options and the adapters to load (--lora, --max_loras, --max_lora_rank);
+    nothing when no adapter is served, so the plain engine is built exactly as before."""
+    loras = shared.parse_loras(FLAGS.lora, FLAGS.max_loras)
+    max_loras = len(loras) if FLAGS.max_loras is None else FLAGS.max_loras
+    if not max_loras:
+        return {}
+    return {"max_loras": max_loras, "max_lora_rank": FLAGS.max_lora_rank, "lora": loras}
 
 
 def config_from_flags(engine_config: dict) -> ServerConfig:
@@ -509,11 +539,13 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_failure_threshold=FLAGS.breaker_failures,
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
         http_port=FLAGS.http_port or None,
         engine_config={"model": FLAGS.model, **engine_config},
+        role=FLAGS.role,
     )
 
 
@@ -547,6 +579,7 @@ def main(argv) -> None:
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         **build_kwargs,
     )
+    engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
     try:
         server = PagedJaxServer(
             engine,
@@ -569,7 +602,7 @@ def main(argv) -> None:
         )
         if warm is not None:
             warm()
-        return engine
+        return kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()

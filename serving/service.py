@@ -99,6 +99,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             sampling=lambda default: convert.sampling_params(request, default),
             model=request.model,
             revision=request.revision,
+            adapter=request.adapter,
             priority=convert.ENGINE_PRIORITY.get(request.priority, 1),
             time_left_s=_time_left_s(context),
         )

@@ -51,6 +51,7 @@ def test_final_message_carries_resolved_versions(served):
         "tokenizer_hash": "bytes-v1",
         "chat_template_hash": "mock-chat-v1",
         "engine_version": "mock-engine-0.1",
+        "speculative": "off",
     }
 
 

@@ -58,6 +58,7 @@ def test_stream_equals_engine_output_and_carries_versions(tiny_engine):
             "tokenizer_hash": ident.tokenizer_hash,
             "chat_template_hash": ident.chat_template_hash,
             "engine_version": ident.engine_version,
+            "speculative": "off",
         }
         pinned = client.generate(
             PROMPT, max_tokens=12, temperature=0.0, stream=False, revision=ident.revision

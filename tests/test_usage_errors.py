@@ -170,14 +170,14 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
     import types
 
     import engine.warmup
-    from serving import server
+    from serving import engine_build
 
     compiled, marked = [], []
     monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
     eng = types.SimpleNamespace(
         shapes=types.SimpleNamespace(shapes=list(range(10))), mark_warm=marked.append
     )
-    server._warmup_with_progress(eng, num_reports=4)
+    engine_build._warmup_with_progress(eng, num_reports=4)
     assert compiled == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     lines = capsys.readouterr().err.splitlines()
     assert [ln.split(" (")[0] for ln in lines] == [

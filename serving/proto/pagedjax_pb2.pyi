@@ -61,7 +61,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "revision", "text", "token_ids", "chat", "sampling", "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos", "priority", "stream", "json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("request_id", "model", "revision", "text", "token_ids", "chat", "sampling", "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos", "priority", "stream", "adapter", "json_schema", "json_object", "regex", "choice", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -95,12 +96,13 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     priority: Priority
     stream: bool
+    adapter: str
     json_schema: str
     json_object: bool
     regex: str
     choice: Choices
     grammar: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., stream: _Optional[bool] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., stream: _Optional[bool] = ..., adapter: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -149,18 +151,24 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class ModelVersions(_message.Message):
-    __slots__ = ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version")
+    __slots__ = ("name", "revision", "tokenizer_hash", "chat_template_hash", "engine_version", "adapter", "adapter_hash", "speculative")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_HASH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_HASH_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     name: str
     revision: str
     tokenizer_hash: str
     chat_template_hash: str
     engine_version: str
-    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., chat_template_hash: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
+    adapter: str
+    adapter_hash: str
+    speculative: str
+    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., chat_template_hash: _Optional[str] = ..., engine_version: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_hash: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class FinalInfo(_message.Message):
     __slots__ = ("finish_reason", "usage", "timings", "versions")

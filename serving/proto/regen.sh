@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the committed Python stubs from pagedjax.proto. Run from anywhere.
+# Regenerates the committed Python stubs from pagedjax.proto and kv_transfer.proto. Run from anywhere.
 # Compiling with the repo root as the include path makes the stubs import each other as
 # `serving.proto.pagedjax_pb2`, so no import fix-up is needed.
 set -euo pipefail
@@ -11,4 +11,4 @@ PY="${PY:-.venv/bin/python}"
 }
 "$PY" -m grpc_tools.protoc -I . \
   --python_out=. --grpc_python_out=. --pyi_out=. \
-  serving/proto/pagedjax.proto
+  serving/proto/pagedjax.proto serving/proto/kv_transfer.proto
