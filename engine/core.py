@@ -32,6 +32,14 @@ tokens are known) all work overlapped; outputs are identical either way
 the caller sees each token one call later; `has_unfinished()` stays true while a step is
 in flight.
 
+Structured output (engine/structured*.py) runs NOT overlapped: a constrained row's token
+mask needs the token sampled the step before, on the host, before the next step is
+dispatched. While any constrained request is in the engine, `step()` first waits for the
+step in flight and then runs synchronously (every row of the batch, free ones too: their
+tokens are unchanged, only the overlap is lost); with none left it overlaps again. Such
+steps pass a [rows, ceil(V/32)] int32 bitmask to the jitted step, a separate compiled
+variant (not built by warm-up: the first constrained step of a shape compiles it).
+
 Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
 The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
 engine/outputs.py's OutputProcessor, shared with serving's MockEngine. The serving layer
@@ -41,6 +49,7 @@ drives the engine from its engine thread through engine/interface.py's `Engine` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -73,6 +82,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet
 from engine.spec_decode import SpecDecoder
 from engine.step import NONFINITE_TOKEN, engine_step
+from engine.structured_matcher import StructuredRequests
 from models.llama import LayerWeights, cast_params, layer_layout
 from models.registry import engine_model
 
@@ -172,6 +182,7 @@ class EngineCore:
             on_finished=self._forget,
         )
         self._seeds: dict[str, int] = {}
+        self.structured = StructuredRequests(self.tokenizer, self.cfg.vocab_size)
         self._in_flight: _Launched | None = None
         self._rng = random.Random()
         self.timings = StepTimings()
@@ -188,11 +199,19 @@ class EngineCore:
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
         adapter = self._acquire_adapter(er)  # LoRA: its content hash keys the prefix cache
         adapter_id = None if adapter is None else adapter.content_hash
+        constraint, matcher, done = er.sampling.structured, None, None
         try:
-            self.outputs.add_request(er, time.monotonic(), cache_salt, adapter_id=adapter_id)
+            if constraint is not None:  # compile first: a failure leaves nothing behind
+                matcher = self.structured.compile(constraint)
+                done = functools.partial(self.structured.accept, er.request_id)
+            self.outputs.add_request(
+                er, time.monotonic(), cache_salt, adapter_id=adapter_id, grammar_done=done
+            )
         except BaseException:
             self._release_adapter(er.request_id)
             raise
+        if matcher is not None:
+            self.structured.track(er.request_id, matcher)
         self._seeds[er.request_id] = resolve_seed(er.sampling, self._rng)
 
     def abort_request(self, request_id: str) -> None:
@@ -213,6 +232,7 @@ class EngineCore:
         model = _with_speculation(engine_model(model, self.config), self.config)
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
+        self.structured.set_tokenizer(model.tokenizer)
         self.params = layer_layout(
             cast_params(model.params, self.config.dtype), self.config.layer_loop
         )
@@ -228,14 +248,20 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one (overlapped) or this one
         (synchronous); returns the outputs of the step it processed."""
-        if self.spec is not None and self.spec.should_speculate():
+        # NOTE: structured output turns speculation off while constrained requests run
+        # (drafts are not checked against the grammar matcher).
+        if self.spec is not None and not self.structured.active and self.spec.should_speculate():
             return self.spec.step()  # synchronous speculative step (engine/spec_decode.py)
         outputs: list[RequestOutput] = []
-        launched = self._launch(outputs)
-        if not self.config.async_scheduling:
+        if not self.config.async_scheduling or self.structured.active:
+            if self._in_flight is not None:  # constrained rows need every token on the host
+                previous, self._in_flight = self._in_flight, None
+                self._finish_step(previous, outputs)
+            launched = self._launch(outputs)
             if launched is not None:
                 self._finish_step(launched, outputs)
             return outputs
+        launched = self._launch(outputs)
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._finish_step(previous, outputs)
@@ -264,10 +290,13 @@ class EngineCore:
         # penalties) are what warm-up builds. Flags never change a row's token.
         flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
         try:
+            bitmask = self._token_bitmask(plan, built)
+            # NOTE: no speculation while constrained requests run (step() checks), so a
+            # step with a bitmask never takes the speculative path.
             spec_run = None if spec is None else spec.run(plan, built, flags is FULL_FLAGS)
             if spec_run is not None:  # speculative decoding: drafts verified in this step
                 return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
-            packed = self.run_step(built.batch, built.shape, flags, built.penalties)
+            packed = self.run_step(built.batch, built.shape, flags, built.penalties, bitmask)
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
             return None
@@ -337,10 +366,33 @@ class EngineCore:
             self._logged_compiles = after
             log.warning("a program compiled after warm-up (step shape %s)", shape)
 
+    def _token_bitmask(self, plan: SchedulerOutput, built: BuiltStep) -> np.ndarray | None:
+        """[Sd + Sp, ceil(V/32)] int32 allowed tokens of the sampler rows (structured output),
+        or None when no sampling row of the step is constrained."""
+        rows = [
+            (int(r), s.request.request_id)
+            for s, r in zip(plan.scheduled, built.sampler_rows)
+            if s.samples and s.request.request_id in self.structured
+        ]
+        if not rows:
+            return None
+        ids: list[str | None] = [None] * (built.shape.num_decode + built.shape.num_prefill_seqs)
+        for r, rid in rows:
+            ids[r] = rid
+        return self.structured.bitmask(ids, len(ids))
+
     # ---- device ---------------------------------------------------------------------------
-    def run_step(self, batch: StepBatch, shape: BatchShape, flags: SamplingFlags, use_penalties):
+    def run_step(
+        self,
+        batch: StepBatch,
+        shape: BatchShape,
+        flags: SamplingFlags,
+        use_penalties,
+        token_bitmask: np.ndarray | None = None,
+    ):
         """Dispatch one device step (also used by warm-up); returns the packed results on
-        device without waiting for them."""
+        device without waiting for them. `token_bitmask`: structured output's allowed
+        tokens per sampler row (None: the unconstrained program)."""
         self.kv, self._counts, self._last_tokens, packed = engine_step(
             self.params,
             self.kv,
@@ -350,6 +402,9 @@ class EngineCore:
             batch.pack() if isinstance(batch, StepBatch) else batch,
             **self._static_args(shape, flags, use_penalties),
             lora=self._lora_inputs(batch if isinstance(batch, StepBatch) else None, shape),
+            # NOTE: passed only when set: an explicit None is another jit cache key than
+            # the default, so warm-up's programs would not be found.
+            **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
         )
         return packed
 
@@ -421,6 +476,7 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
         self._seeds.pop(request_id, None)
+        self.structured.remove(request_id)
         self.builder.release(request_id)
         self._release_adapter(request_id)
 

@@ -90,9 +90,11 @@ class OutputProcessor:
         now_s: float,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
+        grammar_done: Callable[[int], bool] | None = None,
     ) -> Request:
         """Validate and queue. Raises InvalidRequestError (DuplicateRequestError) naming the
-        field, the value and the limit."""
+        field, the value and the limit. `grammar_done`: structured output's stop rule
+        (engine/stop_checker.py)."""
         if not er.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", [], "must hold at least one token")
         bad = [t for t in er.prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -109,7 +111,9 @@ class OutputProcessor:
         )
         self.scheduler.add_request(req)
         detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
-        self._stops[er.request_id] = StopChecker(er.sampling, self.tokenizer.eos_token_ids, detok)
+        self._stops[er.request_id] = StopChecker(
+            er.sampling, self.tokenizer.eos_token_ids, detok, grammar_done
+        )
         return req
 
     def is_tracked(self, request_id: str) -> bool:

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_mask import apply_token_bitmask
 
 Array = jax.Array
 
@@ -450,9 +451,13 @@ def sample(
     counts: Array | None = None,
     prompt_mask: Array | None = None,
     flags: SamplingFlags = SamplingFlags(),
+    token_bitmask: Array | None = None,
 ) -> SampleResult:
     """Pick one token per row. logits [S, V]; counts/prompt_mask [S, V] rows aligned with
-    logits, or None to skip penalties. Call inside a jit with `flags` static."""
+    logits, or None to skip penalties. Call inside a jit with `flags` static.
+    `token_bitmask` [S, ceil(V/32)] int32 (structured output, engine/structured_mask.py):
+    disallowed tokens get -inf before anything else sees the logits; None (a separate
+    trace) costs nothing."""
     S, V = logits.shape
     logits = logits.astype(jnp.float32)
     if counts is not None:
@@ -460,6 +465,10 @@ def sample(
             raise ValueError("prompt_mask is required when counts is given")
         logits = apply_penalties(logits, counts, prompt_mask, tensors)
     logits = ban_stop_ids_before_min_tokens(logits, tensors)  # processed logits [S, V]
+    # ---- structured output (engine/structured_mask.py) ----
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
+    # ---- end structured output ----
     lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
     # One top_k serves the greedy pick, the top-K logprobs and the top-k/top-p candidates.
     filters = flags.filters and not flags.all_greedy

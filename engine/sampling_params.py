@@ -12,6 +12,7 @@ import dataclasses
 import numbers
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -86,7 +87,9 @@ class SamplingParams:
     logprob and the top-N alternatives per step. `n` completions per prompt (LLM.generate; they
     share the prompt's KV pages through the prefix cache). `include_stop_str_in_output` keeps
     a matched stop string at the end of the text; `skip_special_tokens` (default) drops special
-    tokens from the text (token ids are always complete).
+    tokens from the text (token ids are always complete). `structured` constrains the output
+    to a JSON Schema, any JSON object, a regex, a choice of strings or a grammar
+    (engine/structured.py; a dict such as {"json_schema": {...}} is accepted).
     """
 
     temperature: float = 1.0
@@ -106,6 +109,7 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         for field, (ok, expected) in _TYPES.items():
@@ -118,6 +122,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", StructuredOutput.from_dict(self.structured))
         self.validate()
 
     @property
@@ -182,3 +188,16 @@ class SamplingParams:
             raise InvalidRequestError("stop", self.stop, "stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("seed", self.seed, "0 <= seed < 2**63")
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        if self.structured is None:
+            return
+        if not isinstance(self.structured, StructuredOutput):
+            raise SamplingTypeError("structured", self.structured, "a StructuredOutput or dict")
+        # NOTE: the grammar decides where the output may end; banning EOS before min_tokens
+        # could leave a row with no allowed token at all.
+        if self.min_tokens:
+            raise InvalidRequestError(
+                "min_tokens", self.min_tokens, "must be 0 with structured output"
+            )

@@ -136,12 +136,15 @@ def engine_step(
     impl: str = "auto",
     mesh=None,
     lora: LoraInputs | None = None,
+    token_bitmask: jax.Array | None = None,
 ):
     """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`:
     None (one device) or the engine's ("data", "model") mesh (params/cache placed by
     engine/sharding). `batch` may come packed (two flat buffers: one host->device copy each,
     engine/batch.py); it is unpacked here by static slices. `lora`: the adapter slot stack
-    and each token row's slot (engine/adapters.py); None (no LoRA) is the plain model."""
+    and each token row's slot (engine/adapters.py); None (no LoRA) is the plain model.
+    `token_bitmask` [Sd + Sp, ceil(V/32)] int32: structured output's allowed tokens (None:
+    a separate trace, so steps without constrained rows are unchanged)."""
     if isinstance(batch, PackedBatch):
         batch = batch.unpack(shape)
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
@@ -155,10 +158,10 @@ def engine_step(
     if use_penalties:
         rows_counts = counts[batch.slot_ids]  # [R, V]
         rows_mask = prompt_mask[batch.slot_ids]
-        result = sample(logits, batch.sampling, rows_counts, rows_mask, flags)
+        result = sample(logits, batch.sampling, rows_counts, rows_mask, flags, token_bitmask)
         counts = update_counts(counts, batch.slot_ids, result.tokens, batch.sample_mask)
     else:
-        result = sample(logits, batch.sampling, flags=flags)
+        result = sample(logits, batch.sampling, flags=flags, token_bitmask=token_bitmask)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [Sd + Sp]
     # Padding, non-sampling and non-finite rows scatter out of range (dropped); a request
     # whose row is non-finite is failed by the host one step later.

@@ -9,7 +9,10 @@ Rules, checked in this order for every new token (output index i = tokens before
      occurrence of it ends in text of a token with i >= min_tokens. Everything after the stop
      string is never emitted, nor the stop string itself unless `include_stop_str_in_output`,
      also when it spans several tokens.
-  3. max_tokens reached ends the request with "length".
+  3. `grammar_done(token)` (structured output, engine/structured_matcher.py: the matcher
+     consumes the token) returning True ends the request with "stop", the token's text
+     emitted (it completes the document).
+  4. max_tokens reached ends the request with "length".
 
 Streaming without leaking a stop string: text whose tail could still grow into a stop string
 (the longest suffix that is a proper prefix of one) is held back until the next token decides
@@ -20,7 +23,7 @@ it; when the request finishes for another reason the held text is flushed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
 from engine.api_types import FinishReason
@@ -48,8 +51,10 @@ class StopChecker:
         sampling_params: SamplingParams,
         eos_token_ids: Iterable[int],
         detokenizer: Detokenizer,
+        grammar_done: Callable[[int], bool] | None = None,
     ):
         self.params = sampling_params
+        self._grammar_done = grammar_done
         self.detokenizer = detokenizer
         self._stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
@@ -76,12 +81,16 @@ class StopChecker:
         if text is None:
             text = self.detokenizer.add_token(token_id)
         if not self.params.stop:  # fast path: nothing is ever held back
+            if self._grammar_done is not None and self._grammar_done(token_id):
+                return self._finish("stop", text)
             if self.num_output_tokens >= self.params.max_tokens:
                 return self._finish("length", text)
             return StopResult(text, None)
         text, stopped = self._scan(text, check=index >= self.params.min_tokens)
         if stopped:
             return self._finish("stop", text)
+        if self._grammar_done is not None and self._grammar_done(token_id):
+            return self._finish("stop", text + self.flush())
         if self.num_output_tokens >= self.params.max_tokens:
             return self._finish("length", text + self.flush())
         return StopResult(text, None)

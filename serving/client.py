@@ -77,9 +77,11 @@ def build_request(
     stream: bool = True,
     request_id: str = "",
     adapter: str = "",
+    structured: dict | None = None,
     **sampling,
 ) -> pb.GenerateRequest:
-    """One GenerateRequest; `messages` is a list of {"role", "content"} dicts."""
+    """One GenerateRequest; `messages` is a list of {"role", "content"} dicts; `structured`
+    one constraint such as {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}")
@@ -98,6 +100,13 @@ def build_request(
     )
     if max_tokens is not None:
         req.max_tokens = max_tokens
+    for kind, value in (structured or {}).items():
+        if kind == "choice":
+            req.choice.choices.extend(value)
+        elif kind == "json_schema" and not isinstance(value, str):
+            req.json_schema = json.dumps(value)
+        else:
+            setattr(req, kind, value)
     if messages is not None:
         req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
     elif token_ids is not None:

@@ -7,6 +7,7 @@ import time
 from engine.api_types import RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
 
@@ -71,7 +72,18 @@ def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> Samplin
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        structured=structured_output(req),
     )
+
+
+def structured_output(req: pb.GenerateRequest) -> StructuredOutput | None:
+    """The request's `structured` oneof (validated: InvalidRequestError names the field)."""
+    kind = req.WhichOneof("structured")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(req.choice.choices))
+    return StructuredOutput(**{kind: getattr(req, kind)})
 
 
 def delta_message(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:

@@ -2,7 +2,7 @@
 what the engine takes: prompt token ids and SamplingParams.
 
 Every request model forbids unknown fields, so a field this server does not implement
-(`logit_bias`, `tools`, `response_format`, `echo`, `best_of`, ...) is refused by name with a
+(`logit_bias`, `tools`, `echo`, `best_of`, ...) is refused by name with a
 400 instead of being silently ignored. Bodies are parsed in strict JSON mode: "5" is not an
 integer. Value ranges are checked by SamplingParams and the admission limits, whose errors
 name the field, the value and the limit.
@@ -19,6 +19,12 @@ Supported fields (OpenAI's, then vLLM's extras):
     revision (a pin: 409 when another revision is loaded; also header x-pagedjax-revision),
     return_token_times (streamed chunks carry pagedjax.token_times_unix_ns: when the server
     produced each token, for the load generator's inter-token latency).
+
+Structured output (engine/structured.py), at most one per request: OpenAI's
+`response_format` ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}},
+{"type": "json_object"}, {"type": "text"} = none), or vLLM's `guided_json` (schema object or
+JSON string), `guided_regex`, `guided_choice` (list of strings), `guided_grammar` (Lark or
+GBNF). An invalid schema/regex/grammar is a 400 naming the field and llguidance's message.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pydantic import BaseModel, ConfigDict
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from serving import convert
 from serving.generation import Refusal
 
@@ -61,6 +68,18 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = ""
+    description: str | None = None
+    json_schema: dict | bool = pydantic.Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationFields(_Strict):
     model: str = ""
     max_tokens: int | None = None
@@ -85,6 +104,12 @@ class _GenerationFields(_Strict):
     # pagedjax: the revision this request must run on; per-token server times in chunks
     revision: str = ""
     return_token_times: bool = False
+    # structured output: OpenAI's response_format, vLLM's guided_* extras
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -198,7 +223,55 @@ def sampling_params(
         stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        structured=structured_output(req),
     )
+
+
+def structured_output(req: _GenerationFields) -> StructuredOutput | None:
+    """The request's one constraint (InvalidRequestError names the HTTP field)."""
+    given = {
+        name: value
+        for name, value in (
+            ("response_format", _response_format(req.response_format)),
+            ("guided_json", req.guided_json),
+            ("guided_regex", req.guided_regex),
+            ("guided_choice", req.guided_choice),
+            ("guided_grammar", req.guided_grammar),
+        )
+        if value is not None
+    }
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError(
+            "response_format", sorted(given), "at most one of response_format / guided_*"
+        )
+    ((field, value),) = given.items()
+    kind = {
+        "guided_json": "json_schema",
+        "guided_regex": "regex",
+        "guided_choice": "choice",
+        "guided_grammar": "grammar",
+    }.get(field)
+    try:
+        return value if kind is None else StructuredOutput(**{kind: value})
+    except InvalidRequestError as e:  # rename the field to the one the client sent
+        raise InvalidRequestError(field, e.value, e.limit) from None
+
+
+def _response_format(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if fmt.json_schema is None:
+        raise InvalidRequestError(
+            "response_format.json_schema", None, "required when type is 'json_schema'"
+        )
+    try:
+        return StructuredOutput(json_schema=fmt.json_schema.json_schema)
+    except InvalidRequestError as e:
+        raise InvalidRequestError("response_format.json_schema.schema", e.value, e.limit) from None
 
 
 def check_choices(n: int, num_prompts: int) -> None:

@@ -2,6 +2,7 @@
 nobody here wrote) and raw httpx, against a real server (MockEngine) on localhost."""
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -204,6 +205,36 @@ def test_invalid_values_name_field_value_and_limit(served):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.chat.completions.create(model="mock", messages=CHAT, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_structured_output_fields_are_validated_and_named(served):
+    _, _, sdk = served
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    for extra in (
+        {"response_format": fmt},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "text"}},
+        {"guided_json": schema},
+        {"guided_json": json.dumps(schema)},
+        {"guided_regex": "[a-z]+"},
+        {"guided_choice": ["yes", "no"]},
+        {"guided_grammar": 'start: "a"+'},
+    ):  # accepted (the mock engine does not apply constraints; tests/test_structured.py does)
+        sdk.chat.completions.create(model="mock", messages=CHAT, max_tokens=2, extra_body=extra)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    for extra, param, message in (
+        ({"guided_regex": "a("}, "guided_regex", "unclosed group"),
+        ({"guided_json": {"$ref": "#/nope"}}, "guided_json", "does not exist"),
+        ({"guided_choice": []}, "guided_choice", "1 to"),
+        ({"guided_grammar": "start: x"}, "guided_grammar", "unknown name"),
+        ({"response_format": bad_schema}, "response_format.json_schema.schema", "objekt"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "response_format", "at most one"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model="mock", messages=CHAT, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param and message in e.value.message, e.value.message
 
 
 def test_unknown_model_is_404_and_revision_pin_is_409(served):

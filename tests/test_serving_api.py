@@ -98,6 +98,11 @@ def test_token_id_prompt_stop_string_and_prefix_cache(served):
         (dict(prompt="abc", stop=["x", "y", "z"]), "stop"),
         (dict(messages=[{"role": "robot", "content": "x"}]), "role"),
         (dict(prompt="abc", request_id="x" * 257), "request_id"),
+        (dict(prompt="abc", structured={"regex": "a("}), "structured.regex"),
+        (dict(prompt="abc", structured={"json_schema": {"type": "objekt"}}), "Invalid type"),
+        (dict(prompt="abc", structured={"json_schema": "{bad"}), "structured.json_schema"),
+        (dict(prompt="abc", structured={"choice": []}), "structured.choice"),
+        (dict(prompt="abc", structured={"grammar": "start: nope"}), "structured.grammar"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_field(served, fields, field):
