@@ -129,9 +129,10 @@ class LeaderEngineCore(EngineCore):
         super().__init__(*args, **kwargs)
         self.channel = channel
 
-    def run_step(self, batch, shape, flags, use_penalties):
-        self.channel.send(STEP, (batch, shape, flags, use_penalties))
-        return super().run_step(batch, shape, flags, use_penalties)
+    def run_step(self, batch, shape, flags, use_penalties, token_bitmask=None):
+        args = (batch, shape, flags, use_penalties, token_bitmask)
+        self.channel.send(STEP, args)
+        return super().run_step(*args)
 
     def _reset_penalty_row(self, slot, req):
         ids = types.SimpleNamespace(
