@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format install clean reliability disagg-bench
+.PHONY: demo test test-fast test-full-sizes lint format install clean reliability disagg-bench
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -21,12 +21,24 @@ demo: install
 	$(VPY) -m serving.cli generate --model=smollm2-135m \
 	  --prompt="What is the capital of France?" --max_tokens=32 --temperature=0
 
-# NOTE: three pytest processes, not one: a single process that builds every test's XLA:CPU
-# programs crashed inside XLA about 300 tests in (see tests/conftest.py).
+# NOTE: four pytest processes, not one: a single process that builds every test's XLA:CPU
+# programs crashed inside XLA about 300 tests in (see tests/conftest.py). They run in two
+# lanes at once, because most test time is single-threaded XLA compilation and the machine
+# has two cores: lane B prints as it runs, lane A's log (.test-lane-a.log) is printed after.
 test: install
-	$(VPY) -m pytest -q tests/test_[a-e]*.py
-	$(VPY) -m pytest -q tests/test_[f-l]*.py
-	$(VPY) -m pytest -q tests/test_[m-z]*.py
+	@( $(VPY) -m pytest -q tests/test_[a-e]*.py; r1=$$?; \
+	   $(VPY) -m pytest -q tests/test_[f-l]*.py; r2=$$?; \
+	   exit $$((r1 || r2)) ) > .test-lane-a.log 2>&1 & lane_a=$$!; \
+	$(VPY) -m pytest -q tests/test_[m-r]*.py; r3=$$?; \
+	$(VPY) -m pytest -q tests/test_[s-z]*.py; r4=$$?; \
+	wait $$lane_a; r12=$$?; \
+	echo "---- lane A: tests/test_[a-l]*.py ----"; cat .test-lane-a.log; \
+	exit $$((r12 || r3 || r4))
+
+# The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
+# the SmolLM2 + peft adapter oracle).
+test-full-sizes: install
+	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of
 # benchmarks/reliability.py, e.g. make reliability RELIABILITY_ARGS="--soak_model_n=200".

@@ -172,6 +172,10 @@ def test_engine_greedy_matches_peft_alone_and_mixed(tiny_setup):
     assert mixed == want
 
 
+@pytest.mark.skipif(
+    os.environ.get("PAGEDJAX_FULL_SIZES") != "1",
+    reason="SmolLM2-size run: make test-full-sizes (the tiny peft tests above run in make test)",
+)
 @pytest.mark.parametrize("layer_loop", ["unrolled"])
 def test_smollm2_adapter_matches_transformers_peft(smollm2, tmp_path, layer_loop):
     folder, name = os.path.split(smollm2.source)
