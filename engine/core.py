@@ -369,6 +369,8 @@ class EngineCore:
     def _token_bitmask(self, plan: SchedulerOutput, built: BuiltStep) -> np.ndarray | None:
         """[Sd + Sp, ceil(V/32)] int32 allowed tokens of the sampler rows (structured output),
         or None when no sampling row of the step is constrained."""
+        if not self.structured.active:  # the common step: no per-row pass
+            return None
         rows = [
             (int(r), s.request.request_id)
             for s, r in zip(plan.scheduled, built.sampler_rows)
