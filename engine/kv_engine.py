@@ -8,8 +8,11 @@ to the gRPC handler threads (serving/kv_transfer_service.py):
     prefill:  handler: expect_export(id) -> submit the request (max_tokens=1) -> wait
               engine thread, in step(): the scheduler's on_finish hook takes a reference on
                 the ending request's pages (stop / length only); after core.step() returns,
-                each held request is exported (one gather + device_get), its references
-                dropped, and the payload published
+                each held request's gather is dispatched (engine/kv_transfer.start_export:
+                metadata + one jitted gather, no wait) and its references dropped
+              exporter thread ("kv-export"): host copy of the gathered pages (waits for the
+                gather), checksum, payload published; so the engine thread never waits on a
+                device-to-host copy or hashes megabytes between two steps
               handler: take_export(id) -> stream it; discard_export(id) in every case
     decode:   handler: receive + verify the payload -> stage(id, payload) -> submit
               engine thread, add_request(er): a staged payload is imported
@@ -24,6 +27,7 @@ request's pages are ordinary scheduler pages, freed when it ends or is cancelled
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -33,8 +37,10 @@ from engine.kv_transfer import (
     KVChecksumError,
     KVPayload,
     KVTransferMismatchError,
+    PendingExport,
     import_request,
-    make_payload,
+    start_export,
+    warm_transfer_programs,
 )
 from engine.request import Request
 
@@ -53,10 +59,12 @@ class KVTransferEngine:
         self._staged: dict[str, KVPayload] = {}
         self._held: dict[str, tuple[Request, list[int]]] = {}  # engine thread only
         self._early_outputs: list[RequestOutput] = []  # imports' first tokens
+        self._exporter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-export")
         self.counters = {
             "kv_exports": 0,
             "kv_export_bytes": 0,
-            "kv_export_s": 0.0,
+            "kv_export_s": 0.0,  # exporter thread: host copy + checksum
+            "kv_export_engine_s": 0.0,  # engine thread: metadata + dispatching the gather
             "kv_imports": 0,
             "kv_import_bytes": 0,
             "kv_import_s": 0.0,
@@ -120,7 +128,8 @@ class KVTransferEngine:
             self._export_ids.add(request_id)
 
     def take_export(self, request_id: str, timeout_s: float) -> KVPayload | None:
-        """The payload of an exported request (None: none within `timeout_s`)."""
+        """The payload of an exported request (None: none within `timeout_s`, or its export
+        failed: logged)."""
         with self._lock:
             self._lock.wait_for(lambda: request_id in self._exported, timeout_s)
             return self._exported.pop(request_id, None)
@@ -147,18 +156,39 @@ class KVTransferEngine:
         for rid, (request, pages) in list(self._held.items()):
             t0 = time.perf_counter()
             try:
-                payload = make_payload(self.core, request, pages, logprobs.get(rid))
-            finally:
+                pending = start_export(self.core, request, pages, logprobs.get(rid))
+            finally:  # safe before the gather ran: see start_export
                 self.core.pool.free(pages, time.monotonic())
                 del self._held[rid]
-            self.counters["kv_exports"] += 1
-            self.counters["kv_export_bytes"] += payload.num_bytes
-            self.counters["kv_export_s"] += time.perf_counter() - t0
-            with self._lock:
-                if rid in self._export_ids:
-                    self._export_ids.discard(rid)
-                    self._exported[rid] = payload
-                    self._lock.notify_all()
+            self.counters["kv_export_engine_s"] += time.perf_counter() - t0
+            self._exporter.submit(self._finish_export, rid, pending)
+
+    def _finish_export(self, rid: str, pending: PendingExport) -> None:
+        """Exporter thread: host copy + checksum, then publish (None when it failed)."""
+        t0 = time.perf_counter()
+        payload = None
+        try:
+            payload = pending.finish()
+        except Exception:  # noqa: BLE001 - the handler answers INTERNAL at once
+            log.exception("K/V export of %s failed", rid)
+        with self._lock:
+            if payload is not None:
+                self.counters["kv_exports"] += 1
+                self.counters["kv_export_bytes"] += payload.num_bytes
+                self.counters["kv_export_s"] += time.perf_counter() - t0
+            if rid in self._export_ids:
+                self._export_ids.discard(rid)
+                self._exported[rid] = payload
+                self._lock.notify_all()
+
+    def flush_exports(self) -> None:
+        """Wait until every dispatched export is published (tests, shutdown)."""
+        self._exporter.submit(lambda: None).result()
+
+    def warm_transfer(self, role: str) -> int:
+        """Engine thread, at start-up: compile the gather (role prefill) and scatter (role
+        decode) programs of every page-count bucket. Returns the programs run."""
+        return warm_transfer_programs(self.core, gather=role == "prefill", scatter=role == "decode")
 
     # ---- decode side --------------------------------------------------------------------------
     def stage(self, request_id: str, payload: KVPayload) -> None:

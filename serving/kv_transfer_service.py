@@ -62,6 +62,23 @@ def wrap_engine(engine):
     return engine
 
 
+def with_transfer_warmup(engine, warmup, role: str):
+    """`warmup` (the server's, None: the user asked for none) followed by the K/V gather
+    (prefill) or scatter (decode) programs of every page-count bucket, so a worker's first
+    transfers do not compile. `both` replicas are left as they are (the router sends them
+    whole requests)."""
+    if warmup is None or role not in ("prefill", "decode") or not hasattr(engine, "warm_transfer"):
+        return warmup
+
+    def run() -> None:
+        warmup()
+        t0 = time.perf_counter()
+        programs = engine.warm_transfer(role)
+        log.info("warm-up: %d K/V %s programs in %.1fs", programs, role, time.perf_counter() - t0)
+
+    return run
+
+
 def install(server, role: str) -> KVTransferService:
     """Add the KVTransfer service to a PagedJaxServer (before it starts)."""
     if role not in ROLES:

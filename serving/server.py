@@ -580,6 +580,7 @@ def main(argv) -> None:
         **build_kwargs,
     )
     engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
+    warmup = kv_transfer_service.with_transfer_warmup(engine, warmup, FLAGS.role)  # and warm-up
     try:
         server = PagedJaxServer(
             engine,
@@ -600,9 +601,11 @@ def main(argv) -> None:
             compilation_cache_dir=FLAGS.compilation_cache_dir,
             **build_kwargs,
         )
+        engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
+        warm = kv_transfer_service.with_transfer_warmup(engine, warm, FLAGS.role)
         if warm is not None:
             warm()
-        return kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
+        return engine
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()

@@ -5,7 +5,9 @@ into B's own pages) gives the same greedy tokens as one engine, over a mixed bat
 ending mid-page and at a page boundary, shared prefixes, max_tokens 1..8). Pages are back on
 both sides afterwards, mismatched identities / KV dtypes / page sizes and corrupted bytes are
 refused, a cancel after import frees the pages, and a full decode engine falls back to
-recomputing (same tokens).
+recomputing (same tokens). The host copy and checksum of an export run on the exporter
+thread, not the engine thread, and the warmed gather / scatter programs cover every
+transfer (nothing compiles).
 
 Both engines use one configuration (so one set of compiled step programs); B is also the
 single-engine reference.
@@ -73,6 +75,7 @@ def prefill(a: KVTransferEngine, ers):
         a.expect_export(er.request_id)
         a.add_request(dataclasses.replace(er, sampling=prefill_sampling(er.sampling)))
     run(a)
+    a.flush_exports()  # the exporter thread published every payload
     return {er.request_id: a.take_export(er.request_id, timeout_s=0) for er in ers}
 
 
@@ -185,5 +188,47 @@ def test_int8_kv_transfer_carries_scales(tiny_model):
     for rid, p in payloads.items():
         b.stage(rid, p)
     assert run(b, ers) == {k[:-1]: v for k, v in want.items()}
+    assert_idle(a)
+    assert_idle(b)
+
+
+def test_export_host_copy_runs_off_the_engine_thread(engines, monkeypatch):
+    import threading
+
+    from engine import kv_transfer
+
+    a, b = engines
+    threads = []
+    finish = kv_transfer.PendingExport.finish
+
+    def recording_finish(self):
+        threads.append(threading.current_thread().name)
+        return finish(self)
+
+    monkeypatch.setattr(kv_transfer.PendingExport, "finish", recording_finish)
+    engine_s = a.counters["kv_export_engine_s"]
+    payloads = prefill(a, requests("-t")[:2])
+    assert all(p is not None for p in payloads.values())
+    assert len(threads) == 2 and all(t.startswith("kv-export") for t in threads), threads
+    assert a.counters["kv_export_engine_s"] > engine_s  # the dispatch is timed apart
+    assert_idle(a)
+
+
+def test_warmed_transfer_programs_cover_every_transfer(tiny_model):
+    from engine.kv_transfer import _device_fns, transfer_buckets
+
+    cfg = EngineConfig(model="tiny", **OPTS)
+    a = KVTransferEngine(EngineCore(tiny_model, cfg))
+    b = KVTransferEngine(EngineCore(tiny_model, cfg))
+    gather, scatter = _device_fns()
+    assert transfer_buckets(a.core) == [1, 2, 4, 8]  # max_model_len 48 = 6 pages of 8
+    assert a.warm_transfer("prefill") == b.warm_transfer("decode") == 4
+    compiled = gather._cache_size(), scatter._cache_size()
+    ers = requests("-w")
+    for rid, p in prefill(a, ers).items():
+        b.stage(rid, p)
+    run(b, ers)
+    assert b.counters["kv_imports"] == len(ers)
+    assert (gather._cache_size(), scatter._cache_size()) == compiled  # nothing compiled
     assert_idle(a)
     assert_idle(b)
