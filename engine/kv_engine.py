@@ -10,10 +10,12 @@ to the gRPC handler threads (serving/kv_transfer_service.py):
                 the ending request's pages (stop / length only); after core.step() returns,
                 each held request's gather is dispatched (engine/kv_transfer.start_export:
                 metadata + one jitted gather, no wait) and its references dropped
-              exporter thread ("kv-export"): host copy of the gathered pages (waits for the
-                gather), checksum, payload published; so the engine thread never waits on a
+                and the PendingExport published: the engine thread never waits on a
                 device-to-host copy or hashes megabytes between two steps
-              handler: take_export(id) -> stream it; discard_export(id) in every case
+              handler: take_export(id) -> host copy + checksum on the handler's thread
+                (waits for the gather) -> stream it; or take_pending(id) -> the gathered
+                device arrays (jax.experimental.transfer: no host copy at all);
+                discard_export(id) in every case
     decode:   handler: receive + verify the payload -> stage(id, payload) -> submit
               engine thread, add_request(er): a staged payload is imported
                 (engine/kv_transfer.import_request); its first token's delta is returned by
@@ -27,7 +29,6 @@ request's pages are ordinary scheduler pages, freed when it ends or is cancelled
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -55,15 +56,14 @@ class KVTransferEngine:
         core.scheduler.on_finish = self._on_finish
         self._lock = threading.Condition()
         self._export_ids: set[str] = set()  # handler threads add; engine thread reads
-        self._exported: dict[str, KVPayload] = {}
+        self._exported: dict[str, PendingExport] = {}
         self._staged: dict[str, KVPayload] = {}
         self._held: dict[str, tuple[Request, list[int]]] = {}  # engine thread only
         self._early_outputs: list[RequestOutput] = []  # imports' first tokens
-        self._exporter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-export")
         self.counters = {
             "kv_exports": 0,
             "kv_export_bytes": 0,
-            "kv_export_s": 0.0,  # exporter thread: host copy + checksum
+            "kv_export_s": 0.0,  # handler threads: host copy + checksum
             "kv_export_engine_s": 0.0,  # engine thread: metadata + dispatching the gather
             "kv_imports": 0,
             "kv_import_bytes": 0,
@@ -128,8 +128,20 @@ class KVTransferEngine:
             self._export_ids.add(request_id)
 
     def take_export(self, request_id: str, timeout_s: float) -> KVPayload | None:
-        """The payload of an exported request (None: none within `timeout_s`, or its export
-        failed: logged)."""
+        """The payload of an exported request (None: none within `timeout_s`): its host
+        copy and checksum run here, on the caller's thread."""
+        pending = self.take_pending(request_id, timeout_s)
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        payload = pending.finish()
+        with self._lock:
+            self.counters["kv_export_bytes"] += payload.num_bytes
+            self.counters["kv_export_s"] += time.perf_counter() - t0
+        return payload
+
+    def take_pending(self, request_id: str, timeout_s: float) -> PendingExport | None:
+        """The exported request's metadata and gathered device arrays (no host copy)."""
         with self._lock:
             self._lock.wait_for(lambda: request_id in self._exported, timeout_s)
             return self._exported.pop(request_id, None)
@@ -160,35 +172,21 @@ class KVTransferEngine:
             finally:  # safe before the gather ran: see start_export
                 self.core.pool.free(pages, time.monotonic())
                 del self._held[rid]
+            self.counters["kv_exports"] += 1
             self.counters["kv_export_engine_s"] += time.perf_counter() - t0
-            self._exporter.submit(self._finish_export, rid, pending)
+            with self._lock:
+                if rid in self._export_ids:
+                    self._export_ids.discard(rid)
+                    self._exported[rid] = pending
+                    self._lock.notify_all()
 
-    def _finish_export(self, rid: str, pending: PendingExport) -> None:
-        """Exporter thread: host copy + checksum, then publish (None when it failed)."""
-        t0 = time.perf_counter()
-        payload = None
-        try:
-            payload = pending.finish()
-        except Exception:  # noqa: BLE001 - the handler answers INTERNAL at once
-            log.exception("K/V export of %s failed", rid)
-        with self._lock:
-            if payload is not None:
-                self.counters["kv_exports"] += 1
-                self.counters["kv_export_bytes"] += payload.num_bytes
-                self.counters["kv_export_s"] += time.perf_counter() - t0
-            if rid in self._export_ids:
-                self._export_ids.discard(rid)
-                self._exported[rid] = payload
-                self._lock.notify_all()
-
-    def flush_exports(self) -> None:
-        """Wait until every dispatched export is published (tests, shutdown)."""
-        self._exporter.submit(lambda: None).result()
-
-    def warm_transfer(self, role: str) -> int:
+    def warm_transfer(self, role: str, on_device: bool = False) -> int:
         """Engine thread, at start-up: compile the gather (role prefill) and scatter (role
-        decode) programs of every page-count bucket. Returns the programs run."""
-        return warm_transfer_programs(self.core, gather=role == "prefill", scatter=role == "decode")
+        decode; `on_device`: of pulled device arrays too) programs of every page-count
+        bucket. Returns the programs run."""
+        return warm_transfer_programs(
+            self.core, gather=role == "prefill", scatter=role == "decode", on_device=on_device
+        )
 
     # ---- decode side --------------------------------------------------------------------------
     def stage(self, request_id: str, payload: KVPayload) -> None:

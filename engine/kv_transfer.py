@@ -106,13 +106,16 @@ class KVPayload:
     meta: KVMeta
     arrays: dict[str, np.ndarray]  # KV_FIELDS present in the cache, each [L, K, n, ps(, hd)]
     checksum: str  # hex sha256 (payload_checksum)
+    # jax.experimental.transfer (serving/kv_transfer_jax.py): `arrays` are device arrays
+    # padded to the page-count bucket, and the checksum covers the metadata only
+    on_device: bool = False
 
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
     def verify(self) -> None:
-        got = payload_checksum(self.meta, self.arrays)
+        got = payload_checksum(self.meta, {} if self.on_device else self.arrays)
         if got != self.checksum:
             raise KVChecksumError(
                 f"KV payload of {self.meta.request_id!r}: checksum {got} != sent {self.checksum}"
@@ -223,6 +226,8 @@ def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> No
             return None
         if a is None:
             raise KVTransferMismatchError(name, None, "present (int8 KV)")
+        if a.shape[2] == len(ids):  # already the bucket's size (on device: jax transport)
+            return a
         return np.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
 
     from engine.kv_cache import PagedKVCache
@@ -239,14 +244,29 @@ def transfer_buckets(core) -> list[int]:
     return [1 << i for i in range(_bucket(max(1, most)).bit_length())]
 
 
-def warm_transfer_programs(core, *, gather: bool, scatter: bool) -> int:
-    """Compile the gather (prefill side) and / or scatter (decode side) program of every
-    bucket, so no transfer compiles while serving. Engine thread: the scatter replaces
-    `core.kv`, writing zeros into the null page only (nobody reads it). Returns the number
-    of programs run."""
+def _zero_pages(kv, n: int, on_device: bool):
+    """Zeros shaped like `n` pages of every field of `kv`, as import_pages receives them:
+    host arrays (gRPC stream), or device arrays (jax transport)."""
     import jax
 
     from engine.kv_cache import PagedKVCache
+
+    def zeros(x):
+        if x is None:
+            return None
+        z = np.zeros((*x.shape[:2], n, *x.shape[3:]), x.dtype)
+        return jax.device_put(z, jax.devices()[0]) if on_device else z
+
+    return PagedKVCache(*(zeros(getattr(kv, name)) for name in KV_FIELDS))
+
+
+def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool = False) -> int:
+    """Compile the gather (prefill side) and / or scatter (decode side) program of every
+    bucket, so no transfer compiles while serving. Engine thread: the scatter replaces
+    `core.kv`, writing zeros into the null page only (nobody reads it). Returns the number
+    of programs run. `on_device`: the scatter of device arrays too (the jax transport's
+    pulled pages; another jit cache entry than host arrays)."""
+    import jax
 
     gather_fn, scatter_fn = _device_fns()
     runs = 0
@@ -255,16 +275,8 @@ def warm_transfer_programs(core, *, gather: bool, scatter: bool) -> int:
         if gather:
             jax.block_until_ready(gather_fn(core.kv, ids))
             runs += 1
-        if scatter:
-            pages = PagedKVCache(
-                *(
-                    # NOTE: host arrays, as import_pages passes (a device array is
-                    # another jit cache entry)
-                    None if x is None else np.zeros((*x.shape[:2], n, *x.shape[3:]), x.dtype)
-                    for x in (getattr(core.kv, name) for name in KV_FIELDS)
-                )
-            )
-            core.kv = scatter_fn(core.kv, ids, pages)
+        for device in ((False, True) if on_device else (False,)) if scatter else ():
+            core.kv = scatter_fn(core.kv, ids, _zero_pages(core.kv, n, device))
             runs += 1
     jax.block_until_ready(core.kv)
     return runs

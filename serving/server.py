@@ -73,6 +73,7 @@ class ServerConfig:
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
     # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
     role: str = "both"
+    kv_transport: str = "grpc"  # or "jax": jax.experimental.transfer (kv_transfer_jax.py)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
 
@@ -159,7 +160,9 @@ class PagedJaxServer:
         )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         # -- disaggregation: the KVTransfer service (Prefill / Decode / WorkerInfo)
-        self.kv_service = kv_transfer_service.install(self, config.role)
+        self.kv_service = kv_transfer_service.install(
+            self, config.role, config.kv_transport, config.host
+        )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -342,6 +345,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
     flags.DEFINE_enum(  # disaggregation: serving/kv_transfer_service.py
         "role", "both", list(kv_transfer_service.ROLES), "prefill, decode or both (replica)"
+    )
+    flags.DEFINE_enum(
+        "kv_transport",
+        "grpc",
+        ["grpc", "jax"],
+        "K/V between workers: gRPC bytes, or "
+        "jax.experimental.transfer (falls back to gRPC with a peer that has none)",
     )
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
@@ -546,6 +556,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         http_port=FLAGS.http_port or None,
         engine_config={"model": FLAGS.model, **engine_config},
         role=FLAGS.role,
+        kv_transport=FLAGS.kv_transport,
     )
 
 
@@ -580,7 +591,9 @@ def main(argv) -> None:
         **build_kwargs,
     )
     engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
-    warmup = kv_transfer_service.with_transfer_warmup(engine, warmup, FLAGS.role)  # and warm-up
+    warmup = kv_transfer_service.with_transfer_warmup(
+        engine, warmup, FLAGS.role, FLAGS.kv_transport
+    )
     try:
         server = PagedJaxServer(
             engine,
@@ -602,7 +615,9 @@ def main(argv) -> None:
             **build_kwargs,
         )
         engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
-        warm = kv_transfer_service.with_transfer_warmup(engine, warm, FLAGS.role)
+        warm = kv_transfer_service.with_transfer_warmup(
+            engine, warm, FLAGS.role, FLAGS.kv_transport
+        )
         if warm is not None:
             warm()
         return engine
