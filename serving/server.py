@@ -479,6 +479,7 @@ def check_flags() -> None:
         shared.require("lora", FLAGS.lora, not FLAGS.engine_process, "not with --engine_process")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
+    _check_role()  # disaggregation
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
@@ -488,6 +489,29 @@ def check_flags() -> None:
             FLAGS.model != "mock" or value == default,
             f"the mock engine runs only {default!r} (drop the flag or pass a real --model)",
         )
+
+
+def _check_role() -> None:
+    """-- disaggregation: K/V moves between workers that are one in-process EngineCore each
+    (engine/kv_engine.py wraps only that); refuse at start what every transfer would refuse."""
+    if FLAGS.role == "both":
+        return
+    why = (
+        "needs a real --model (the mock engine holds no K/V)"
+        if FLAGS.model == "mock"
+        else "not with --engine_process (K/V export/import runs beside the engine in this process)"
+        if FLAGS.engine_process
+        else "not with data replicas (--mesh=data:N): run one prefill/decode worker per replica"
+        if FLAGS.mesh and _mesh_sizes(FLAGS.mesh)["data"] > 1
+        else None
+    )
+    shared.require("role", FLAGS.role, why is None, why or "")
+
+
+def _mesh_sizes(spec: str) -> dict:
+    from engine.sharding import parse_mesh_spec
+
+    return parse_mesh_spec(spec)
 
 
 def _check_file(flag: str, path: str | None) -> None:

@@ -258,6 +258,8 @@ def test_router_and_kv_service_import_without_jax():
         ("serving.cluster", ["--replicas=-1"], "replicas"),
         ("serving.router", [], "workers"),
         ("serving.router", ["--workers=nohost"], "HOST:PORT"),
+        ("serving.router", ["--workers=127.0.0.1:1", "--http_port=8000"], "--tokenizer"),
+        ("serving.server", ["--model=mock", "--role=prefill"], "holds no K/V"),
     ],
 )
 def test_programs_refuse_bad_flags_with_one_line(module, args, says):
