@@ -1,8 +1,10 @@
-"""The cache-aware router: one gRPC endpoint in front of prefill, decode and `both` workers.
+"""The cache-aware router: one gRPC (and HTTP) endpoint in front of prefill, decode and
+`both` workers.
 
     python -m serving.router --workers=127.0.0.1:50061,dns:pagedjax-decode:50051,... \
         --port=50051 \
-        [--policy=affinity|round_robin] [--revision=sha256:...]
+        [--policy=affinity|round_robin] [--revision=sha256:...] \
+        [--http_port=8000 --tokenizer=smollm2-135m]
 
 It serves the same `pagedjax.v1.PagedJax` API as a worker (Generate, Tokenize, ListModels,
 ServerInfo) plus gRPC health (SERVING while some route exists), so clients cannot tell it
@@ -24,7 +26,9 @@ on every worker involved (the decode worker cancels its pull from the prefill wo
 call that fails with UNAVAILABLE BEFORE any message was relayed (the worker died, or was
 warming up / draining) marks the worker down and is retried once on another route, so a
 retry never duplicates a stream; after the first message it ends UNAVAILABLE. Workers are
-health-checked and version-checked by serving/router_workers.py.
+health-checked and version-checked by serving/router_workers.py; routing, relay and retry
+live in serving/router_client.py, shared with the HTTP front (`--http_port`: the server's
+OpenAI-compatible API over the same routing, serving/router_http.py).
 """
 
 from __future__ import annotations
