@@ -1,7 +1,8 @@
 """A local disaggregated cluster in one command: workers + router as processes.
 
     python -m serving.cluster --prefill=1 --decode=1 --replicas=0 --port=50051 \
-        --worker_args="--model=tiny --max_num_seqs=8" [--pin_cpus=true] [--logs_dir=DIR]
+        --worker_args="--model=tiny --max_num_seqs=8" [--pin_cpus=true] [--logs_dir=DIR] \
+        [--http_port=8000]
 
 starts `--prefill` prefill workers, `--decode` decode workers and `--replicas` `both`
 replicas (`python -m serving.server --role=...` on free loopback ports), then
@@ -266,6 +267,8 @@ def main(argv) -> None:
         signal.signal(sig, lambda *_: stopped.set())
     with cluster:
         print(f"routing on {cluster.port} (logs in {cluster.log_dir})", flush=True)
+        if cluster.http_port is not None:
+            print(f"http on {cluster.http_port} ({cluster.http_url})", flush=True)
         for w in cluster.workers:
             print(f"worker {w.role} {w.address} cpus={w.cpus} pid={w.proc.pid}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

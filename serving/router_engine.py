@@ -94,6 +94,7 @@ class _Relay:
         self.er = er
         self.call = None
         self.cancelled = False
+        self.finished = False  # the worker's final message was relayed
         self.num_output_tokens = 0
         self.lock = threading.Lock()
 
@@ -177,10 +178,11 @@ class RoutedEngine:
                 on_call=relay.set_call,
                 is_active=lambda: not relay.cancelled,
             )
+            # NOTE: read to the end of the call (not just to the final message): leaving
+            # it early would cancel a call the worker has not yet closed as a success
             for msg in stream:
+                relay.finished |= msg.HasField("final")
                 self._emit(self._delta(relay, msg))
-                if msg.HasField("final"):
-                    return
             error = ("failed", "the worker's stream ended without a final message")
         except NoRoute as e:
             error = ("unavailable", str(e))
@@ -188,6 +190,8 @@ class RoutedEngine:
             error = (FINISH_OF_STATUS.get(e.code, "failed"), f"worker: {e}")
         except Exception as e:  # noqa: BLE001 - a bug must still end the request
             error = ("failed", f"router relay: {e!r}")
+        if relay.finished:
+            return  # its final delta is out (a late error changes nothing)
         if relay.cancelled:
             error = ("cancelled", "cancelled")
         self._emit(self._final_error(relay, *error))

@@ -1,6 +1,7 @@
 """benchmarks/disagg_bench.py's transfer section at smoke sizes (tiny model, in-process
-prefill server over loopback gRPC, and over jax.experimental.transfer): it runs and its figures are consistent with the KV
-layout (bytes per token = 2 x layers x KV heads x head_dim x 4 bytes for float32)."""
+prefill server over loopback gRPC, and over jax.experimental.transfer): it runs and its
+figures are consistent with the KV layout (bytes per token = 2 x layers x KV heads x
+head_dim x 4 bytes for float32)."""
 
 import pytest
 
