@@ -139,3 +139,11 @@ def test_engine_request_crosses_the_grpc_api_unchanged():
         assert (
             convert.sampling_params(generate_request(EngineRequest("c", [1], other)), 16) == other
         )
+
+
+def test_router_http_bench_runs():
+    from benchmarks.router_http_bench import measure
+
+    figures = measure(requests=3, max_tokens=4, step_s=0.0)
+    assert set(figures) == {"replica_http", "router_http", "router_grpc"}
+    assert all(0 < f["median_ms"] <= f["p90_ms"] for f in figures.values())
