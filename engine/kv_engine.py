@@ -9,8 +9,8 @@ to the gRPC handler threads (serving/kv_transfer_service.py):
               engine thread, in step(): the scheduler's on_finish hook takes a reference on
                 the ending request's pages (stop / length only); after core.step() returns,
                 each held request's gather is dispatched (engine/kv_transfer.start_export:
-                metadata + one jitted gather, no wait) and its references dropped
-                and the PendingExport published: the engine thread never waits on a
+                metadata + one jitted gather, no wait), its references are dropped and the
+                PendingExport is published: the engine thread never waits on a
                 device-to-host copy or hashes megabytes between two steps
               handler: take_export(id) -> host copy + checksum on the handler's thread
                 (waits for the gather) -> stream it; or take_pending(id) -> the gathered
@@ -62,7 +62,7 @@ class KVTransferEngine:
         self._early_outputs: list[RequestOutput] = []  # imports' first tokens
         self.counters = {
             "kv_exports": 0,
-            "kv_export_bytes": 0,
+            "kv_export_bytes": 0,  # host payloads (take_export; not the jax transport's)
             "kv_export_s": 0.0,  # handler threads: host copy + checksum
             "kv_export_engine_s": 0.0,  # engine thread: metadata + dispatching the gather
             "kv_imports": 0,

@@ -31,6 +31,7 @@ import logging
 import random
 import threading
 
+from configs.errors import PagedJaxError
 from engine.kv_transfer import KV_FIELDS, KVMeta, KVPayload, PendingExport, payload_checksum
 from serving.proto import kv_transfer_pb2 as kv_pb
 
@@ -38,6 +39,10 @@ log = logging.getLogger("pagedjax.serving.kv")
 TRANSPORTS = ("grpc", "jax")
 TRANSPORT_METADATA = "x-pagedjax-kv-transport"
 PULL_WINDOW_S = 60.0  # an offer not pulled by then is dropped
+
+
+class JaxPullError(PagedJaxError):
+    """The pull from a peer's transfer server failed (unreachable, offer expired)."""
 
 
 class JaxTransport:
@@ -84,8 +89,11 @@ class JaxTransport:
         specs = [
             jax.ShapeDtypeStruct(tuple(a.shape), a.dtype, sharding=sharding) for a in header.arrays
         ]
-        pulled = self._connection(header.jax_address).pull(header.jax_uuid, specs)
-        jax.block_until_ready(pulled)
+        try:
+            pulled = self._connection(header.jax_address).pull(header.jax_uuid, specs)
+            jax.block_until_ready(pulled)
+        except Exception as e:  # noqa: BLE001 - XLA runtime errors of the transfer
+            raise JaxPullError(f"jax transfer pull from {header.jax_address}: {e}") from e
         arrays = {a.name: x for a, x in zip(header.arrays, pulled)}
         payload = KVPayload(KVMeta.from_json(header.meta_json), arrays, checksum, on_device=True)
         payload.verify()

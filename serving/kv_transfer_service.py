@@ -176,6 +176,8 @@ class KVTransferService(kv_grpc.KVTransferServicer):
             context.abort(code, f"prefill worker {request.kv_source}: {e.details()}")
         except (KVChecksumError, KVWireError) as e:
             context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        except kv_transfer_jax.JaxPullError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {request.kv_source}: {e}")
         with self._lock:
             self.totals["kv_pulls"] += 1
             self.totals["kv_pull_bytes"] += stats.num_bytes
