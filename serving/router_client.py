@@ -12,9 +12,10 @@ HTTP front (serving/router_engine.py under the server's HTTP API) share it:
       relay       yields the worker's GenerateResponse messages unchanged; returns its
                   trailing metadata (the x-pagedjax-kv-* transfer figures)
       retry       UNAVAILABLE before the first message (the worker died, warms up, drains):
-                  the worker is marked down and the request goes once to another route
-                  (never a duplicate stream: nothing was relayed); after the first message,
-                  or on the second attempt, RouteFailed(UNAVAILABLE)
+                  the worker it blames (the prefill worker when the decode worker's pull
+                  failed, else the called one) is marked down and the request goes once to
+                  a route without it (never a duplicate stream: nothing was relayed); after
+                  the first message, or on the second attempt, RouteFailed(UNAVAILABLE)
       cancel      `on_call(call)` gets each worker call as it starts: the caller cancels it
                   when its own client leaves (the decode worker then cancels its pull, so
                   pages are freed on every worker); `is_active()` False marks a failure that
@@ -47,6 +48,13 @@ class RouteFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
         self.code, self.details, self.trailing = code, details, trailing
         super().__init__(f"{code.name}: {details}")
+
+
+class _Retry(Exception):
+    """An attempt failed before any message; `exclude`: the workers not to try again."""
+
+    def __init__(self, exclude: tuple[str, ...]):
+        self.exclude = exclude
 
 
 class Route:
@@ -123,21 +131,23 @@ class RouterClient:
         tried: tuple[str, ...] = ()
         for attempt in range(2):
             route = self.pick(req, exclude=tried)
-            trailing = yield from self._relay(
-                route, req, deadline_s, metadata, on_call, is_active, retryable=attempt == 0
-            )
-            if trailing is not None:
-                return trailing
-            tried += route.addresses
-            self._count("retried")
+            try:
+                return (
+                    yield from self._relay(
+                        route, req, deadline_s, metadata, on_call, is_active, attempt == 0
+                    )
+                )
+            except _Retry as retry:
+                tried += retry.exclude
+                self._count("retried")
         raise AssertionError("unreachable: the second attempt is not retryable")
 
     def _relay(self, route, req, deadline_s, metadata, on_call, is_active, retryable: bool):
-        """One attempt: trailing metadata when it ended OK, None when it failed before any
-        message and may be retried; raises RouteFailed otherwise."""
+        """One attempt: trailing metadata when it ended OK; raises _Retry when it failed
+        before any message and may be retried elsewhere, RouteFailed otherwise."""
         if not self.pool.acquire(*route.addresses):  # a worker left the pool since pick()
             if retryable:
-                return None
+                raise _Retry(route.addresses)
             raise RouteFailed(grpc.StatusCode.UNAVAILABLE, f"workers {route.addresses} left")
         try:
             call = self._start(route, req, deadline_s, metadata)
@@ -156,9 +166,9 @@ class RouterClient:
                 if not is_active():
                     raise RouteFailed(grpc.StatusCode.CANCELLED, "cancelled by the client") from e
                 if code == grpc.StatusCode.UNAVAILABLE:
-                    self._mark_failed(route, details)
+                    failed = self._mark_failed(route, details)
                     if retryable and not sent:
-                        return None
+                        raise _Retry((failed,)) from e
                 raise RouteFailed(code, details, tuple(e.trailing_metadata() or ())) from e
         finally:
             self.pool.release(*route.addresses)
@@ -174,8 +184,12 @@ class RouterClient:
             metadata=metadata,
         )
 
-    def _mark_failed(self, route: Route, details: str) -> None:
+    def _mark_failed(self, route: Route, details: str) -> str:
+        """Mark the worker a call's UNAVAILABLE blames down (the decode worker names a dead
+        prefill worker in its details); returns its address."""
         if route.kind == "pair" and details.startswith("prefill worker"):
-            self.pool.mark_down(route.prefill)
+            failed = route.prefill
         else:
-            self.pool.mark_down(route.decode or route.prefill)
+            failed = route.decode or route.prefill
+        self.pool.mark_down(failed)
+        return failed

@@ -13,7 +13,7 @@ from configs.model_config import from_name
 @pytest.mark.compile
 def test_transfer_section_smoke():
     results: dict = {}
-    transfer(results, Options(model="tiny", smoke=True, transfer_repeats=2))
+    transfer(results, Options(model="tiny", smoke=True, transfer_repeats=1))
     rows = results["transfer"]["rows"]
     per_token = kv_memory.kv_bytes_per_token(from_name("tiny"), "float32")
     assert [(r["transport"], r["prompt_tokens"]) for r in rows] == [
