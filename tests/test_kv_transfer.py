@@ -235,3 +235,27 @@ def test_warmed_transfer_programs_cover_every_transfer(tiny_model):
     assert (gather._cache_size(), scatter._cache_size()) == compiled  # nothing compiled
     assert_idle(a)
     assert_idle(b)
+
+
+@pytest.mark.subprocess
+def test_transfer_between_tensor_parallel_engines():
+    """mesh model:2 on 2 virtual CPU devices (tests/kv_transfer_mesh_worker.py): prefill on
+    A + decode on B == one engine, B's cache sharding kept, nothing compiled for imports."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "kv_transfer_mesh_worker.py")
+    out = subprocess.run(
+        [sys.executable, worker], capture_output=True, text=True, timeout=900, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {
+        "same": True,
+        "imports": 3,
+        "sharding_kept": True,
+        "num_devices": 2,
+        "compiles": 0,
+        "pages_used": [0, 0],
+    }, got
