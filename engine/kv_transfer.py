@@ -27,10 +27,12 @@ fallback.
 
 Ordering with overlapped steps: both the gather and the scatter take `core.kv` as it is after
 the step in flight (data dependence on the donated cache), and the pages they touch are held
-by no step in flight (exported pages are referenced by the export; imported pages were free).
-With a tensor-parallel mesh the gather / scatter are plain jit over the sharded cache; the
-scatter keeps its sharding (tests/kv_transfer_mesh_worker.py, model:2). JAX is imported on first use, so serving imports this module (metadata,
-wire format) without it (the server with --model=mock starts without JAX).
+by no step in flight (exported pages are referenced until the gather is dispatched; every
+later step takes the cache after it; imported pages were free). With a tensor-parallel mesh
+the gather / scatter are plain jit over the sharded cache; the scatter keeps its sharding
+(tests/kv_transfer_mesh_worker.py, model:2). JAX is imported on first use, so serving
+imports this module (metadata, wire format) without it (the server with --model=mock
+starts without JAX).
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def test_router_http_pair_equals_one_engine_and_disconnect_frees_pages(cluster, 
     tokenizer = tiny_tokenizer()
     client = openai.OpenAI(base_url=cluster.http_url, api_key="none", max_retries=0)
     exports = worker_stats(cluster.workers[0].address)["kv_exports"]
-    for prompt, ids, max_tokens in zip(PROMPTS[:2], want, MAX_TOKENS):
+    for prompt, ids, max_tokens in zip(PROMPTS[:1], want, MAX_TOKENS):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         kwargs = dict(model=identity.name, prompt=prompt, max_tokens=max_tokens, temperature=0)
         full = client.completions.create(**kwargs)
@@ -188,7 +188,7 @@ def test_router_http_pair_equals_one_engine_and_disconnect_frees_pages(cluster, 
         chunks = client.completions.create(**kwargs, stream=True)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     wait_until(  # every request went through the pair: one K/V export each
-        lambda: worker_stats(cluster.workers[0].address)["kv_exports"] == exports + 4, 30, "kv"
+        lambda: worker_stats(cluster.workers[0].address)["kv_exports"] == exports + 2, 30, "kv"
     )
     stream = client.completions.create(
         model=identity.name, prompt="disconnect me", max_tokens=100, stream=True
