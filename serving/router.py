@@ -146,12 +146,15 @@ class Router:
         max_workers: int = 256,
         http_port: int | None = None,
         tokenizer=None,
+        tenants=None,
+        worker_api_key: str | None = None,
     ):
         """`http_port` (None: no HTTP) with `tokenizer` (the workers'): the OpenAI-compatible
         HTTP API over the same routing (serving/router_http.py), built in start()."""
         if http_port is not None and tokenizer is None:
             raise ValueError("http_port: needs the workers' tokenizer (--tokenizer)")
         self.host, self.http_port, self.tokenizer = host, http_port, tokenizer
+        self._http_auth = {"tenants": tenants, "worker_api_key": worker_api_key}
         self.http = None
         self.pool = WorkerPool(workers, revision, health_interval_s)
         self.service = RouterService(self.pool, policy)
@@ -172,9 +175,17 @@ class Router:
         if self.http_port is not None:
             from serving.router_http import RouterHttp
 
-            self.http = RouterHttp(
-                self.service.client, self.tokenizer, host=self.host, port=self.http_port
-            ).start()
+            try:
+                self.http = RouterHttp(
+                    self.service.client,
+                    self.tokenizer,
+                    host=self.host,
+                    port=self.http_port,
+                    **self._http_auth,
+                ).start()
+            except BaseException:
+                self.stop(0)  # no half-started router (the program exits with the error)
+                raise
             self.http_port = self.http.port
         return self
 
@@ -216,6 +227,8 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "tokenizer", "", "the workers' tokenizer for HTTP: tiny, smollm2-135m, a .gguf, a dir"
     )
+    flags.DEFINE_string("tenants_config", None, "HTTP: tenants JSON (as the server's)")
+    flags.DEFINE_string("worker_api_key_file", None, "HTTP: the key the router presents")
     shared.define_log_level("info")
 
 
@@ -233,11 +246,16 @@ def main(argv) -> None:
         if not FLAGS.tokenizer:
             raise shared.UsageError("tokenizer", "", "the workers' model, with --http_port")
     shared.setup_logging(FLAGS.log_level)
-    tokenizer = None
+    tokenizer, http_auth = None, {}
     if FLAGS.http_port:
-        from serving.router_http import load_tokenizer
+        from serving.router_http import load_tokenizer, read_key
+        from serving.tenants import TenantRegistry
 
         tokenizer = load_tokenizer(FLAGS.tokenizer)
+        http_auth = dict(
+            tenants=TenantRegistry.from_file(FLAGS.tenants_config),
+            worker_api_key=read_key("worker_api_key_file", FLAGS.worker_api_key_file),
+        )
     router = Router(
         FLAGS.workers,
         host=FLAGS.host,
@@ -247,6 +265,7 @@ def main(argv) -> None:
         health_interval_s=FLAGS.health_interval_s,
         http_port=FLAGS.http_port or None,
         tokenizer=tokenizer,
+        **http_auth,
     ).start()
     if router.http is not None:
         print(f"http on {router.http_port}", flush=True)

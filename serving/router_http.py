@@ -18,12 +18,20 @@ Start-up, after the worker pool's first round of checks:
                and max_tokens bounds, default max_tokens, max_model_len, stop strings), so
                a request the workers would refuse is refused at the router with the same
                error
+
+Tenants: HTTP clients are authenticated and budgeted at the router (`--tenants_config`, the
+workers' file format: serving/tenants.py); the router calls the workers with its own key
+(`--worker_api_key_file`), a tenant of the workers' configuration meant for it. (API keys
+are stored as digests, so a client's key cannot be recovered to forward; the gRPC front
+forwards the client's x-api-key as it is.)
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+import grpc
 
 from serving.admission import AdmissionConfig
 from serving.flags import UsageError
@@ -57,6 +65,20 @@ def load_tokenizer(spec: str):
     raise RouterHttpError(
         "tokenizer", spec, "tiny, smollm2-135m, a .gguf file or a Hugging Face directory"
     )
+
+
+def read_key(flag: str, path: str | None) -> str | None:
+    """The first line of `path` (None: no file given)."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise RouterHttpError(flag, path, f"a readable file ({e.strerror})") from None
+    if not key:
+        raise RouterHttpError(flag, path, "a file whose first line is the key")
+    return key
 
 
 def wait_for_reference(pool: WorkerPool, timeout_s: float) -> dict:
@@ -94,13 +116,20 @@ def cluster_identity(reference: dict, tokenizer):
     )
 
 
-def cluster_admission(pool: WorkerPool, timeout_s: float = 5.0) -> AdmissionConfig:
+def cluster_admission(
+    pool: WorkerPool, metadata: tuple | None = None, timeout_s: float = 5.0
+) -> AdmissionConfig:
     """The router's admission limits: a routable worker's, as its ServerInfo reports them."""
     for role in ("both", "decode", "prefill"):
         for address in pool.routable(role):
-            info = pool.workers[address].generate.ServerInfo(
-                pb.ServerInfoRequest(), timeout=timeout_s
-            )
+            try:
+                info = pool.workers[address].generate.ServerInfo(
+                    pb.ServerInfoRequest(), timeout=timeout_s, metadata=metadata
+                )
+            except grpc.RpcError as e:
+                raise RouterHttpError(
+                    "worker_api_key_file", "<its key>", f"one {address} accepts ({e.code().name})"
+                ) from None
             lim = info.limits
             return AdmissionConfig(
                 max_prompt_tokens=int(lim.max_prompt_tokens),
@@ -124,15 +153,21 @@ class RouterHttp:
         port: int,
         max_inflight: int = 256,
         start_timeout_s: float = 60.0,
+        tenants=None,
+        worker_api_key: str | None = None,
     ):
+        """`tenants` (serving.tenants.TenantRegistry; None: open) authenticate HTTP clients;
+        `worker_api_key` is presented to the workers."""
         from serving.http_api import HttpApi
         from serving.http_server import HttpServer
         from serving.server import PagedJaxServer, ServerConfig
 
+        metadata = (("x-api-key", worker_api_key),) if worker_api_key else None
         reference = wait_for_reference(client.pool, start_timeout_s)
-        admission = cluster_admission(client.pool)
+        admission = cluster_admission(client.pool, metadata)
         stats = {"max_model_len": admission.max_model_len, "max_num_seqs": max_inflight}
-        self.engine = RoutedEngine(client, tokenizer, cluster_identity(reference, tokenizer), stats)
+        identity = cluster_identity(reference, tokenizer)
+        self.engine = RoutedEngine(client, tokenizer, identity, stats, metadata=metadata)
         config = ServerConfig(
             admission=admission,
             host="127.0.0.1",  # the inner gRPC port: loopback, not advertised
@@ -140,7 +175,7 @@ class RouterHttp:
             capacity_probe=False,
             max_inflight=max_inflight,
         )
-        self.server = PagedJaxServer(self.engine, config)
+        self.server = PagedJaxServer(self.engine, config, tenants)
         self.api = HttpApi(self.server.generator, self.server.metrics)
         self._http = HttpServer(self.api.app, host, port)
         self.port = self._http.port

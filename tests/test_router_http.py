@@ -16,7 +16,7 @@ from serving.mock_engine import ByteTokenizer, MockEngine, expected_continuation
 from serving.router import Router
 from serving.router_engine import generate_request
 from serving.router_http import RouterHttpError
-from serving.testing import running_server, wait_for
+from serving.testing import calls_seen, running_server, wait_for
 
 
 @contextlib.contextmanager
@@ -147,3 +147,38 @@ def test_router_http_bench_runs():
     figures = measure(requests=3, max_tokens=4, step_s=0.0)
     assert set(figures) == {"replica_http", "router_http", "router_grpc"}
     assert all(0 < f["median_ms"] <= f["p90_ms"] for f in figures.values())
+
+
+def test_http_clients_authenticate_at_the_router_which_presents_its_own_key():
+    from serving.tenants import TenantRegistry
+
+    workers_tenants = TenantRegistry.from_dict(
+        {"tenants": [{"name": "router", "api_keys": ["k-r"]}]}
+    )
+    clients = TenantRegistry.from_dict({"tenants": [{"name": "acme", "api_keys": ["k-acme"]}]})
+    with running_server(MockEngine(), tenants=workers_tenants, capacity_probe=False) as (w, _):
+        router = Router(
+            [f"127.0.0.1:{w.port}"],
+            http_port=0,
+            tokenizer=ByteTokenizer(),
+            tenants=clients,
+            worker_api_key="k-r",
+        ).start()
+        try:
+            url = f"http://127.0.0.1:{router.http_port}/v1"
+            client = openai.OpenAI(base_url=url, api_key="k-acme", max_retries=0)
+            assert client.completions.create(model="mock", prompt="abc", max_tokens=2).choices[
+                0
+            ].text == expected_text("abc", 2)
+            stranger = openai.OpenAI(base_url=url, api_key="k-r", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):  # the workers' key is not a client's
+                stranger.completions.create(model="mock", prompt="abc", max_tokens=2)
+            assert calls_seen(w) == 1
+        finally:
+            router.stop(0)
+        wrong_key = Router(
+            [f"127.0.0.1:{w.port}"], http_port=0, tokenizer=ByteTokenizer(), worker_api_key="k-x"
+        )
+        with pytest.raises(RouterHttpError, match="UNAUTHENTICATED"):
+            wrong_key.start()
+        wrong_key.stop(0)
