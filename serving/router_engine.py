@@ -159,6 +159,11 @@ class RoutedEngine:
                 self._relays.pop(out.request_id, None)
         return outputs
 
+    def not_ready_reason(self) -> str | None:
+        """The HTTP /ready answer's reason (serving/http_endpoints.py): "no_route" while no
+        prefill + decode pair and no `both` replica is routable, as the router's gRPC health."""
+        return None if self.client.has_route() else "no_route"
+
     def stats(self) -> dict:
         return {**self._stats, "num_running": len(self._relays), **self.client.counters}
 

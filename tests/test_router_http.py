@@ -5,6 +5,7 @@ decode workers on the tiny model) is tested over HTTP in tests/test_router.py.""
 
 import contextlib
 
+import httpx
 import openai
 import pytest
 
@@ -90,9 +91,13 @@ def test_http_disconnect_cancels_the_worker_request_and_frees_its_pages():
         assert engine.num_steps < 400  # cancelled long before its 400 tokens
 
 
-def test_no_routable_worker_is_503():
+def test_no_routable_worker_is_503_and_not_ready():
     with routed(num_replicas=1) as (router, servers, client):
+        ready_url = f"http://127.0.0.1:{router.http_port}/ready"
+        assert httpx.get(ready_url).json() == {"ready": True, "reason": None}
         servers[0].stop(0)
+        wait_for(lambda: httpx.get(ready_url).status_code == 503, 10, "/ready 503")
+        assert httpx.get(ready_url).json() == {"ready": False, "reason": "no_route"}
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model="mock", prompt="abc", max_tokens=3)
         assert e.value.status_code == 503
