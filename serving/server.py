@@ -74,6 +74,7 @@ class ServerConfig:
     # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
     role: str = "both"
     kv_transport: str = "grpc"  # or "jax": jax.experimental.transfer (kv_transfer_jax.py)
+    kv_jax_checksum: bool = True  # jax transport: device digest of the pages (engine/kv_digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
 
@@ -161,7 +162,7 @@ class PagedJaxServer:
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         # -- disaggregation: the KVTransfer service (Prefill / Decode / WorkerInfo)
         self.kv_service = kv_transfer_service.install(
-            self, config.role, config.kv_transport, config.host
+            self, config.role, config.kv_transport, config.host, config.kv_jax_checksum
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -352,6 +353,12 @@ def define_flags() -> None:
         ["grpc", "jax"],
         "K/V between workers: gRPC bytes, or "
         "jax.experimental.transfer (falls back to gRPC with a peer that has none)",
+    )
+    flags.DEFINE_bool(
+        "kv_jax_checksum",
+        True,
+        "with --kv_transport=jax: digest the K/V pages on the device at export and check "
+        "the pulled ones (one extra read of the pages on each side; off: metadata only)",
     )
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
@@ -581,6 +588,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         engine_config={"model": FLAGS.model, **engine_config},
         role=FLAGS.role,
         kv_transport=FLAGS.kv_transport,
+        kv_jax_checksum=FLAGS.kv_jax_checksum,
     )
 
 

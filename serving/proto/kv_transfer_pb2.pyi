@@ -34,10 +34,12 @@ class KVHeader(_message.Message):
     def __init__(self, meta_json: _Optional[bytes] = ..., arrays: _Optional[_Iterable[_Union[KVArray, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., jax_address: _Optional[str] = ..., jax_uuid: _Optional[int] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
-    __slots__ = ("sha256",)
+    __slots__ = ("sha256", "device_digest")
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     sha256: str
-    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+    device_digest: str
+    def __init__(self, sha256: _Optional[str] = ..., device_digest: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
