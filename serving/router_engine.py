@@ -18,8 +18,10 @@ the request's pages. A worker call that ends with a gRPC status becomes a final 
 DEADLINE_EXCEEDED -> timed_out, CANCELLED -> cancelled, RESOURCE_EXHAUSTED -> rejected,
 UNAVAILABLE / no route -> "unavailable" (HTTP 503), anything else -> failed (HTTP 500).
 
-Not forwarded (the gRPC API has no field for them; refused with INVALID_ARGUMENT rather than
-silently dropped): include_stop_str_in_output, skip_special_tokens=false, LoRA adapters.
+Not forwarded (refused with INVALID_ARGUMENT rather than silently dropped): LoRA adapters
+named via `model` -- the gRPC API carries `adapter`, but the router does not know which
+adapters its workers have loaded (nothing reports them), so it cannot resolve a `model`
+name. include_stop_str_in_output and skip_special_tokens cross as GenerateRequest fields.
 Token times are the workers' (unix ns on the wire, mapped to this process's monotonic clock).
 Sampling floats cross the gRPC API as float32 (top_p=0.9 arrives as 0.89999998), as they do
 for any gRPC client.
@@ -50,10 +52,6 @@ FINISH_OF_STATUS = {
 def generate_request(er: EngineRequest) -> pb.GenerateRequest:
     """`er` as the gRPC API says it (raises InvalidRequestError for what it cannot say)."""
     sp = er.sampling
-    if sp.include_stop_str_in_output:
-        raise InvalidRequestError("include_stop_str_in_output", True, "false through the router")
-    if not sp.skip_special_tokens:
-        raise InvalidRequestError("skip_special_tokens", False, "true through the router")
     if er.adapter is not None:
         raise InvalidRequestError("model", er.adapter, "the base model through the router")
     req = pb.GenerateRequest(
@@ -66,7 +64,10 @@ def generate_request(er: EngineRequest) -> pb.GenerateRequest:
         ignore_eos=sp.ignore_eos,
         priority=PB_PRIORITY.get(er.priority, pb.PRIORITY_NORMAL),
         stream=True,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
     )
+    if not sp.skip_special_tokens:
+        req.skip_special_tokens = False
     for name in SAMPLING_FIELDS:
         value = getattr(sp, name)
         if value is not None:
