@@ -32,6 +32,7 @@ import uuid
 
 import grpc
 
+from engine.adapter_refs import loaded_adapters
 from engine.kv_transfer import KVChecksumError, KVTransferMismatchError, check_compatible
 from serving import kv_transfer_jax
 from serving.kv_transfer_wire import KVWireError, payload_chunks, receive_payload
@@ -226,6 +227,7 @@ class KVTransferService(kv_grpc.KVTransferServicer):
                 for k, v in stats.items()
                 if isinstance(v, int | float) and not isinstance(v, bool)
             },
+            adapters={n: ref.content_hash for n, ref in loaded_adapters(engine).items()},
         )
 
     def _transfer_engine(self, rpc: str, context):

@@ -64,7 +64,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfoResponse(_message.Message):
-    __slots__ = ("role", "versions", "kv_dtype", "page_size", "stats")
+    __slots__ = ("role", "versions", "kv_dtype", "page_size", "stats", "adapters")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,14 +72,23 @@ class WorkerInfoResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     versions: _pagedjax_pb2.ModelVersions
     kv_dtype: str
     page_size: int
     stats: _containers.ScalarMap[str, float]
-    def __init__(self, role: _Optional[str] = ..., versions: _Optional[_Union[_pagedjax_pb2.ModelVersions, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    adapters: _containers.ScalarMap[str, str]
+    def __init__(self, role: _Optional[str] = ..., versions: _Optional[_Union[_pagedjax_pb2.ModelVersions, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...
