@@ -4,15 +4,19 @@ kv_transfer_jax.py) checks the pulled bytes without copying them to host memory.
     digest(arrays) = for each field of KV_FIELDS present, in that order:
         u[i]  = the element's bits as uint32 (4-byte dtypes bitcast; 2- and 1-byte dtypes
                 bitcast to uint16 / uint8, then widened), i = flat index (C order)
-        lane  = sum_i fmix32(u[i] ^ (i * 0x9E3779B9 + seed))  mod 2^32, for 2 seeds
+        h[i]  = fmix32(u[i] ^ (i * 0x9E3779B9))
+        lanes = sum_i h[i],  sum_i h[i] * (i | 1)        (uint32, mod 2^32)
       -> "name:lane0lane1" (hex), fields joined by ","
 
 One jitted reduction per array (a read of the pages on their device; only 8 bytes per
 array come back), exact integer arithmetic, so two processes on the same kind of backend
 agree bit for bit. fmix32 (MurmurHash3's finalizer) spreads a one-bit change over the whole
-word, and the index term makes the sum order-sensitive (swapped pages change it); 64 bits in
-all. Not cryptographic: it detects corruption in transit, not a peer that forges pages (the
-gRPC stream's sha256 covers the bytes themselves; the metadata's sha256 covers this digest).
+word, and the index term makes the sums order-sensitive (swapped pages change them); 64 bits
+in all. One mix per element feeding both sums fuses into one pass: on this CPU 16 ms per
+22.5 MiB (a variant with two independently seeded mixes took 170 ms; sha256 of a host copy
+about 100 ms; figures under load). Not cryptographic: it detects corruption in transit, not
+a peer that forges pages (the gRPC stream's sha256 covers the bytes themselves; the
+metadata's sha256 covers this digest).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import functools
 import numpy as np
 
 GOLDEN = 0x9E3779B9
-SEEDS = (0x2545F491, 0x68E31DA4)
 
 
 def _fmix32(h):
@@ -51,10 +54,10 @@ def _lanes_fn():
     @jax.jit
     def lanes(x):  # any shape -> uint32 [2]
         u = _as_uint32(x).reshape(-1)
-        i = jnp.arange(u.shape[0], dtype=jnp.uint32) * jnp.uint32(GOLDEN)
-        return jnp.stack(
-            [jnp.sum(_fmix32(u ^ (i + jnp.uint32(s))), dtype=jnp.uint32) for s in SEEDS]
-        )
+        i = jnp.arange(u.shape[0], dtype=jnp.uint32)
+        h = _fmix32(u ^ (i * jnp.uint32(GOLDEN)))
+        weighted = h * (i | jnp.uint32(1))
+        return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(weighted, dtype=jnp.uint32)])
 
     return lanes
 
