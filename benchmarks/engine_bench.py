@@ -253,7 +253,7 @@ def reached_shapes(engine, workload: Workload, static_batch: int | None = None) 
     depend on the sampled tokens)."""
     shapes = []
 
-    def fake_device(batch, shape, flags, use_penalties):
+    def fake_device(batch, shape, flags, use_penalties, *extra):  # extra: token bitmask
         shapes.append(shape)
         return np.zeros((shape.num_decode + shape.num_prefill_seqs, 2 + 2 * 20), np.float32)
 

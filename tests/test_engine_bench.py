@@ -99,3 +99,18 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
         jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, GREEDY_FLAGS, False))
         sizes.append(compiles.count())
     assert sizes[2] == sizes[1]
+
+
+def test_reached_shapes_dry_run_finds_the_run_shapes():
+    """The host-only dry run that picks the shapes to warm: it fakes the engine's device call,
+    whose signature grew (structured output's bitmask) without this being noticed, so every
+    warmed benchmark compiled during its timed run. No device step runs here."""
+    from models.registry import load_model
+
+    model = load_model("tiny")
+    engine = engine_bench.make_engine(model, max_num_seqs=4, max_model_len=64, num_tokens=256)
+    w = engine_bench.uniform_workload(3, prompt_len=12, output_len=3, vocab=512, seed=1)
+    shapes = engine_bench.reached_shapes(engine, w)
+    assert any(s.num_prefill_tokens > 0 for s in shapes)  # the prompts' prefill
+    assert any(s.num_decode >= 3 and s.num_prefill_tokens == 0 for s in shapes)  # decodes
+    assert not engine.has_unfinished() and "run_step" not in vars(engine)
