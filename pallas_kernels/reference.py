@@ -106,8 +106,9 @@ def attend_padded(
     float32.
 
     Both products are batched dots over (K, S), decode (Qm = 1) included: in the engine's
-    64-way SmolLM2 decode step the dots cost ~12-18% less step CPU time than the
-    elementwise multiply-reduce this used for Qm = 1 (benchmarks/RESULTS.md, decode2)."""
+    64-way SmolLM2 decode step they cost ~8% less step CPU time (median of six alternating
+    runs) than an elementwise multiply-reduce for Qm = 1 (benchmarks/RESULTS.md, "64-way
+    decode: where the step's CPU time goes")."""
     num_seqs, qm, num_heads, head_dim = qs.shape
     num_kv_heads = k_pages.shape[1]
     group = num_heads // num_kv_heads
