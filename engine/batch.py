@@ -20,7 +20,10 @@ padding every decode to a prefill chunk. Padding rows write their K/V to the nul
 Persistent batch state (vLLM v1's InputBatch): a request holds a *slot* in [0, max_num_seqs)
 from its admission to its end or preemption. `BatchBuilder` keeps per-slot numpy rows of
 the page table and the sampling parameters and writes a row only when it changes (a new
-request, new pages); a step's arrays are then numpy gathers by slot, not per-row Python.
+request, new pages); a step's arrays are then numpy gathers by slot, not per-row Python:
+the plan is read in one pass into an [n, 6] int32 array (slot, start, new tokens, output
+index, samples, known tokens; `_plan_columns`), which also writes the page-table rows that
+grew, and every field is filled from it with whole-array operations.
 
 Tokens the host does not know yet: with overlapped steps a decode's input is the token the
 previous step sampled, still on the device. Such a row has `token_slots[row] = slot` and

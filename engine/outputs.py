@@ -18,6 +18,11 @@ A device step is anything that maps a SchedulerOutput to {request_id: sampled to
 the jitted model step in EngineCore, a hand-checkable rule in MockEngine. `on_finished(id)`
 tells the owner that a request has left (EngineCore frees its sampler slot and seed).
 
+Per step (`emit`), every row's token is detokenized in one batched pass
+(models/detokenizer.py `detokenize_step`); a row that only continues (no stop string, no
+grammar, not a stop id, below max_tokens: `StopChecker.continues`) gets its delta built
+directly, the others go through `StopChecker.add_token` and, when they end, `_final`.
+
 Plain Python, no JAX: the mock engine (and the serving tests) import it without a device.
 """
 

@@ -4,6 +4,9 @@
 engine step at once: the windows of all of them go to the tokenizer's `decode_batch` per
 (tokenizer, skip_special_tokens) group (at 256 running requests the Python layers around
 each request's one or two `decode` calls were most of the detokenizer's host time).
+The window of the text emitted last is usually one token: its text comes from the
+tokenizer's memo (`Tokenizer.decode_token`, exact: decode is a pure function of the ids),
+so a generated token costs one `decode` call, not two.
 """
 
 from __future__ import annotations

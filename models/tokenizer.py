@@ -145,8 +145,8 @@ class Tokenizer:
         NOTE: a loop of `backend.decode`, not `backend.decode_batch`: for an engine step's
         hundreds of 1-3 token windows the Rust batch (its thread pool) was 1.5-2x slower
         on this 2-core machine (measured)."""
-        decode = self.backend.decode
-        return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+        decode, skip = self.backend.decode, skip_special_tokens
+        return [decode(ids, skip) for ids in batch]  # positional: cheaper per call
 
     def decode_token(self, token_id: int, skip_special_tokens: bool = False) -> str:
         """`decode([token_id])`, memoized (host time, issue 20): the detokenizer's window of
