@@ -281,8 +281,10 @@ class EngineCore:
         if plan.is_empty:
             self.timings.schedule_s += time.perf_counter() - t0
             return None
+        slot_of = self.builder.slot_of  # host2 (#20): slot work only for new requests
         for s in plan.scheduled:
-            self._take_slot(s.request)
+            if s.request.request_id not in slot_of:
+                self._take_slot(s.request)
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
@@ -321,10 +323,11 @@ class EngineCore:
         now = time.monotonic()
         if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
             self._fail_nonfinite(step.plan, tokens, now, outputs)
+        # host2 (#20): finished requests' tokens are left in; update_after_step skips them
         sampled = {
             s.request.request_id: t
             for s, t in zip(step.plan.scheduled, tokens.tolist())
-            if s.samples and not s.request.is_finished
+            if s.samples
         }
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
