@@ -79,10 +79,10 @@ def file_times(junit_path: str) -> dict[str, float]:
 
 
 class _Lane(threading.Thread):
-    def __init__(self, index, work, results, pytest_args, lock):
+    def __init__(self, index, work, results, pytest_args, lock, record):
         super().__init__(daemon=True)
         self.index, self.work, self.results = index, work, results
-        self.pytest_args, self.lock = pytest_args, lock
+        self.pytest_args, self.lock, self.record = pytest_args, lock, record
 
     def run(self):
         while True:
@@ -90,7 +90,11 @@ class _Lane(threading.Thread):
                 group = self.work.get_nowait()
             except queue.Empty:
                 return
-            self.results.append(self._run_group(group))
+            result = self._run_group(group)
+            self.results.append(result)
+            if self.record:
+                with self.lock:
+                    record(result["times"])
 
     def _run_group(self, group: list[str]) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +131,9 @@ def main(argv=None) -> int:
     results: list[dict] = []
     lock = threading.Lock()
     start = time.monotonic()
-    lanes = [_Lane(i, work, results, pytest_args, lock) for i in range(max(1, args.lanes))]
+    lanes = [
+        _Lane(i, work, results, pytest_args, lock, args.record) for i in range(max(1, args.lanes))
+    ]
     for lane in lanes:
         lane.start()
     for lane in lanes:
@@ -137,14 +143,17 @@ def main(argv=None) -> int:
         f"---- {len(results)} groups on {len(lanes)} lanes in {time.monotonic() - start:.0f} s; "
         f"{len(failed)} failed: {' '.join(' '.join(r['group']) for r in failed) or '-'}"
     )
-    if args.record:
-        measured = dict(durations)
-        for r in results:
-            measured.update({k: round(v, 1) for k, v in r["times"].items()})
-        with open(DURATIONS_PATH, "w") as f:
-            json.dump(dict(sorted(measured.items())), f, indent=1)
-            f.write("\n")
     return 1 if failed else 0
+
+
+def record(times: dict[str, float], path: str = DURATIONS_PATH) -> None:
+    """Merge measured seconds per file into `path` (called after each group, so a run
+    stopped halfway keeps what it measured)."""
+    measured = load_durations(path)
+    measured.update({k: round(v, 1) for k, v in times.items()})
+    with open(path, "w") as f:
+        json.dump(dict(sorted(measured.items())), f, indent=1)
+        f.write("\n")
 
 
 if __name__ == "__main__":
