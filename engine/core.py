@@ -37,8 +37,9 @@ mask needs the token sampled the step before, on the host, before the next step 
 dispatched. While any constrained request is in the engine, `step()` first waits for the
 step in flight and then runs synchronously (every row of the batch, free ones too: their
 tokens are unchanged, only the overlap is lost); with none left it overlaps again. Such
-steps pass a [rows, ceil(V/32)] int32 bitmask to the jitted step, a separate compiled
-variant (not built by warm-up: the first constrained step of a shape compiles it).
+steps pass a [rows, ceil(V/32)] int32 bitmask to the jitted step's "full" sampler program,
+which every non-greedy step runs with an all-ones mask anyway (engine/shapes.py), so a
+constrained step needs no program of its own.
 
 Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
 The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
@@ -79,10 +80,10 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.shapes import ShapeSet
+from engine.shapes import ShapeSet, sampler_variants
 from engine.spec_decode import SpecDecoder
 from engine.step import NONFINITE_TOKEN, engine_step
-from engine.structured_matcher import StructuredRequests
+from engine.structured_matcher import StructuredRequests, bitmask_width
 from models.llama import LayerWeights, cast_params, layer_layout
 from models.registry import engine_model
 
@@ -170,9 +171,13 @@ class EngineCore:
             if self.mesh is None
             else (lambda x: sharding.replicate(x, self.mesh))
         )
-        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
         self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
+        # ---- shapes (#21.3): the token counts exist from the start (the "full" sampler
+        # program always applies penalties), so every step program has one signature.
         self._penalties_ready = False
+        self.init_penalty_state()
+        self._all_allowed: dict[int, np.ndarray] = {}  # rows -> all-ones token bitmask
+        # ---- end shapes ----
         self.adapters = self._adapter_manager(model, kv_sharding)  # LoRA; None: max_loras=0
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -286,17 +291,18 @@ class EngineCore:
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
-        # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
-        # penalties) are what warm-up builds. Flags never change a row's token.
-        flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
         try:
-            bitmask = self._token_bitmask(plan, built)
+            # NOTE: two sampler programs per shape, what warm-up builds (engine/shapes.py
+            # sampler_variants); flags never change a row's token.
+            flags, use_penalties, bitmask = self._sampler_program(
+                built, self._token_bitmask(plan, built)
+            )
             # NOTE: no speculation while constrained requests run (step() checks), so a
             # step with a bitmask never takes the speculative path.
             spec_run = None if spec is None else spec.run(plan, built, flags is FULL_FLAGS)
             if spec_run is not None:  # speculative decoding: drafts verified in this step
                 return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
-            packed = self.run_step(built.batch, built.shape, flags, built.penalties, bitmask)
+            packed = self.run_step(built.batch, built.shape, flags, use_penalties, bitmask)
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
             return None
@@ -366,6 +372,32 @@ class EngineCore:
             self._logged_compiles = after
             log.warning("a program compiled after warm-up (step shape %s)", shape)
 
+    # ---- shapes (#21.3): which of a shape's two programs a step runs --------------------
+    def _sampler_program(self, built: BuiltStep, bitmask: np.ndarray | None) -> tuple:
+        """(flags, use_penalties, token_bitmask) of a step: "greedy" (argmax only) when the
+        shape is decode-only and every row is greedy, unconstrained, without logprobs or
+        penalties; else "full", which always applies penalties (neutral for rows without)
+        and a token bitmask (all tokens allowed when no row is constrained), so one program
+        per shape serves every other request (engine/shapes.py sampler_variants)."""
+        if "greedy" in sampler_variants(built.shape) and not (
+            built.full_sampler or built.penalties or bitmask is not None
+        ):
+            return GREEDY_FLAGS, False, None
+        return FULL_FLAGS, True, self.all_allowed(built.shape) if bitmask is None else bitmask
+
+    def all_allowed(self, shape: BatchShape) -> np.ndarray:
+        """[Sd + Sp, ceil(V/32)] int32 all ones: the full program's bitmask when no row is
+        constrained (numpy, like structured output's own masks: one jit signature)."""
+        rows = shape.num_decode + shape.num_prefill_seqs
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            mask = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
+            mask.flags.writeable = False
+            self._all_allowed[rows] = mask
+        return mask
+
+    # ---- end shapes ----
+
     def _token_bitmask(self, plan: SchedulerOutput, built: BuiltStep) -> np.ndarray | None:
         """[Sd + Sp, ceil(V/32)] int32 allowed tokens of the sampler rows (structured output),
         or None when no sampling row of the step is constrained."""
@@ -410,7 +442,13 @@ class EngineCore:
         )
         return packed
 
-    def compile_step(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> None:
+    def compile_step(
+        self,
+        shape: BatchShape,
+        flags: SamplingFlags,
+        use_penalties: bool,
+        token_bitmask: np.ndarray | None = None,
+    ) -> None:
         """Build the step program of `shape` (compile, or load from the persistent cache)
         without running it: `jit.lower(...).compile()` fills the cache a call then uses."""
         engine_step.lower(
@@ -422,6 +460,7 @@ class EngineCore:
             StepBatch.zeros(shape).pack(),
             **self._static_args(shape, flags, use_penalties),
             lora=self._lora_inputs(None, shape),
+            **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
         ).compile()
 
     def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
