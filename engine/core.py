@@ -303,6 +303,7 @@ class EngineCore:
             if spec_run is not None:  # speculative decoding: drafts verified in this step
                 return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
             packed = self.run_step(built.batch, built.shape, flags, use_penalties, bitmask)
+            self._check_compiles(built.shape, flags)  # the dispatch built it, if anything
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
             return None
@@ -346,7 +347,6 @@ class EngineCore:
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2
         self.timings.num_steps += 1
-        self._check_compiles(step.built.shape)
 
     def _fail_nonfinite(self, plan: SchedulerOutput, tokens, now: float, outputs) -> None:
         """Requests whose logits held NaN/inf (flagged on device: NONFINITE_TOKEN) end
@@ -364,13 +364,20 @@ class EngineCore:
         self.num_failed_steps += 1
         outputs += self.outputs.fail(plan, e, time.monotonic())
 
-    def _check_compiles(self, shape: BatchShape) -> None:
+    def _check_compiles(self, shape: BatchShape, flags: SamplingFlags) -> None:
+        """Logs each program built after warm-up once, with the step that built it (what
+        the server's pagedjax_compiles_after_warmup_total counts)."""
         if self._compiles_at_warmup is None:
             return
         after = compiles.count() - self._compiles_at_warmup
         if after > self._logged_compiles:
+            log.warning(
+                "%d program(s) compiled after warm-up (step shape %s, %s sampler)",
+                after - self._logged_compiles,
+                shape,
+                "greedy" if flags.all_greedy else "full",
+            )
             self._logged_compiles = after
-            log.warning("a program compiled after warm-up (step shape %s)", shape)
 
     # ---- shapes (#21.3): which of a shape's two programs a step runs --------------------
     def _sampler_program(self, built: BuiltStep, bitmask: np.ndarray | None) -> tuple:
@@ -597,6 +604,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
             "num_step_shapes": len(self.shapes),
+            "num_step_programs": sum(len(sampler_variants(s)) for s in self.shapes.shapes),
             "num_compiled_steps": compiles.count("engine_step"),  # in this process
             "warmup_s": self.warmup_s,
             "compiles_after_warmup": (
