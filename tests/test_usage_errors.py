@@ -170,9 +170,8 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
     import types
 
     import engine.warmup
-    from serving import engine_build
-
     from engine.batch import BatchShape
+    from serving import engine_build
 
     compiled, marked = [], []
     monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
