@@ -26,7 +26,9 @@ Estimate for an arriving request (`estimate`), with c = max_inflight slots:
                   prefill ahead = prompts in the engine without a first token yet, plus the
                   queued ones when a slot is free (they all prefill before this one's first
                   token: 41 chat calls admitted at once into SmolLM2 waited 6.7 s for it)
-    completion  = wait_s + service_s,    concurrency = min(c, ahead + 1)
+    completion  = wait_s + service_s,    concurrency = min(c, ahead + 1 + arriving)
+                  arriving = other requests offered in the last second (admission.py
+                  ARRIVAL_WINDOW_S): in a burst they share the engine with this one
 
 mean service time = mean prompt and max_tokens of the requests in line, through the same
 formula: conservative (requests that stop early at EOS finish sooner), and superseded by the
@@ -155,6 +157,7 @@ class CapacityModel:
         drain_per_s: float | None = None,
         prefill_tokens_ahead: int = 0,
         engine_remaining_tokens: Sequence[int] | None = None,
+        arriving: int = 0,
     ) -> Estimate:
         """`prefill_tokens_ahead`: prompt tokens of requests that will prefill before this
         one gets its first token (they share the engine's prefill budget).
@@ -162,7 +165,9 @@ class CapacityModel:
         given, the wait is `slot_wait_s` (slots freed as those finish, then the queued ones
         ahead each holding one for a mean service time), else the uniform drain."""
         c = self.max_inflight
-        concurrency = min(c, ahead + 1)
+        # `arriving`: requests offered just before this one and not counted in `ahead`
+        # (refused ones too: a burst's later calls run beside it if it is admitted)
+        concurrency = min(c, ahead + 1 + max(0, arriving))
         step_s = self.step_s(concurrency)
         wait_s = 0.0
         if ahead >= c:
@@ -230,8 +235,12 @@ def probe(
 
 def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int):
     ids = [f"capacity-probe-{uuid.uuid4().hex}" for _ in range(batch)]
-    # They run to max_tokens on their own: no aborts in the engine's books.
-    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    # They run to max_tokens on their own: no aborts in the engine's books. NOTE: sampled,
+    # not greedy: chat traffic samples (temperature 1 by default), which runs the step's
+    # "full" sampler program (engine/shapes.py), ~10-20 ms more per SmolLM2 step at 32 rows
+    # than greedy's argmax; a greedy probe seeded 64-token calls ~20% too fast and the
+    # calls a cold burst admitted timed out at 56-57 of 64 tokens (benchmarks/RESULTS.md).
+    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True)
     produced = dict.fromkeys(ids, 0)
     for i, request_id in enumerate(ids):
         # distinct prompts, so the prefix cache cannot shorten the prefill
