@@ -174,13 +174,6 @@ class QueuedRequest:
     max_tokens: int = 0
 
 
-# NOTE: requests arriving this close together will share the engine with the one being
-# admitted: its decode steps run at their concurrency, not at the one it found on arrival
-# (a cold burst's first calls were admitted at concurrency 1-5 estimates and timed out at
-# 32). A burst counts in full; steady traffic adds about its rate per second.
-ARRIVAL_WINDOW_S = 1.0
-
-
 class WaitingQueue:
     """Bounded by count and by tokens; thread-safe. `clock` is injectable for tests."""
 
@@ -202,8 +195,6 @@ class WaitingQueue:
         self._lock = threading.Lock()
         self._counter = itertools.count()
         self.drain = DrainMeter(cfg.drain_window_s)
-        # ---- shapes (#17 cold bursts): requests offered in the last ARRIVAL_WINDOW_S ----
-        self._recent_offers: collections.deque[float] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -232,7 +223,6 @@ class WaitingQueue:
                     f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
                     f"{self.cfg.max_queue_tokens}",
                 )
-            self._note_offer(now)
             self._check_estimate(item, now, rates)
             item.seq = next(self._counter)
             item.enqueued_s = now
@@ -264,12 +254,6 @@ class WaitingQueue:
                 f"({self.cfg.queue_timeout_s}s)",
             )
 
-    def _note_offer(self, now: float) -> None:
-        """Counts the offers of the last ARRIVAL_WINDOW_S (every offer, refused ones too)."""
-        self._recent_offers.append(now)
-        while self._recent_offers and self._recent_offers[0] < now - ARRIVAL_WINDOW_S:
-            self._recent_offers.popleft()
-
     def _estimate(self, item: QueuedRequest, rates) -> Estimate | None:
         """Completion estimate for `item` behind everything queued and in the engine; without
         a capacity model, the wait alone from the measured drain (None before one)."""
@@ -288,7 +272,6 @@ class WaitingQueue:
         return self.capacity.estimate(
             prefill_tokens_ahead=prefill_ahead,
             ahead=ahead,
-            arriving=len(self._recent_offers) - 1,  # the others of the last second
             prompt_tokens=item.prompt_tokens or item.num_tokens,
             max_tokens=item.max_tokens,
             mean_prompt_tokens=self._prompt_sum / n if self._items else item.prompt_tokens,

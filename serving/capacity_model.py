@@ -26,9 +26,7 @@ Estimate for an arriving request (`estimate`), with c = max_inflight slots:
                   prefill ahead = prompts in the engine without a first token yet, plus the
                   queued ones when a slot is free (they all prefill before this one's first
                   token: 41 chat calls admitted at once into SmolLM2 waited 6.7 s for it)
-    completion  = wait_s + service_s,    concurrency = min(c, ahead + 1 + arriving)
-                  arriving = other requests offered in the last second (admission.py
-                  ARRIVAL_WINDOW_S): in a burst they share the engine with this one
+    completion  = wait_s + service_s,    concurrency = min(c, ahead + 1)
 
 mean service time = mean prompt and max_tokens of the requests in line, through the same
 formula: conservative (requests that stop early at EOS finish sooner), and superseded by the
@@ -157,7 +155,6 @@ class CapacityModel:
         drain_per_s: float | None = None,
         prefill_tokens_ahead: int = 0,
         engine_remaining_tokens: Sequence[int] | None = None,
-        arriving: int = 0,
     ) -> Estimate:
         """`prefill_tokens_ahead`: prompt tokens of requests that will prefill before this
         one gets its first token (they share the engine's prefill budget).
@@ -165,9 +162,7 @@ class CapacityModel:
         given, the wait is `slot_wait_s` (slots freed as those finish, then the queued ones
         ahead each holding one for a mean service time), else the uniform drain."""
         c = self.max_inflight
-        # `arriving`: requests offered just before this one and not counted in `ahead`
-        # (refused ones too: a burst's later calls run beside it if it is admitted)
-        concurrency = min(c, ahead + 1 + max(0, arriving))
+        concurrency = min(c, ahead + 1)
         step_s = self.step_s(concurrency)
         wait_s = 0.0
         if ahead >= c:
