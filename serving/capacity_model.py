@@ -209,11 +209,15 @@ def probe(
     max_inflight: int,
     *,
     sizes: tuple[int, ...] | None = None,
-    prompt_tokens: int = 32,
+    prompt_tokens: int = 96,
     decode_steps: int = 3,
     token_id: int = 65,
 ) -> CapacityModel:
-    """Measure step times on `engine` (no other thread may use it meanwhile)."""
+    """Measure step times on `engine` (no other thread may use it meanwhile).
+    NOTE: 96-token prompts: the context of a one-line chat call (~40 templated tokens) part
+    way through its reply, so the probe's decode steps run at the page-table rung such calls
+    run at (engine/shapes.py pads the page table; 32-token prompts measured the 4-page rung,
+    a cold burst's calls ran at the 32-page one)."""
     sizes = sizes or tuple(sorted({1, max(1, max_inflight // 4), max_inflight}))
     step_s, prefill_rates = {}, []
     for b in sizes:
