@@ -175,7 +175,9 @@ class EngineCore:
         # ---- shapes (#21.3): the token counts exist from the start (the "full" sampler
         # program always applies penalties), so every step program has one signature.
         self._penalties_ready = False
-        self.init_penalty_state()
+        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
+        if self.mesh is None:  # NOTE: see full_program for the mesh case
+            self.init_penalty_state()
         self._all_allowed: dict[int, np.ndarray] = {}  # rows -> all-ones token bitmask
         # ---- end shapes ----
         self.adapters = self._adapter_manager(model, kv_sharding)  # LoRA; None: max_loras=0
@@ -386,11 +388,26 @@ class EngineCore:
         penalties; else "full", which always applies penalties (neutral for rows without)
         and a token bitmask (all tokens allowed when no row is constrained), so one program
         per shape serves every other request (engine/shapes.py sampler_variants)."""
-        if "greedy" in sampler_variants(built.shape) and not (
-            built.full_sampler or built.penalties or bitmask is not None
-        ):
+        greedy_ok = "greedy" in sampler_variants(built.shape) or self.mesh is not None
+        if greedy_ok and not (built.full_sampler or built.penalties or bitmask is not None):
             return GREEDY_FLAGS, False, None
-        return FULL_FLAGS, True, self.all_allowed(built.shape) if bitmask is None else bitmask
+        use_penalties, all_allowed = self.full_program(built.shape)
+        return (
+            FULL_FLAGS,
+            use_penalties or built.penalties,
+            all_allowed if bitmask is None else bitmask,
+        )
+
+    def full_program(self, shape: BatchShape) -> tuple[bool, np.ndarray | None]:
+        """(use_penalties, token_bitmask) of the "full" program an unconstrained step runs.
+        NOTE: with a mesh the sampler programs stay as they were before the shape set was
+        made small (greedy on every shape, penalties and the bitmask variants of their own,
+        compiled on first use, token counts allocated on first use): the sharded step's
+        full sampler crashed XLA:CPU's compiler on a greedy workload (an
+        optimization_barrier cast check, tests/test_multihost.py); not investigated."""
+        if self.mesh is not None:
+            return False, None
+        return True, self.all_allowed(shape)
 
     def all_allowed(self, shape: BatchShape) -> np.ndarray:
         """[Sd + Sp, ceil(V/32)] int32 all ones: the full program's bitmask when no row is

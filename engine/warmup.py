@@ -91,11 +91,13 @@ def step_programs(engine, shapes: list[BatchShape], sampling=SAMPLER_VARIANTS) -
     cheapest shape first (see the module docstring)."""
     programs = []
     for shape in shapes:
-        for name in sampler_variants(shape):
+        # a mesh keeps greedy on every shape (EngineCore.full_program says why)
+        names = ("greedy", "full") if getattr(engine, "mesh", None) else sampler_variants(shape)
+        for name in names:
             if name == "greedy" and "greedy" in sampling:
                 programs.append((shape, GREEDY_FLAGS, False, None))
             elif name == "full" and ("full" in sampling or shape.num_prefill_tokens):
-                programs.append((shape, FULL_FLAGS, True, engine.all_allowed(shape)))
+                programs.append((shape, FULL_FLAGS, *engine.full_program(shape)))
     return programs
 
 
