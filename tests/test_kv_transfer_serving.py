@@ -4,16 +4,21 @@ what one engine produces; roles are enforced; pages end free on both workers; a 
 whose KV layout differs is refused with FAILED_PRECONDITION; the chunked wire format
 rebuilds the payload and a corrupted chunk is DATA_LOSS-worthy (KVChecksumError)."""
 
+import socket
+import time
+
 import grpc
 import numpy as np
 import pytest
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.kv_transfer import KVChecksumError
+from engine.kv_digest import device_digest
+from engine.kv_transfer import KVChecksumError, KVMeta, payload_checksum
 from engine.sampling_params import SamplingParams
 from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
+from serving.kv_transfer_jax import JaxPullError
 from serving.kv_transfer_service import wrap_engine
 from serving.kv_transfer_wire import payload_chunks, receive_payload
 from serving.proto import kv_transfer_pb2 as kv_pb
@@ -129,3 +134,132 @@ def test_wire_round_trip_and_corruption(workers):
     again[1] = kv_pb.KVChunk(data=bytes(data))
     with pytest.raises(KVChecksumError):
         receive_payload(again)
+
+
+def test_jax_transfer_transport_and_fallback_to_grpc(workers, tiny_model):
+    """--kv_transport=jax: a jax-enabled decode worker pulls device to device from a
+    jax-enabled prefill worker (no data chunks on the gRPC stream), and falls back to the
+    gRPC bytes with the grpc-only prefill worker of the `workers` fixture."""
+    ps_grpc, _ = workers
+    ref = engine(tiny_model)
+    with (
+        running_server(
+            engine(tiny_model),
+            admission=ADMISSION,
+            role="prefill",
+            capacity_probe=False,
+            kv_transport="jax",
+        ) as (pj, _),
+        running_server(
+            engine(tiny_model),
+            admission=ADMISSION,
+            role="decode",
+            capacity_probe=False,
+            kv_transport="jax",
+        ) as (dj, _),
+    ):
+        assert pj.kv_service.jax is not None and dj.kv_service.jax is not None
+        stub = kv_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{pj.port}"))
+        offer = list(
+            stub.Prefill(
+                build_request("hello", request_id="j0", max_tokens=5),
+                metadata=(("x-pagedjax-kv-transport", "jax"),),
+            )
+        )
+        assert [c.WhichOneof("part") for c in offer] == ["header", "trailer"]
+        assert offer[0].header.jax_address == pj.kv_service.jax.address
+        header, trailer = offer[0].header, offer[1].trailer
+        assert trailer.device_digest.startswith("k_pages:")  # the pages' device digest
+        payload = dj.kv_service.jax.pull(header, trailer)
+        assert payload.on_device and payload.meta.request_id == "j0"
+        assert device_digest(payload.arrays) == trailer.device_digest
+        # pages that differ from the ones digested at export are refused (DATA_LOSS)
+        other = fresh_offer(stub, "j0b")[0].header
+        bad = kv_pb.KVTrailer(device_digest="k_pages:0000000000000000")
+        bad.sha256 = payload_checksum(KVMeta.from_json(other.meta_json), {}, bad.device_digest)
+        with pytest.raises(KVChecksumError, match="device digest"):
+            dj.kv_service.jax.pull(other, bad)
+        pulls = 0
+        for source, rid in ((pj, "j1"), (ps_grpc, "j2")):  # jax, then the gRPC fallback
+            for prompt in PROMPTS[:2]:
+                want = direct(ref, ref.tokenizer.encode(prompt), 10)
+                msgs = decode_call(
+                    f"127.0.0.1:{dj.port}", prompt, rid + prompt, f"127.0.0.1:{source.port}"
+                )
+                assert [t for m in msgs for t in m.token_ids] == want, (source, prompt)
+                pulls += 1
+        assert dj.loop.engine.counters["kv_imports"] == pulls
+        assert dj.kv_service.totals["kv_jax_pulls"] == 2  # the two from the jax worker
+        # a pull from a peer that is gone (JAX 0.10.2's pull blocks): UNAVAILABLE at once
+        pj.kv_service.jax.address, live = f"127.0.0.1:{free_port()}", pj.kv_service.jax.address
+        dj.kv_service.jax.pull_timeout_s = 1.0
+        with pytest.raises(grpc.RpcError) as e:
+            decode_call(f"127.0.0.1:{dj.port}", "hello", "jgone", f"127.0.0.1:{pj.port}")
+        pj.kv_service.jax.address = live
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "unreachable" in e.value.details()
+        assert dj.loop.engine.counters["kv_imports"] == pulls  # nothing imported
+        # a live peer whose pull does not return (an expired offer): JaxPullError in time
+        jt = dj.kv_service.jax
+        jt._connections[live] = Stalled()
+        with pytest.raises(JaxPullError, match="nothing within 0.5s"):
+            jt.pull(header, trailer, timeout_s=0.5)
+        assert live not in jt._connections  # the next pull connects afresh
+        for s in (pj, dj, ps_grpc):
+            wait_for(lambda s=s: s.loop.last_stats.get("kv_pages_used") == 0, what="pages")
+
+
+class Stalled:
+    """A transfer connection whose pull takes 2 s (JAX's blocks for good on a lost offer)."""
+
+    def pull(self, uuid, specs):
+        time.sleep(2.0)
+        return []
+
+
+def fresh_offer(stub, request_id: str) -> list:
+    return list(
+        stub.Prefill(
+            build_request("hello", request_id=request_id, max_tokens=5),
+            metadata=(("x-pagedjax-kv-transport", "jax"),),
+        )
+    )
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_router_retries_a_pair_whose_prefill_worker_died_once_elsewhere(workers, tiny_model):
+    """A prefill worker that dies is taken out of routing; the request it would have
+    computed (the decode worker's pull failed before any output) goes once to another
+    prefill worker with the same decode worker, and its tokens are the engine's."""
+    from serving.router import Router
+
+    ps, ds = workers
+    ref = engine(tiny_model)
+    with running_server(
+        engine(tiny_model), admission=ADMISSION, role="prefill", capacity_probe=False
+    ) as (dying, _):
+        addresses = [f"127.0.0.1:{s.port}" for s in (dying, ps, ds)]
+        router = Router(addresses, health_interval_s=60).start()  # no re-check in the test
+        try:
+            client = router.service.client
+            prompt = next(
+                p
+                for p in (f"prompt {i}" for i in range(200))
+                if client.pick(build_request(p)).prefill == addresses[0]
+            )
+            dying.grpc_server.stop(0)
+            with GenerateClient(f"127.0.0.1:{router.port}") as c:
+                res = c.generate(prompt, max_tokens=6, temperature=0.0)
+            assert res.ok, (res.code, res.details)
+            assert res.token_ids == direct(ref, ref.tokenizer.encode(prompt), 6)
+            assert client.counters["retried"] == 1
+            assert not router.pool.is_routable(addresses[0])
+            assert router.pool.is_routable(addresses[1]) and router.pool.is_routable(addresses[2])
+        finally:
+            router.stop(0)
