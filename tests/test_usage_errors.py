@@ -179,7 +179,7 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
     eng = types.SimpleNamespace(
         shapes=types.SimpleNamespace(shapes=shapes),
         mark_warm=marked.append,
-        all_allowed=lambda shape: None,
+        full_program=lambda shape: (True, None),
     )
     engine_build._warmup_with_progress(eng, num_reports=4)
     assert compiled == [shapes[0:3], shapes[3:6], shapes[6:9], shapes[9:]]
