@@ -63,13 +63,11 @@ def _lanes_fn():
 
 
 def device_digest(arrays: dict) -> str:
-    """The digest of `arrays` ({field: device or host array}), fields in KV_FIELDS order."""
-    from engine.kv_transfer import KV_FIELDS
-
+    """The digest of `arrays` ({field: device or host array}), fields in name order (both
+    sides call this function, so the order only has to be fixed, not KV_FIELDS')."""
     lanes_fn = _lanes_fn()
     parts = []
-    for name in KV_FIELDS:
-        if name in arrays:
-            lanes = np.asarray(lanes_fn(arrays[name]))
-            parts.append(f"{name}:{int(lanes[0]):08x}{int(lanes[1]):08x}")
+    for name in sorted(arrays):
+        lanes = np.asarray(lanes_fn(arrays[name]))
+        parts.append(f"{name}:{int(lanes[0]):08x}{int(lanes[1]):08x}")
     return ",".join(parts)
