@@ -2,11 +2,14 @@
 
     SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                       prompt_lookup_min=1, prompt_lookup_max=4, disable_by_batch_size=8)
+    SpeculativeConfig(method="layers", num_speculative_tokens=4, num_draft_layers=8)
 
-`method`: "ngram" (prompt lookup, model-free; the only one implemented so far). "draft" and
-"layers" are named by the design (issue #11) but refused here until they exist, with an
-error that says so. `disable_by_batch_size`: the engine stops speculating while more than
-this many requests run (None: always speculate); the default comes from
+`method`: "ngram" (prompt lookup, model-free, engine/spec_ngram.py) or "layers"
+(self-speculation from the target's first `num_draft_layers` layers plus its own head,
+engine/spec_layers.py; checked against the model's layer count by the engine). "draft"
+(a separate draft model) is named by the design (issue #11) but refused here until it
+exists, with an error that says so. `disable_by_batch_size`: the engine stops speculating
+while more than this many requests run (None: always speculate); the default comes from
 benchmarks/spec_bench.py's measurement on this CPU (see benchmarks/RESULTS.md).
 """
 
@@ -15,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-METHODS = ("ngram",)
-PLANNED_METHODS = ("draft", "layers")
+METHODS = ("ngram", "layers")
+PLANNED_METHODS = ("draft",)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # measured: benchmarks/RESULTS.md, speculative decoding
 
@@ -33,6 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched earlier in the sequence
     prompt_lookup_max: int = 4  # ngram: longest (tried first)
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    num_draft_layers: int | None = None  # layers: the target's first N layers draft (required)
 
     def __post_init__(self):
         if self.method in PLANNED_METHODS:
@@ -64,6 +68,13 @@ class SpeculativeConfig:
             "None (never disable) or an int >= 1",
         )
 
+        n = self.num_draft_layers
+        if self.method == "layers":
+            _check("num_draft_layers", n, isinstance(n, int) and n >= 1, "an int >= 1 (layers)")
+        else:
+            only = f"only with method='layers' (not {self.method!r})"
+            _check("num_draft_layers", n, n is None, only)
+
     @classmethod
     def of(cls, value) -> SpeculativeConfig | None:
         """None, a SpeculativeConfig, a dict of its fields, or a string: "" / "off" (None),
@@ -85,10 +96,11 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One line for ServerInfo and the resolved versions, e.g. "ngram:k=4"."""
-        return f"{self.method}:k={self.num_speculative_tokens}"
+        layers = "" if self.num_draft_layers is None else f",layers={self.num_draft_layers}"
+        return f"{self.method}:k={self.num_speculative_tokens}{layers}"
 
 
-_ALIASES = {"k": "num_speculative_tokens"}
+_ALIASES = {"k": "num_speculative_tokens", "layers": "num_draft_layers"}
 
 
 def _parse(text: str) -> dict | None:
