@@ -55,6 +55,7 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.shapes import ShapeSet, spec_shapes
+from engine.spec_draft import DraftModel
 from engine.spec_layers import draft_layers
 from engine.spec_ngram import propose_ngram
 from engine.spec_step import SpecBatch, spec_engine_step
@@ -161,6 +162,13 @@ class SpecDecoder:
                     f"speculative.num_draft_layers={n} is invalid: must be <= the model's "
                     f"num_layers ({L}) for {core.cfg.name!r}"
                 )
+        self.draft = None  # the draft model (method "draft"): engine/spec_draft.py
+        if config.method == "draft":
+            from models.registry import load_model
+
+            draft = load_model(config.draft_model)
+            self.draft = DraftModel(core, draft, core.config.dtype, core.config.layer_loop)
+        if config.method in ("layers", "draft"):
             # placeholders: the real drafts are drawn on device after scheduling (run())
             self.proposer = lambda req, k: [0] * k
 
@@ -222,8 +230,8 @@ class SpecDecoder:
         spec = self._spec_batch(plan, built, spec_idx)
         flags = FULL_FLAGS if flags_full else GREEDY_FLAGS
         draft_probs = None
-        if self.config.method == "layers":
-            spec, draft_probs = self._draft_layers(plan, built, spec_idx, spec)
+        if self.config.method in ("layers", "draft"):
+            spec, draft_probs = self._draft_on_device(plan, built, spec_idx, spec)
         core.kv, core._counts, core._last_tokens, packed, spec_packed, num_acc = spec_engine_step(
             core.params,
             core.kv,
@@ -241,9 +249,10 @@ class SpecDecoder:
         )
         return packed, spec_packed, num_acc, spec_idx
 
-    def _draft_layers(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
-        """The layers proposer on device (engine/spec_layers.py): the drafts and their q
-        stay on device and go straight into the verify step (no host round trip)."""
+    def _draft_on_device(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
+        """The layers / draft proposer on device (engine/spec_layers.py, spec_draft.py):
+        the drafts and their q stay on device and go straight into the verify step (no
+        host round trip)."""
         core, b, Sd = self.core, built.batch, built.shape.num_decode
         Sv = spec.num_drafts.shape[0]
         first_tokens = np.zeros(Sv, np.int32)
@@ -254,20 +263,20 @@ class SpecDecoder:
             first_tokens[j] = s.request.all_token_ids[s.start]
             start[j] = s.start
             page_table[j] = b.page_table_p[int(built.sampler_rows[i]) - Sd]
-        core.kv, drafts, q = draft_layers(
-            core.params,
-            core.kv,
-            first_tokens,
-            start,
-            page_table,
-            spec.num_drafts,
-            spec.sampling,
-            cfg=core.cfg,
-            num_layers=self.config.num_draft_layers,
-            k=self.k,
-            impl=core.impl,
+        inputs = (first_tokens, start, page_table, spec.num_drafts, spec.sampling)
+        if self.draft is None:  # layers: the target's first N layers over its own cache
+            core.kv, drafts, q = draft_layers(
+                core.params, core.kv, *inputs,
+                cfg=core.cfg, num_layers=self.config.num_draft_layers, k=self.k, impl=core.impl,
+            )  # fmt: skip
+            return dataclasses.replace(spec, drafts=drafts), q
+        d = self.draft
+        d.kv, drafts, q = draft_layers(
+            d.params, d.kv, *inputs, cfg=d.cfg, num_layers=None, k=self.k, impl=d.impl
         )
-        return dataclasses.replace(spec, drafts=drafts), q
+        spec = dataclasses.replace(spec, drafts=drafts)
+        d.fill(built.batch, built.shape, core._last_tokens, spec)  # the whole step's K/V
+        return spec, q
 
     def _spec_batch(self, plan, built: BuiltStep, spec_idx: list[int]) -> SpecBatch:
         b, k1 = built.batch, self.k + 1

@@ -105,14 +105,17 @@ def draft_layers(
     sampling: SamplingTensors,
     *,
     cfg: ModelConfig,
-    num_layers: int,
+    num_layers: int | None,
     k: int,
     impl: str = "auto",
 ):
-    """See the module docstring: k draft passes of the first `num_layers` layers."""
+    """See the module docstring: k draft passes of the first `num_layers` layers (None:
+    all of them: a separate draft model over its own cache, engine/spec_draft.py)."""
     Sv = first_tokens.shape[0]
     page_size = kv_cache.k_pages.shape[3]
-    draft_params, draft_cfg = truncated(params, cfg, num_layers)
+    draft_params, draft_cfg = params, cfg
+    if num_layers is not None:
+        draft_params, draft_cfg = truncated(params, cfg, num_layers)
     rows = jax.tree.map(lambda a: a.reshape(Sv, k + 1, *a.shape[1:])[:, :k], sampling)
     keys = row_keys(jax.tree.map(lambda a: a.reshape(Sv * k, *a.shape[2:]), rows), DRAFT_SALT)
     keys = keys.reshape(Sv, k)

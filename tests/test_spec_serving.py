@@ -30,12 +30,16 @@ def test_grpc_final_message_carries_drafted_and_accepted_tokens(tiny_model):
         speculative=SPEC,
     )
     engine = EngineCore(tiny_model, config)
+    engine.spec.proposer = lambda req, k: [7] * k  # drafts on every step (mostly rejected)
     with running_server(engine, admission=AdmissionConfig(max_model_len=128)) as (_, client):
+        before = engine.stats()
         res = client.generate(PROMPT, max_tokens=16, temperature=0.0, stream=True)
         assert res.ok, res.details
-    stats = engine.stats()  # one request: the engine's totals are its counts
-    assert res.spec_drafted_tokens == stats["spec_drafted_tokens"] > 0
-    assert res.spec_accepted_tokens == stats["spec_accepted_tokens"] <= res.spec_drafted_tokens
+        after = engine.stats()  # one request in between: the difference is its counts
+    drafted = after["spec_drafted_tokens"] - before.get("spec_drafted_tokens", 0)
+    accepted = after["spec_accepted_tokens"] - before.get("spec_accepted_tokens", 0)
+    assert res.spec_drafted_tokens == drafted > 0
+    assert res.spec_accepted_tokens == accepted <= drafted
     assert res.versions["speculative"] == "ngram:k=3"
 
 
