@@ -55,7 +55,7 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.shapes import ShapeSet, spec_shapes
-from engine.spec_draft import DraftModel
+from engine.spec_draft import DraftModel, fill
 from engine.spec_layers import draft_layers
 from engine.spec_ngram import propose_ngram
 from engine.spec_step import SpecBatch, spec_engine_step
@@ -322,9 +322,14 @@ class SpecDecoder:
             for shape in self.warm_shapes()
             for flags, penalties in variants
         ]
-        if self.config.method == "layers":
+        if self.config.method in ("layers", "draft"):
             sizes = sorted({(s.num_prefill_seqs, s.pages_per_seq) for s in self.warm_shapes()})
             programs += [functools.partial(self._compile_draft, sv, p) for sv, p in sizes]
+        if self.draft is not None:  # the draft cache's fill: every engine and verify shape
+            programs += [
+                functools.partial(self._compile_fill, s, False) for s in self.core.shapes.shapes
+            ]
+            programs += [functools.partial(self._compile_fill, s, True) for s in self.warm_shapes()]
         return programs
 
     def _zero_spec_batch(self, Sv: int) -> SpecBatch:
@@ -354,10 +359,25 @@ class SpecDecoder:
 
     def _compile_draft(self, Sv: int, pages_per_seq: int) -> None:
         core, zeros = self.core, np.zeros(Sv, np.int32)
+        params, kv, cfg, n = core.params, core.kv, core.cfg, self.config.num_draft_layers
+        if self.draft is not None:
+            params, kv, cfg, n = self.draft.params, self.draft.kv, self.draft.cfg, None
         draft_layers.lower(
-            core.params, core.kv, zeros, zeros, np.zeros((Sv, pages_per_seq), np.int32),
+            params, kv, zeros, zeros, np.zeros((Sv, pages_per_seq), np.int32),
             zeros, self._zero_spec_batch(Sv).sampling,
-            cfg=core.cfg, num_layers=self.config.num_draft_layers, k=self.k, impl=core.impl,
+            cfg=cfg, num_layers=n, k=self.k, impl=core.impl,
+        ).compile()  # fmt: skip
+
+    def _compile_fill(self, shape: BatchShape, with_drafts: bool) -> None:
+        d, extra = self.draft, ()
+        if with_drafts:  # drafts arrive from the draft program (on device)
+            on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            spec = self._zero_spec_batch(shape.num_prefill_seqs)
+            drafts = jax.ShapeDtypeStruct(spec.drafts.shape, np.int32, sharding=on_device)
+            extra = (spec.verify_rows, drafts, spec.num_drafts)
+        fill.lower(
+            d.params, d.kv, self.core._last_tokens, StepBatch.zeros(shape).pack(), *extra,
+            cfg=d.cfg, shape=shape, impl=d.impl,
         ).compile()  # fmt: skip
 
     # ---- 6. results ---------------------------------------------------------------------------
