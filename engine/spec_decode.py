@@ -5,7 +5,9 @@ One speculative step (`SpecDecoder.step`, called by EngineCore.step when specula
     1. drain: an overlapped step still in flight is finished first (its tokens are needed)
     2. propose: each running decode gets up to k drafts (engine/spec_ngram.py), capped so
        that the step can never emit more than max_tokens; rows with penalties do not
-       speculate (their counts would change inside the step)
+       speculate (their counts would change inside the step). Model proposers (layers,
+       draft) propose k placeholders here and draw the real drafts on device after the
+       build (`_draft_on_device`, engine/spec_layers.py, engine/spec_draft.py)
     3. schedule: a decode with drafts computes 1 + len(drafts) tokens (the scheduler gives
        it the lookahead pages; drafts are dropped rather than preempting anyone)
     4. build: the speculating decodes go in the prefill group with query_len 1 + drafts,

@@ -22,7 +22,10 @@ the host (sample_mask 0). Each verified position is sampled by the same `sample`
 step runs (its own seed and output index), and the drafts are accepted by the point-mass
 rule on those draws; spec_packed holds, per verified position, the emitted token (-1 past
 the correction), its target logprob and the top-K target logprobs, exactly as a plain
-step reports them. The caller runs speculative steps
+step reports them. With `draft_probs` (a model proposer's q), the drafts come from
+device, are written into the token ids here, and the general rule accept_drafts(p, q)
+decides (keys salted apart from the sampler's, engine/spec_layers.py). The caller runs
+speculative steps
 synchronously (engine/spec_decode.py says why), so `last_tokens` is not written for
 speculating rows: every input token of the next step is known on the host.
 """
