@@ -7,8 +7,11 @@ Sections (each prints its figures with os.getloadavg() as soon as they exist):
   transfer      an in-process prefill server (real gRPC on loopback) streams a request's K/V
                 (KVTransfer.Prefill) for several prompt lengths: KV bytes per token, wire
                 time and GB/s (header -> trailer, sha256 included), the prefill it follows
-                (server side, arrival -> exported), and the import into a second engine.
-                Each length runs once untimed first (compiles).
+                (server side, arrival -> exported), and the import into a second engine;
+                per transport (`--transports`: grpc bytes, jax.experimental.transfer),
+                with the export's engine-thread time (metadata + gather dispatch) and its
+                host copy + sha256 (handler thread; none with jax). Each length runs once
+                untimed first (compiles).
   affinity      3 `both` replicas (serving.cluster), 20 shared system prompts x questions,
                 once through the affinity router and once through a round-robin router
                 (each with its own 20 system prompts, so one phase cannot warm the other):
@@ -51,6 +54,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("chat_tokens", 96, "interference: output tokens per chat")
     flags.DEFINE_integer("long_prompts", 3, "interference: long prompts arriving during the chats")
     flags.DEFINE_integer("transfer_repeats", 5, "transfer: timed repeats per length")
+    flags.DEFINE_list("transports", ["grpc", "jax"], "transfer: K/V transports to measure")
     flags.DEFINE_integer("long_prompt_tokens", 0, "0: 960 (tiny) or 2000 (smollm2-135m)")
 
 
@@ -67,6 +71,7 @@ class Options:
     long_prompts: int = 3
     long_prompt_tokens: int = 0
     transfer_repeats: int = 5
+    transports: tuple[str, ...] = ("grpc", "jax")
 
 
 ENGINE = {"page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 256}
@@ -98,41 +103,61 @@ def worker_args(model: str, max_model_len: int, shapes: int = 0) -> list[str]:
 
 # ---- transfer -----------------------------------------------------------------------------------
 def transfer(results: dict, o: Options) -> None:
+    from configs.engine_config import EngineConfig
+    from models.registry import load_model
+
+    model = load_model(o.model)
+    config = EngineConfig(model=o.model, max_model_len=1024, num_pages=512, **ENGINE)
+    rows = []
+    for transport in o.transports:
+        rows += transfer_rows(model, config, transport, o)
+    report(results, "transfer", {"model": o.model, "rows": rows})
+
+
+def transfer_rows(model, config, transport: str, o: Options) -> list[dict]:
+    """One prefill server (`--kv_transport=transport`) and a receiving engine in this
+    process; per prompt length: the median of `transfer_repeats` timed transfers."""
     import grpc
 
-    from configs.engine_config import EngineConfig
     from engine.api_types import EngineRequest
     from engine.core import EngineCore
     from engine.kv_engine import KVTransferEngine
     from engine.kv_transfer import import_request
     from engine.sampling_params import SamplingParams
-    from models.registry import load_model
     from serving.admission import AdmissionConfig
     from serving.client import build_request
+    from serving.kv_transfer_jax import TRANSPORT_METADATA, JaxTransport
     from serving.kv_transfer_wire import receive_payload
     from serving.proto import kv_transfer_pb2_grpc as kv_grpc
     from serving.testing import running_server
 
-    model = load_model(o.model)
     vocab = min(model.config.vocab_size, model.tokenizer.vocab_size)
     lengths = [64, 256] if o.smoke else [64, 256, 512, 960]
-    config = EngineConfig(model=o.model, max_model_len=1024, num_pages=512, **ENGINE)
     receiver = EngineCore(model, config)
+    puller = JaxTransport() if transport == "jax" else None
+    metadata = ((TRANSPORT_METADATA, transport),)
     rows = []
     with running_server(
         KVTransferEngine(EngineCore(model, config)),
         admission=AdmissionConfig(max_model_len=1024),
         capacity_probe=False,
+        role="prefill",
+        kv_transport=transport,
     ) as (server, _):
         stub = kv_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        counters = server.loop.engine.counters
         rng = random.Random(0)
         for n in lengths:
-            timed = []  # (TransferStats, import_s) of the repeats after the first (compiles)
+            timed = []  # (TransferStats, import_s, engine-thread s, host-copy s) after rep 0
             for rep in range(1 + o.transfer_repeats):
                 ids = [rng.randrange(3, vocab) for _ in range(n)]
                 rid = f"t{n}-{rep}"
                 req = build_request(token_ids=ids, request_id=rid, max_tokens=1, temperature=0.0)
-                payload, stats = receive_payload(stub.Prefill(req, timeout=600))
+                before = counters["kv_export_engine_s"], counters["kv_export_s"]
+                call = stub.Prefill(req, timeout=600, metadata=metadata)
+                payload, stats = receive_payload(call, puller)
+                engine_s = counters["kv_export_engine_s"] - before[0]
+                copy_s = counters["kv_export_s"] - before[1]
                 er = EngineRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=2))
                 t0 = time.perf_counter()
                 import_request(receiver, er, payload)
@@ -142,24 +167,30 @@ def transfer(results: dict, o: Options) -> None:
                 while receiver.has_unfinished():
                     receiver.step()
                 if rep:
-                    timed.append((stats, import_s))
-            wire_s = statistics.median(t.transfer_s for t, _ in timed)
-            prefill_s = statistics.median(t.prefill_s for t, _ in timed)
-            rows.append(
-                {
-                    "prompt_tokens": n,
-                    "kv_bytes": stats.num_bytes,
-                    "kv_bytes_per_token": stats.num_bytes / n,
-                    "wire_ms_median": 1e3 * wire_s,
-                    "wire_ms_min": 1e3 * min(t.transfer_s for t, _ in timed),
-                    "wire_gb_per_s_median": stats.num_bytes / wire_s / 1e9,
-                    "prefill_ms_median": 1e3 * prefill_s,
-                    "import_ms_median": 1e3 * statistics.median(i for _, i in timed),
-                    "wire_over_prefill": wire_s / prefill_s,
-                }
-            )
+                    timed.append((stats, import_s, engine_s, copy_s))
+            rows.append(transfer_row(transport, n, timed))
             print(f"  transfer {rows[-1]} ({load()})", file=sys.stderr, flush=True)
-    report(results, "transfer", {"model": o.model, "rows": rows})
+    return rows
+
+
+def transfer_row(transport: str, n: int, timed: list) -> dict:
+    stats = timed[-1][0]
+    wire_s = statistics.median(t.transfer_s for t, *_ in timed)
+    prefill_s = statistics.median(t.prefill_s for t, *_ in timed)
+    return {
+        "transport": transport,
+        "prompt_tokens": n,
+        "kv_bytes": stats.num_bytes,  # jax: the page bucket's bytes (padded to 2^k pages)
+        "kv_bytes_per_token": stats.num_bytes / n,
+        "wire_ms_median": 1e3 * wire_s,
+        "wire_ms_min": 1e3 * min(t.transfer_s for t, *_ in timed),
+        "wire_gb_per_s_median": stats.num_bytes / wire_s / 1e9,
+        "prefill_ms_median": 1e3 * prefill_s,
+        "import_ms_median": 1e3 * statistics.median(t[1] for t in timed),
+        "export_engine_thread_ms_median": 1e3 * statistics.median(t[2] for t in timed),
+        "export_host_copy_ms_median": 1e3 * statistics.median(t[3] for t in timed),
+        "wire_over_prefill": wire_s / prefill_s,
+    }
 
 
 # ---- affinity -----------------------------------------------------------------------------

@@ -8,9 +8,14 @@ to the gRPC handler threads (serving/kv_transfer_service.py):
     prefill:  handler: expect_export(id) -> submit the request (max_tokens=1) -> wait
               engine thread, in step(): the scheduler's on_finish hook takes a reference on
                 the ending request's pages (stop / length only); after core.step() returns,
-                each held request is exported (one gather + device_get), its references
-                dropped, and the payload published
-              handler: take_export(id) -> stream it; discard_export(id) in every case
+                each held request's gather is dispatched (engine/kv_transfer.start_export:
+                metadata + one jitted gather, no wait), its references are dropped and the
+                PendingExport is published: the engine thread never waits on a
+                device-to-host copy or hashes megabytes between two steps
+              handler: take_export(id) -> host copy + checksum on the handler's thread
+                (waits for the gather) -> stream it; or take_pending(id) -> the gathered
+                device arrays (jax.experimental.transfer: no host copy at all);
+                discard_export(id) in every case
     decode:   handler: receive + verify the payload -> stage(id, payload) -> submit
               engine thread, add_request(er): a staged payload is imported
                 (engine/kv_transfer.import_request); its first token's delta is returned by
@@ -33,8 +38,10 @@ from engine.kv_transfer import (
     KVChecksumError,
     KVPayload,
     KVTransferMismatchError,
+    PendingExport,
     import_request,
-    make_payload,
+    start_export,
+    warm_transfer_programs,
 )
 from engine.request import Request
 
@@ -49,14 +56,15 @@ class KVTransferEngine:
         core.scheduler.on_finish = self._on_finish
         self._lock = threading.Condition()
         self._export_ids: set[str] = set()  # handler threads add; engine thread reads
-        self._exported: dict[str, KVPayload] = {}
+        self._exported: dict[str, PendingExport] = {}
         self._staged: dict[str, KVPayload] = {}
         self._held: dict[str, tuple[Request, list[int]]] = {}  # engine thread only
         self._early_outputs: list[RequestOutput] = []  # imports' first tokens
         self.counters = {
             "kv_exports": 0,
-            "kv_export_bytes": 0,
-            "kv_export_s": 0.0,
+            "kv_export_bytes": 0,  # host payloads (take_export; not the jax transport's)
+            "kv_export_s": 0.0,  # handler threads: host copy + checksum
+            "kv_export_engine_s": 0.0,  # engine thread: metadata + dispatching the gather
             "kv_imports": 0,
             "kv_import_bytes": 0,
             "kv_import_s": 0.0,
@@ -120,7 +128,20 @@ class KVTransferEngine:
             self._export_ids.add(request_id)
 
     def take_export(self, request_id: str, timeout_s: float) -> KVPayload | None:
-        """The payload of an exported request (None: none within `timeout_s`)."""
+        """The payload of an exported request (None: none within `timeout_s`): its host
+        copy and checksum run here, on the caller's thread."""
+        pending = self.take_pending(request_id, timeout_s)
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        payload = pending.finish()
+        with self._lock:
+            self.counters["kv_export_bytes"] += payload.num_bytes
+            self.counters["kv_export_s"] += time.perf_counter() - t0
+        return payload
+
+    def take_pending(self, request_id: str, timeout_s: float) -> PendingExport | None:
+        """The exported request's metadata and gathered device arrays (no host copy)."""
         with self._lock:
             self._lock.wait_for(lambda: request_id in self._exported, timeout_s)
             return self._exported.pop(request_id, None)
@@ -147,18 +168,25 @@ class KVTransferEngine:
         for rid, (request, pages) in list(self._held.items()):
             t0 = time.perf_counter()
             try:
-                payload = make_payload(self.core, request, pages, logprobs.get(rid))
-            finally:
+                pending = start_export(self.core, request, pages, logprobs.get(rid))
+            finally:  # safe before the gather ran: see start_export
                 self.core.pool.free(pages, time.monotonic())
                 del self._held[rid]
             self.counters["kv_exports"] += 1
-            self.counters["kv_export_bytes"] += payload.num_bytes
-            self.counters["kv_export_s"] += time.perf_counter() - t0
+            self.counters["kv_export_engine_s"] += time.perf_counter() - t0
             with self._lock:
                 if rid in self._export_ids:
                     self._export_ids.discard(rid)
-                    self._exported[rid] = payload
+                    self._exported[rid] = pending
                     self._lock.notify_all()
+
+    def warm_transfer(self, role: str, on_device: bool = False) -> int:
+        """Engine thread, at start-up: compile the gather (role prefill) and scatter (role
+        decode; `on_device`: of pulled device arrays too) programs of every page-count
+        bucket. Returns the programs run."""
+        return warm_transfer_programs(
+            self.core, gather=role == "prefill", scatter=role == "decode", on_device=on_device
+        )
 
     # ---- decode side --------------------------------------------------------------------------
     def stage(self, request_id: str, payload: KVPayload) -> None:

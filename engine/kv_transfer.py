@@ -27,10 +27,12 @@ fallback.
 
 Ordering with overlapped steps: both the gather and the scatter take `core.kv` as it is after
 the step in flight (data dependence on the donated cache), and the pages they touch are held
-by no step in flight (exported pages are referenced by the export; imported pages were free).
-Tested on one device; with a mesh the gather/scatter are plain jit over the sharded cache
-(not tested here). JAX is imported on first use, so serving imports this module (metadata,
-wire format) without it (the server with --model=mock starts without JAX).
+by no step in flight (exported pages are referenced until the gather is dispatched; every
+later step takes the cache after it; imported pages were free). With a tensor-parallel mesh
+the gather / scatter are plain jit over the sharded cache; the scatter keeps its sharding
+(tests/kv_transfer_mesh_worker.py, model:2). JAX is imported on first use, so serving
+imports this module (metadata, wire format) without it (the server with --model=mock
+starts without JAX).
 """
 
 from __future__ import annotations
@@ -106,13 +108,16 @@ class KVPayload:
     meta: KVMeta
     arrays: dict[str, np.ndarray]  # KV_FIELDS present in the cache, each [L, K, n, ps(, hd)]
     checksum: str  # hex sha256 (payload_checksum)
+    # jax.experimental.transfer (serving/kv_transfer_jax.py): `arrays` are device arrays
+    # padded to the page-count bucket, and the checksum covers the metadata only
+    on_device: bool = False
 
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
     def verify(self) -> None:
-        got = payload_checksum(self.meta, self.arrays)
+        got = payload_checksum(self.meta, {} if self.on_device else self.arrays)
         if got != self.checksum:
             raise KVChecksumError(
                 f"KV payload of {self.meta.request_id!r}: checksum {got} != sent {self.checksum}"
@@ -191,13 +196,22 @@ def _device_fns():
 
 def export_pages(core, page_ids: list[int]) -> dict[str, np.ndarray]:
     """Copy pages `page_ids` of `core.kv` to host numpy arrays ({field: [L, K, n, ...]})."""
+    return _host_pages(gather_pages(core, page_ids), len(page_ids))
+
+
+def gather_pages(core, page_ids: list[int]):
+    """Dispatch the gather of pages `page_ids` (a PagedKVCache of device arrays [L, K, b,
+    ...], b = the page count's power-of-two bucket). Returns without waiting for it."""
+    gather, _ = _device_fns()
+    return gather(core.kv, _padded_ids(page_ids))
+
+
+def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
     import jax
 
-    gather, _ = _device_fns()
-    got = jax.device_get(gather(core.kv, _padded_ids(page_ids)))
-    n = len(page_ids)
+    got = jax.device_get(gathered)
     return {
-        name: np.asarray(getattr(got, name))[:, :, :n]
+        name: np.asarray(getattr(got, name))[:, :, :num_pages]
         for name in KV_FIELDS
         if getattr(got, name) is not None
     }
@@ -214,12 +228,60 @@ def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> No
             return None
         if a is None:
             raise KVTransferMismatchError(name, None, "present (int8 KV)")
+        if a.shape[2] == len(ids):  # already the bucket's size (on device: jax transport)
+            return a
         return np.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
 
     from engine.kv_cache import PagedKVCache
 
     _, scatter = _device_fns()
     core.kv = scatter(core.kv, ids, PagedKVCache(*(padded(name) for name in KV_FIELDS)))
+
+
+def transfer_buckets(core) -> list[int]:
+    """The page-count buckets a request of this engine can need: 1, 2, 4, ... up to the
+    bucket of its longest request's pages (max_model_len, at most the pool)."""
+    sc = core.sched_config
+    most = min(core.pool.pages_for_tokens(sc.max_model_len), sc.num_pages - 1)
+    return [1 << i for i in range(_bucket(max(1, most)).bit_length())]
+
+
+def _zero_pages(kv, n: int, on_device: bool):
+    """Zeros shaped like `n` pages of every field of `kv`, as import_pages receives them:
+    host arrays (gRPC stream), or device arrays (jax transport)."""
+    import jax
+
+    from engine.kv_cache import PagedKVCache
+
+    def zeros(x):
+        if x is None:
+            return None
+        z = np.zeros((*x.shape[:2], n, *x.shape[3:]), x.dtype)
+        return jax.device_put(z, jax.devices()[0]) if on_device else z
+
+    return PagedKVCache(*(zeros(getattr(kv, name)) for name in KV_FIELDS))
+
+
+def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool = False) -> int:
+    """Compile the gather (prefill side) and / or scatter (decode side) program of every
+    bucket, so no transfer compiles while serving. Engine thread: the scatter replaces
+    `core.kv`, writing zeros into the null page only (nobody reads it). Returns the number
+    of programs run. `on_device`: the scatter of device arrays too (the jax transport's
+    pulled pages; another jit cache entry than host arrays)."""
+    import jax
+
+    gather_fn, scatter_fn = _device_fns()
+    runs = 0
+    for n in transfer_buckets(core):
+        ids = np.zeros(n, np.int32)  # the null page
+        if gather:
+            jax.block_until_ready(gather_fn(core.kv, ids))
+            runs += 1
+        for device in ((False, True) if on_device else (False,)) if scatter else ():
+            core.kv = scatter_fn(core.kv, ids, _zero_pages(core.kv, n, device))
+            runs += 1
+    jax.block_until_ready(core.kv)
+    return runs
 
 
 # ---- whole requests ------------------------------------------------------------------------
@@ -229,11 +291,30 @@ def prefill_sampling(sampling: SamplingParams) -> SamplingParams:
     return dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
 
 
-def make_payload(
+@dataclasses.dataclass
+class PendingExport:
+    """An export handed from the engine thread to the exporter thread: the metadata and the
+    gathered pages on device (the gather is dispatched, maybe not yet run)."""
+
+    meta: KVMeta
+    gathered: object  # PagedKVCache of device arrays [L, K, bucket, ...]
+    num_pages: int
+
+    def finish(self) -> KVPayload:
+        """Host copy (waits for the gather), trimmed to the request's pages, checksummed.
+        Any thread: it touches neither the engine nor its cache."""
+        arrays = _host_pages(self.gathered, self.num_pages)
+        return KVPayload(self.meta, arrays, payload_checksum(self.meta, arrays))
+
+
+def start_export(
     core, request, page_ids: list[int], first_logprob: TokenLogprob | None = None
-) -> KVPayload:
-    """The payload of a request that ended after its first token (`request` is the
-    scheduler's Request as the on_finish hook saw it; `page_ids` hold its prompt K/V)."""
+) -> PendingExport:
+    """Engine thread: the metadata of a request that ended after its first token (`request`
+    is the scheduler's Request as the on_finish hook saw it; `page_ids` hold its prompt K/V)
+    and the dispatched gather of its pages. The pages may be freed as soon as this returns:
+    every later step takes `core.kv` after the gather (the cache is donated), so none can
+    overwrite them before they are read."""
     lp = None
     if first_logprob is not None:
         lp = (
@@ -251,8 +332,14 @@ def make_payload(
         adapter_id=request.adapter_id,
         **engine_kv_meta(core),
     )
-    arrays = export_pages(core, page_ids)
-    return KVPayload(meta, arrays, payload_checksum(meta, arrays))
+    return PendingExport(meta, gather_pages(core, page_ids), len(page_ids))
+
+
+def make_payload(
+    core, request, page_ids: list[int], first_logprob: TokenLogprob | None = None
+) -> KVPayload:
+    """`start_export` and `finish` in one call (blocks until the pages are on the host)."""
+    return start_export(core, request, page_ids, first_logprob).finish()
 
 
 def can_import(core, meta: KVMeta) -> bool:

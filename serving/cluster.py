@@ -1,7 +1,8 @@
 """A local disaggregated cluster in one command: workers + router as processes.
 
     python -m serving.cluster --prefill=1 --decode=1 --replicas=0 --port=50051 \
-        --worker_args="--model=tiny --max_num_seqs=8" [--pin_cpus=true] [--logs_dir=DIR]
+        --worker_args="--model=tiny --max_num_seqs=8" [--pin_cpus=true] [--logs_dir=DIR] \
+        [--http_port=8000]
 
 starts `--prefill` prefill workers, `--decode` decode workers and `--replicas` `both`
 replicas (`python -m serving.server --role=...` on free loopback ports), then
@@ -61,6 +62,11 @@ class Proc:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The router's OpenAI-compatible base URL (needs `http_port`)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
 
 def spawn(name, role, args, port, log_dir, cpus=None) -> Proc:
@@ -128,7 +134,10 @@ class LocalCluster:
         pin_cpus: bool = True,
         log_dir: str | None = None,
         start_timeout_s: float = 600.0,
+        http_port: int | None = None,
     ):
+        """`http_port` (None: none; 0: a free one): the router's OpenAI-compatible HTTP API,
+        with the tokenizer of the workers' `--model` (serving/router_http.py)."""
         if prefill < 0 or decode < 0 or replicas < 0:
             raise ValueError(f"prefill={prefill}, decode={decode}, replicas={replicas}: >= 0")
         if (prefill == 0) != (decode == 0):
@@ -142,6 +151,11 @@ class LocalCluster:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="pagedjax-cluster-")
         self.workers: list[Proc] = []
         self.router: Proc | None = None
+        self.http_port = (http_port or free_port()) if http_port is not None else None
+        if self.http_port is not None:
+            models = [a.split("=", 1)[1] for a in self.worker_args if a.startswith("--model=")]
+            model = models[-1] if models else shared.DEFAULT_MODEL
+            self.router_args += [f"--http_port={self.http_port}", f"--tokenizer={model}"]
 
     def start(self) -> LocalCluster:
         cpus = usable_cpus()
@@ -183,6 +197,11 @@ class LocalCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        """The router's OpenAI-compatible base URL (needs `http_port`)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
     def kill(self, p: Proc) -> None:
         """SIGKILL one process (tests: a worker dying)."""
         p.proc.kill()
@@ -216,6 +235,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("decode", 1, "decode workers")
     flags.DEFINE_integer("replicas", 0, "`both` replicas (prefill + decode in one engine)")
     flags.DEFINE_integer("port", 50051, "the router's gRPC port")
+    flags.DEFINE_integer("http_port", 0, "the router's OpenAI-compatible HTTP port (0: off)")
     flags.DEFINE_string("worker_args", "--model=tiny", "flags for every serving.server")
     flags.DEFINE_string("router_args", "", "extra flags for serving.router")
     flags.DEFINE_bool("pin_cpus", True, "pin each worker to one core (sched_setaffinity)")
@@ -238,6 +258,7 @@ def main(argv) -> None:
             port=FLAGS.port,
             pin_cpus=FLAGS.pin_cpus,
             log_dir=FLAGS.logs_dir,
+            http_port=FLAGS.http_port or None,
         )
     except ValueError as e:
         raise shared.UsageError("prefill/decode/replicas", "", str(e)) from None
@@ -246,6 +267,8 @@ def main(argv) -> None:
         signal.signal(sig, lambda *_: stopped.set())
     with cluster:
         print(f"routing on {cluster.port} (logs in {cluster.log_dir})", flush=True)
+        if cluster.http_port is not None:
+            print(f"http on {cluster.http_port} ({cluster.http_url})", flush=True)
         for w in cluster.workers:
             print(f"worker {w.role} {w.address} cpus={w.cpus} pid={w.proc.pid}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

@@ -33,6 +33,7 @@ import uuid
 import grpc
 
 from engine.kv_transfer import KVChecksumError, KVTransferMismatchError, check_compatible
+from serving import kv_transfer_jax
 from serving.kv_transfer_wire import KVWireError, payload_chunks, receive_payload
 from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
@@ -62,21 +63,42 @@ def wrap_engine(engine):
     return engine
 
 
-def install(server, role: str) -> KVTransferService:
-    """Add the KVTransfer service to a PagedJaxServer (before it starts)."""
+def with_transfer_warmup(engine, warmup, role: str, kv_transport: str = "grpc"):
+    """`warmup` (the server's, None: the user asked for none) followed by the K/V gather
+    (prefill) or scatter (decode) programs of every page-count bucket, so a worker's first
+    transfers do not compile. `both` replicas are left as they are (the router sends them
+    whole requests)."""
+    if warmup is None or role not in ("prefill", "decode") or not hasattr(engine, "warm_transfer"):
+        return warmup
+
+    def run() -> None:
+        warmup()
+        t0 = time.perf_counter()
+        programs = engine.warm_transfer(role, on_device=kv_transport == "jax")
+        log.info("warm-up: %d K/V %s programs in %.1fs", programs, role, time.perf_counter() - t0)
+
+    return run
+
+
+def install(server, role: str, kv_transport: str = "grpc", host: str = "127.0.0.1"):
+    """Add the KVTransfer service to a PagedJaxServer (before it starts). `kv_transport`
+    "jax" starts a jax.experimental.transfer server on `host` (serving/kv_transfer_jax.py)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r}: one of {ROLES}")
-    service = KVTransferService(server, role)
+    jax_transport = None
+    if role != "both" and hasattr(server.engine, "expect_export"):
+        jax_transport = kv_transfer_jax.start(kv_transport, host.strip("[]"))
+    service = KVTransferService(server, role, jax_transport)
     kv_grpc.add_KVTransferServicer_to_server(service, server.grpc_server)
     return service
 
 
 class KVTransferService(kv_grpc.KVTransferServicer):
-    def __init__(self, server, role: str):
-        self.server, self.role = server, role
+    def __init__(self, server, role: str, jax_transport=None):
+        self.server, self.role, self.jax = server, role, jax_transport
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
-        self.totals = {"kv_pulls": 0, "kv_pull_bytes": 0, "kv_pull_s": 0.0}
+        self.totals = {"kv_pulls": 0, "kv_pull_bytes": 0, "kv_pull_s": 0.0, "kv_jax_pulls": 0}
 
     @property
     def engine(self):
@@ -96,6 +118,13 @@ class KVTransferService(kv_grpc.KVTransferServicer):
         try:
             for _ in self.server.service.Generate(req, context):
                 pass  # the first token travels in the payload
+            wanted = dict(context.invocation_metadata()).get(kv_transfer_jax.TRANSPORT_METADATA)
+            if wanted == "jax" and self.jax is not None:  # device to device, no host copy
+                pending = engine.take_pending(req.request_id, EXPORT_WAIT_S)
+                if pending is None:
+                    context.abort(grpc.StatusCode.INTERNAL, "the finished request was not exported")
+                yield from self.jax.offer(pending, time.monotonic() - t0)
+                return
             payload = engine.take_export(req.request_id, EXPORT_WAIT_S)
             if payload is None:
                 context.abort(grpc.StatusCode.INTERNAL, "the finished request was not exported")
@@ -133,14 +162,13 @@ class KVTransferService(kv_grpc.KVTransferServicer):
     def _pull(self, request: kv_pb.DecodeRequest, context):
         stub = kv_grpc.KVTransferStub(self._channel(request.kv_source))
         key = dict(context.invocation_metadata()).get(API_KEY)
-        call = stub.Prefill(
-            request.request,
-            timeout=time_left_s(context),
-            metadata=((API_KEY, key),) if key else None,
-        )
+        metadata = ((API_KEY, key),) if key else ()
+        if self.jax is not None:  # the prefill side falls back to gRPC bytes without one
+            metadata += ((kv_transfer_jax.TRANSPORT_METADATA, "jax"),)
+        call = stub.Prefill(request.request, timeout=time_left_s(context), metadata=metadata)
         context.add_callback(call.cancel)
         try:
-            payload, stats = receive_payload(call)
+            payload, stats = receive_payload(call, self.jax)
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
@@ -148,10 +176,13 @@ class KVTransferService(kv_grpc.KVTransferServicer):
             context.abort(code, f"prefill worker {request.kv_source}: {e.details()}")
         except (KVChecksumError, KVWireError) as e:
             context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        except kv_transfer_jax.JaxPullError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {request.kv_source}: {e}")
         with self._lock:
             self.totals["kv_pulls"] += 1
             self.totals["kv_pull_bytes"] += stats.num_bytes
             self.totals["kv_pull_s"] += stats.transfer_s
+            self.totals["kv_jax_pulls"] += int(payload.on_device)
         log.info(
             "kv pull %s from %s: %d bytes in %.2f ms (%.3f GB/s), prefill %.1f ms",
             request.request.request_id,

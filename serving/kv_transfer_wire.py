@@ -5,7 +5,9 @@
     KVChunk(trailer: sha256)            over the meta JSON and the arrays (KVPayload.checksum)
 
 The receiver rebuilds the arrays, refuses a stream whose sizes disagree with its header
-(KVWireError) and checks the sha256 (engine.kv_transfer.KVChecksumError).
+(KVWireError) and checks the sha256 (engine.kv_transfer.KVChecksumError). A header with
+`jax_address` is followed by the trailer alone: the arrays are pulled with
+jax.experimental.transfer (serving/kv_transfer_jax.py).
 """
 
 from __future__ import annotations
@@ -59,14 +61,19 @@ def payload_chunks(
     yield kv_pb.KVChunk(trailer=kv_pb.KVTrailer(sha256=payload.checksum))
 
 
-def receive_payload(chunks: Iterable[kv_pb.KVChunk]) -> tuple[KVPayload, TransferStats]:
-    """Rebuild a payload from its chunks and verify its checksum."""
+def receive_payload(
+    chunks: Iterable[kv_pb.KVChunk], jax_transport=None
+) -> tuple[KVPayload, TransferStats]:
+    """Rebuild a payload from its chunks (or pull it: `jax_transport`, a JaxTransport) and
+    verify its checksum."""
     it = iter(chunks)
     first = next(it, None)
     if first is None or first.WhichOneof("part") != "header":
         raise KVWireError("KV stream: the first chunk must be the header")
     t0 = time.perf_counter()
     header = first.header
+    if header.jax_address:
+        return _pull_payload(header, next(it, None), jax_transport, t0)
     buf = bytearray()
     trailer = None
     for chunk in it:
@@ -96,3 +103,13 @@ def receive_payload(chunks: Iterable[kv_pb.KVChunk]) -> tuple[KVPayload, Transfe
     payload = KVPayload(KVMeta.from_json(header.meta_json), arrays, trailer.sha256)
     payload.verify()
     return payload, TransferStats(len(buf), transfer_s, header.prefill_s)
+
+
+def _pull_payload(header, trailer_chunk, jax_transport, t0: float):
+    if jax_transport is None:
+        raise KVWireError("KV stream: the sender offers jax transfer, this worker has none")
+    if trailer_chunk is None or trailer_chunk.WhichOneof("part") != "trailer":
+        raise KVWireError("KV stream: a jax transfer header must be followed by the trailer")
+    payload = jax_transport.pull(header, trailer_chunk.trailer.sha256)
+    stats = TransferStats(header.total_bytes, time.perf_counter() - t0, header.prefill_s)
+    return payload, stats

@@ -83,6 +83,9 @@ class ByteTokenizer:
 
     eos_token_ids = (EOS_TOKEN_ID,)
     vocab_size = VOCAB_SIZE
+    # the router's HTTP front checks its tokenizer against the workers' (router_http.py)
+    sha256 = MockIdentity.tokenizer_hash
+    chat_template_sha256 = MockIdentity.chat_template_hash
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

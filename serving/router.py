@@ -1,8 +1,10 @@
-"""The cache-aware router: one gRPC endpoint in front of prefill, decode and `both` workers.
+"""The cache-aware router: one gRPC (and HTTP) endpoint in front of prefill, decode and
+`both` workers.
 
     python -m serving.router --workers=127.0.0.1:50061,dns:pagedjax-decode:50051,... \
         --port=50051 \
-        [--policy=affinity|round_robin] [--revision=sha256:...]
+        [--policy=affinity|round_robin] [--revision=sha256:...] \
+        [--http_port=8000 --tokenizer=smollm2-135m]
 
 It serves the same `pagedjax.v1.PagedJax` API as a worker (Generate, Tokenize, ListModels,
 ServerInfo) plus gRPC health (SERVING while some route exists), so clients cannot tell it
@@ -24,7 +26,9 @@ on every worker involved (the decode worker cancels its pull from the prefill wo
 call that fails with UNAVAILABLE BEFORE any message was relayed (the worker died, or was
 warming up / draining) marks the worker down and is retried once on another route, so a
 retry never duplicates a stream; after the first message it ends UNAVAILABLE. Workers are
-health-checked and version-checked by serving/router_workers.py.
+health-checked and version-checked by serving/router_workers.py; routing, relay and retry
+live in serving/router_client.py, shared with the HTTP front (`--http_port`: the server's
+OpenAI-compatible API over the same routing, serving/router_http.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -40,14 +45,12 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from serving import flags as shared
-from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
-from serving.router_policy import HashRing, RoundRobin, pick_bounded, prefix_key
+from serving.router_client import POLICIES, NoRoute, RouteFailed, RouterClient
 from serving.router_workers import WorkerPool
 
 log = logging.getLogger("pagedjax.router")
-POLICIES = ("affinity", "round_robin")
 API_KEY = "x-api-key"
 RETRY_AFTER_MS = "1000"
 
@@ -58,68 +61,19 @@ def time_left_s(context) -> float | None:
     return None if remaining is None or remaining > 1e8 else remaining
 
 
-class NoRoute(Exception):
-    pass
+class RouterService(pb_grpc.PagedJaxServicer):
+    """The gRPC front: Generate through the RouterClient, the other RPCs to any worker."""
 
-
-class Route:
-    """One attempt: a `both` replica, or a (prefill, decode) pair."""
-
-    def __init__(self, kind: str, prefill: str, decode: str = ""):
-        self.kind, self.prefill, self.decode = kind, prefill, decode
+    def __init__(self, pool: WorkerPool, policy: str = "affinity", load_factor: float = 1.25):
+        self.pool = pool
+        self.client = RouterClient(pool, policy, load_factor)
 
     @property
-    def addresses(self) -> tuple[str, ...]:
-        return (self.prefill, self.decode) if self.decode else (self.prefill,)
-
-
-class RouterService(pb_grpc.PagedJaxServicer):
-    def __init__(self, pool: WorkerPool, policy: str = "affinity", load_factor: float = 1.25):
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}: one of {POLICIES}")
-        self.pool, self.policy, self.load_factor = pool, policy, load_factor
-        self._rr = RoundRobin()
-        self._lock = threading.Lock()
-        self.counters = {"routed_pair": 0, "routed_both": 0, "spilled": 0, "retried": 0}
-
-    # ---- routing ------------------------------------------------------------------------------
-    def pick(self, request: pb.GenerateRequest, exclude: tuple[str, ...] = ()) -> Route:
-        def usable(a: str) -> bool:
-            return a not in exclude and self.pool.is_routable(a)
-
-        prefill = [a for a in self.pool.routable("prefill") if usable(a)]
-        decode = [a for a in self.pool.routable("decode") if usable(a)]
-        if prefill and decode:
-            first = self._choose(prefill, request, usable)
-            second = min(decode, key=self.pool.load)
-            self._count("routed_pair")
-            return Route("pair", first, second)
-        both = [a for a in self.pool.routable("both") if usable(a)]
-        if both:
-            self._count("routed_both")
-            return Route("both", self._choose(both, request, usable))
-        raise NoRoute("no routable worker (need a prefill + decode pair or a `both` replica)")
+    def counters(self) -> dict:
+        return self.client.counters
 
     def has_route(self) -> bool:
-        """A pair or a replica is routable now (the router's own health)."""
-        pool = self.pool
-        return bool(pool.routable("prefill") and pool.routable("decode")) or bool(
-            pool.routable("both")
-        )
-
-    def _choose(self, members: list[str], request, usable) -> str:
-        if self.policy == "round_robin":
-            return self._rr.pick(sorted(members), usable)
-        chosen, spilled = pick_bounded(
-            HashRing(sorted(members)), prefix_key(request), self.pool.load, usable, self.load_factor
-        )
-        if spilled:
-            self._count("spilled")
-        return chosen
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.counters[name] += 1
+        return self.client.has_route()
 
     # ---- Generate -----------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context):
@@ -127,68 +81,26 @@ class RouterService(pb_grpc.PagedJaxServicer):
         req.CopyFrom(request)
         req.request_id = request.request_id or uuid.uuid4().hex
         key = dict(context.invocation_metadata()).get(API_KEY)
-        metadata = ((API_KEY, key),) if key else None
-        tried: tuple[str, ...] = ()
-        for attempt in range(2):
-            try:
-                route = self.pick(req, exclude=tried)
-            except NoRoute as e:
-                context.set_trailing_metadata((("retry-after-ms", RETRY_AFTER_MS),))
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            relayed = yield from self._relay(route, req, metadata, context, retryable=attempt == 0)
-            if relayed:
-                return
-            tried += route.addresses
-            self._count("retried")
-
-    def _relay(self, route: Route, req, metadata, context, retryable: bool):
-        """Relay one attempt; returns False when it failed before any message and may be
-        retried, True when the call is over (or aborts the context)."""
-        timeout = time_left_s(context)
-        if not self.pool.acquire(*route.addresses):  # a worker left the pool since pick()
-            if retryable:
-                return False
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"workers {route.addresses} left")
-        if route.kind == "both":
-            call = self.pool.workers[route.prefill].generate.Generate(
-                req, timeout=timeout, metadata=metadata
-            )
-        else:
-            call = self.pool.workers[route.decode].kv.Decode(
-                kv_pb.DecodeRequest(request=req, kv_source=route.prefill),
-                timeout=timeout,
-                metadata=metadata,
-            )
-        context.add_callback(call.cancel)
-        sent = False
+        left_s = time_left_s(context)
         try:
-            for msg in call:
-                sent = True
-                yield msg
-            trailing = tuple(call.trailing_metadata() or ())
-            if trailing:  # e.g. the decode worker's x-pagedjax-kv-* transfer figures
-                context.set_trailing_metadata(trailing)
-            return True
-        except grpc.RpcError as e:
+            trailing = yield from self.client.generate(
+                req,
+                deadline_s=None if left_s is None else time.monotonic() + left_s,
+                metadata=((API_KEY, key),) if key else None,
+                on_call=lambda call: context.add_callback(call.cancel),
+                is_active=context.is_active,
+            )
+        except NoRoute as e:
+            context.set_trailing_metadata((("retry-after-ms", RETRY_AFTER_MS),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RouteFailed as e:
             if not context.is_active():
-                return True  # our client left: the callback cancelled the worker call
-            code = e.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self._mark_failed(route, e.details() or "")
-                if retryable and not sent:
-                    return False
-            trailing = tuple(e.trailing_metadata() or ())
-            if trailing:
-                context.set_trailing_metadata(trailing)
-            context.abort(code, e.details() or code.name)
-        finally:
-            self.pool.release(*route.addresses)
-
-    def _mark_failed(self, route: Route, details: str) -> None:
-        if route.kind == "pair" and details.startswith("prefill worker"):
-            self.pool.mark_down(route.prefill)
-        else:
-            self.pool.mark_down(route.decode or route.prefill)
+                return  # our client left: the callback cancelled the worker call
+            if e.trailing:
+                context.set_trailing_metadata(e.trailing)
+            context.abort(e.code, e.details)
+        if trailing:  # e.g. the decode worker's x-pagedjax-kv-* transfer figures
+            context.set_trailing_metadata(trailing)
 
     # ---- the other RPCs: any routable worker ---------------------------------------------------
     def _any(self, context):
@@ -232,7 +144,18 @@ class Router:
         revision: str = "",
         health_interval_s: float = 0.5,
         max_workers: int = 256,
+        http_port: int | None = None,
+        tokenizer=None,
+        tenants=None,
+        worker_api_key: str | None = None,
     ):
+        """`http_port` (None: no HTTP) with `tokenizer` (the workers'): the OpenAI-compatible
+        HTTP API over the same routing (serving/router_http.py), built in start()."""
+        if http_port is not None and tokenizer is None:
+            raise ValueError("http_port: needs the workers' tokenizer (--tokenizer)")
+        self.host, self.http_port, self.tokenizer = host, http_port, tokenizer
+        self._http_auth = {"tenants": tenants, "worker_api_key": worker_api_key}
+        self.http = None
         self.pool = WorkerPool(workers, revision, health_interval_s)
         self.service = RouterService(self.pool, policy)
         self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers, "router"))
@@ -249,6 +172,21 @@ class Router:
         self._update_health()  # from the first call on, not after one interval
         self.grpc_server.start()
         threading.Thread(target=self._publish_health, daemon=True).start()
+        if self.http_port is not None:
+            from serving.router_http import RouterHttp
+
+            try:
+                self.http = RouterHttp(
+                    self.service.client,
+                    self.tokenizer,
+                    host=self.host,
+                    port=self.http_port,
+                    **self._http_auth,
+                ).start()
+            except BaseException:
+                self.stop(0)  # no half-started router (the program exits with the error)
+                raise
+            self.http_port = self.http.port
         return self
 
     def _publish_health(self) -> None:
@@ -266,6 +204,8 @@ class Router:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stop.set()
+        if self.http is not None:
+            self.http.stop(grace_s)
         self.grpc_server.stop(grace_s).wait()
         self.pool.stop()
 
@@ -283,6 +223,12 @@ def define_flags() -> None:
     flags.DEFINE_enum("policy", "affinity", list(POLICIES), "how a worker is chosen")
     flags.DEFINE_string("revision", "", "serve only this model revision (default: the first seen)")
     flags.DEFINE_float("health_interval_s", 0.5, "seconds between health checks of a worker")
+    flags.DEFINE_integer("http_port", 0, "OpenAI-compatible HTTP API port (0: off)")
+    flags.DEFINE_string(
+        "tokenizer", "", "the workers' tokenizer for HTTP: tiny, smollm2-135m, a .gguf, a dir"
+    )
+    flags.DEFINE_string("tenants_config", None, "HTTP: tenants JSON (as the server's)")
+    flags.DEFINE_string("worker_api_key_file", None, "HTTP: the key the router presents")
     shared.define_log_level("info")
 
 
@@ -295,7 +241,21 @@ def main(argv) -> None:
         shared.check_target(f"workers[{i}]", target.removeprefix("dns:"))
     shared.check_port("port", FLAGS.port, FLAGS.host)
     shared.check_positive("health_interval_s", FLAGS.health_interval_s)
+    if FLAGS.http_port:
+        shared.check_port("http_port", FLAGS.http_port, FLAGS.host)
+        if not FLAGS.tokenizer:
+            raise shared.UsageError("tokenizer", "", "the workers' model, with --http_port")
     shared.setup_logging(FLAGS.log_level)
+    tokenizer, http_auth = None, {}
+    if FLAGS.http_port:
+        from serving.router_http import load_tokenizer, read_key
+        from serving.tenants import TenantRegistry
+
+        tokenizer = load_tokenizer(FLAGS.tokenizer)
+        http_auth = dict(
+            tenants=TenantRegistry.from_file(FLAGS.tenants_config),
+            worker_api_key=read_key("worker_api_key_file", FLAGS.worker_api_key_file),
+        )
     router = Router(
         FLAGS.workers,
         host=FLAGS.host,
@@ -303,7 +263,12 @@ def main(argv) -> None:
         policy=FLAGS.policy,
         revision=FLAGS.revision,
         health_interval_s=FLAGS.health_interval_s,
+        http_port=FLAGS.http_port or None,
+        tokenizer=tokenizer,
+        **http_auth,
     ).start()
+    if router.http is not None:
+        print(f"http on {router.http_port}", flush=True)
     print(f"routing on {router.port}", flush=True)
     for w in router.pool.snapshot():
         print(f"worker {w}", flush=True)

@@ -73,6 +73,7 @@ class ServerConfig:
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
     # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
     role: str = "both"
+    kv_transport: str = "grpc"  # or "jax": jax.experimental.transfer (kv_transfer_jax.py)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
 
@@ -159,7 +160,9 @@ class PagedJaxServer:
         )
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         # -- disaggregation: the KVTransfer service (Prefill / Decode / WorkerInfo)
-        self.kv_service = kv_transfer_service.install(self, config.role)
+        self.kv_service = kv_transfer_service.install(
+            self, config.role, config.kv_transport, config.host
+        )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -343,6 +346,13 @@ def define_flags() -> None:
     flags.DEFINE_enum(  # disaggregation: serving/kv_transfer_service.py
         "role", "both", list(kv_transfer_service.ROLES), "prefill, decode or both (replica)"
     )
+    flags.DEFINE_enum(
+        "kv_transport",
+        "grpc",
+        ["grpc", "jax"],
+        "K/V between workers: gRPC bytes, or "
+        "jax.experimental.transfer (falls back to gRPC with a peer that has none)",
+    )
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
@@ -469,6 +479,7 @@ def check_flags() -> None:
         shared.require("lora", FLAGS.lora, not FLAGS.engine_process, "not with --engine_process")
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
+    _check_role()  # disaggregation
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
@@ -478,6 +489,29 @@ def check_flags() -> None:
             FLAGS.model != "mock" or value == default,
             f"the mock engine runs only {default!r} (drop the flag or pass a real --model)",
         )
+
+
+def _check_role() -> None:
+    """-- disaggregation: K/V moves between workers that are one in-process EngineCore each
+    (engine/kv_engine.py wraps only that); refuse at start what every transfer would refuse."""
+    if FLAGS.role == "both":
+        return
+    why = (
+        "needs a real --model (the mock engine holds no K/V)"
+        if FLAGS.model == "mock"
+        else "not with --engine_process (K/V export/import runs beside the engine in this process)"
+        if FLAGS.engine_process
+        else "not with data replicas (--mesh=data:N): run one prefill/decode worker per replica"
+        if FLAGS.mesh and _mesh_sizes(FLAGS.mesh)["data"] > 1
+        else None
+    )
+    shared.require("role", FLAGS.role, why is None, why or "")
+
+
+def _mesh_sizes(spec: str) -> dict:
+    from engine.sharding import parse_mesh_spec
+
+    return parse_mesh_spec(spec)
 
 
 def _check_file(flag: str, path: str | None) -> None:
@@ -546,6 +580,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         http_port=FLAGS.http_port or None,
         engine_config={"model": FLAGS.model, **engine_config},
         role=FLAGS.role,
+        kv_transport=FLAGS.kv_transport,
     )
 
 
@@ -580,6 +615,9 @@ def main(argv) -> None:
         **build_kwargs,
     )
     engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
+    warmup = kv_transfer_service.with_transfer_warmup(
+        engine, warmup, FLAGS.role, FLAGS.kv_transport
+    )
     try:
         server = PagedJaxServer(
             engine,
@@ -600,9 +638,13 @@ def main(argv) -> None:
             compilation_cache_dir=FLAGS.compilation_cache_dir,
             **build_kwargs,
         )
+        engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
+        warm = kv_transfer_service.with_transfer_warmup(
+            engine, warm, FLAGS.role, FLAGS.kv_transport
+        )
         if warm is not None:
             warm()
-        return kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
+        return engine
 
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
     server.start()

@@ -64,6 +64,14 @@ def test_a_deployment_per_role_with_grpc_readiness_and_resources():
     router = container(deployments["pagedjax-router"])
     assert router["command"][-1] == "serving.router"
     assert router["readinessProbe"]["grpc"]["port"] == 50051
+    # the router's HTTP front tokenizes with the workers' model (serving/router_http.py)
+    models = {
+        a.split("=", 1)[1]
+        for name in ("pagedjax-prefill", "pagedjax-decode")
+        for a in container(deployments[name])["args"]
+        if a.startswith("--model=")
+    }
+    assert [a.split("=", 1)[1] for a in router["args"] if a.startswith("--tokenizer=")] == [*models]
 
 
 def test_services_select_their_pods_and_the_router_finds_the_workers():

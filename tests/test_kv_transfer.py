@@ -5,7 +5,9 @@ into B's own pages) gives the same greedy tokens as one engine, over a mixed bat
 ending mid-page and at a page boundary, shared prefixes, max_tokens 1..8). Pages are back on
 both sides afterwards, mismatched identities / KV dtypes / page sizes and corrupted bytes are
 refused, a cancel after import frees the pages, and a full decode engine falls back to
-recomputing (same tokens).
+recomputing (same tokens). The host copy and checksum of an export are not in the engine's
+step (they run on the thread that takes the export), and the warmed gather / scatter
+programs cover every transfer (nothing compiles).
 
 Both engines use one configuration (so one set of compiled step programs); B is also the
 single-engine reference.
@@ -187,3 +189,73 @@ def test_int8_kv_transfer_carries_scales(tiny_model):
     assert run(b, ers) == {k[:-1]: v for k, v in want.items()}
     assert_idle(a)
     assert_idle(b)
+
+
+def test_export_host_copy_is_not_in_the_engine_step(engines, monkeypatch):
+    from engine import kv_transfer
+
+    a, _ = engines
+    copies = []
+    finish = kv_transfer.PendingExport.finish
+
+    def recording_finish(self):
+        copies.append(self.meta.request_id)
+        return finish(self)
+
+    monkeypatch.setattr(kv_transfer.PendingExport, "finish", recording_finish)
+    ers = requests("-t")[:2]
+    for er in ers:
+        a.expect_export(er.request_id)
+        a.add_request(dataclasses.replace(er, sampling=prefill_sampling(er.sampling)))
+    engine_s = a.counters["kv_export_engine_s"]
+    run(a)  # the engine steps: gathers dispatched, no host copy
+    assert copies == [] and a.counters["kv_export_engine_s"] > engine_s
+    assert_idle(a)  # pages already free
+    payloads = [a.take_export(er.request_id, timeout_s=0) for er in ers]
+    assert copies == [er.request_id for er in ers]  # on the taker's thread
+    assert all(p.num_bytes > 0 for p in payloads)
+    payloads[0].verify()
+
+
+def test_warmed_transfer_programs_cover_every_transfer(tiny_model):
+    from engine.kv_transfer import _device_fns, transfer_buckets
+
+    cfg = EngineConfig(model="tiny", **OPTS)
+    a = KVTransferEngine(EngineCore(tiny_model, cfg))
+    b = KVTransferEngine(EngineCore(tiny_model, cfg))
+    gather, scatter = _device_fns()
+    assert transfer_buckets(a.core) == [1, 2, 4, 8]  # max_model_len 48 = 6 pages of 8
+    assert a.warm_transfer("prefill") == b.warm_transfer("decode") == 4
+    compiled = gather._cache_size(), scatter._cache_size()
+    ers = requests("-w")
+    for rid, p in prefill(a, ers).items():
+        b.stage(rid, p)
+    run(b, ers)
+    assert b.counters["kv_imports"] == len(ers)
+    assert (gather._cache_size(), scatter._cache_size()) == compiled  # nothing compiled
+    assert_idle(a)
+    assert_idle(b)
+
+
+@pytest.mark.subprocess
+def test_transfer_between_tensor_parallel_engines():
+    """mesh model:2 on 2 virtual CPU devices (tests/kv_transfer_mesh_worker.py): prefill on
+    A + decode on B == one engine, B's cache sharding kept, nothing compiled for imports."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "kv_transfer_mesh_worker.py")
+    out = subprocess.run(
+        [sys.executable, worker], capture_output=True, text=True, timeout=900, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {
+        "same": True,
+        "imports": 3,
+        "sharding_kept": True,
+        "num_devices": 2,
+        "compiles": 0,
+        "pages_used": [0, 0],
+    }, got

@@ -129,3 +129,84 @@ def test_wire_round_trip_and_corruption(workers):
     again[1] = kv_pb.KVChunk(data=bytes(data))
     with pytest.raises(KVChecksumError):
         receive_payload(again)
+
+
+def test_jax_transfer_transport_and_fallback_to_grpc(workers, tiny_model):
+    """--kv_transport=jax: a jax-enabled decode worker pulls device to device from a
+    jax-enabled prefill worker (no data chunks on the gRPC stream), and falls back to the
+    gRPC bytes with the grpc-only prefill worker of the `workers` fixture."""
+    ps_grpc, _ = workers
+    ref = engine(tiny_model)
+    with (
+        running_server(
+            engine(tiny_model),
+            admission=ADMISSION,
+            role="prefill",
+            capacity_probe=False,
+            kv_transport="jax",
+        ) as (pj, _),
+        running_server(
+            engine(tiny_model),
+            admission=ADMISSION,
+            role="decode",
+            capacity_probe=False,
+            kv_transport="jax",
+        ) as (dj, _),
+    ):
+        assert pj.kv_service.jax is not None and dj.kv_service.jax is not None
+        stub = kv_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{pj.port}"))
+        offer = list(
+            stub.Prefill(
+                build_request("hello", request_id="j0", max_tokens=5),
+                metadata=(("x-pagedjax-kv-transport", "jax"),),
+            )
+        )
+        assert [c.WhichOneof("part") for c in offer] == ["header", "trailer"]
+        assert offer[0].header.jax_address == pj.kv_service.jax.address
+        payload = dj.kv_service.jax.pull(offer[0].header, offer[1].trailer.sha256)
+        assert payload.on_device and payload.meta.request_id == "j0"
+        pulls = 0
+        for source, rid in ((pj, "j1"), (ps_grpc, "j2")):  # jax, then the gRPC fallback
+            for prompt in PROMPTS[:2]:
+                want = direct(ref, ref.tokenizer.encode(prompt), 10)
+                msgs = decode_call(
+                    f"127.0.0.1:{dj.port}", prompt, rid + prompt, f"127.0.0.1:{source.port}"
+                )
+                assert [t for m in msgs for t in m.token_ids] == want, (source, prompt)
+                pulls += 1
+        assert dj.loop.engine.counters["kv_imports"] == pulls
+        assert dj.kv_service.totals["kv_jax_pulls"] == 2  # the two from the jax worker
+        for s in (pj, dj, ps_grpc):
+            wait_for(lambda s=s: s.loop.last_stats.get("kv_pages_used") == 0, what="pages")
+
+
+def test_router_retries_a_pair_whose_prefill_worker_died_once_elsewhere(workers, tiny_model):
+    """A prefill worker that dies is taken out of routing; the request it would have
+    computed (the decode worker's pull failed before any output) goes once to another
+    prefill worker with the same decode worker, and its tokens are the engine's."""
+    from serving.router import Router
+
+    ps, ds = workers
+    ref = engine(tiny_model)
+    with running_server(
+        engine(tiny_model), admission=ADMISSION, role="prefill", capacity_probe=False
+    ) as (dying, _):
+        addresses = [f"127.0.0.1:{s.port}" for s in (dying, ps, ds)]
+        router = Router(addresses, health_interval_s=60).start()  # no re-check in the test
+        try:
+            client = router.service.client
+            prompt = next(
+                p
+                for p in (f"prompt {i}" for i in range(200))
+                if client.pick(build_request(p)).prefill == addresses[0]
+            )
+            dying.grpc_server.stop(0)
+            with GenerateClient(f"127.0.0.1:{router.port}") as c:
+                res = c.generate(prompt, max_tokens=6, temperature=0.0)
+            assert res.ok, (res.code, res.details)
+            assert res.token_ids == direct(ref, ref.tokenizer.encode(prompt), 6)
+            assert client.counters["retried"] == 1
+            assert not router.pool.is_routable(addresses[0])
+            assert router.pool.is_routable(addresses[1]) and router.pool.is_routable(addresses[2])
+        finally:
+            router.stop(0)

@@ -111,6 +111,7 @@ def cluster():
         replicas=1,
         worker_args=WORKER_ARGS,
         router_args=["--health_interval_s=0.2"],
+        http_port=0,  # the router's OpenAI-compatible HTTP front too
     ) as c:
         yield c
 
@@ -162,6 +163,38 @@ def test_router_pair_equals_one_engine_and_cancel_frees_pages(cluster, reference
         call = client.stream(build_request("cancel me", max_tokens=100, temperature=0.0))
         next(iter(call))
         call.cancel()
+    for w in cluster.workers:
+        wait_until(lambda w=w: worker_stats(w.address)["kv_pages_used"] == 0, 60, "pages freed")
+        assert worker_stats(w.address)["num_running"] == 0
+
+
+@pytest.mark.subprocess
+def test_router_http_pair_equals_one_engine_and_disconnect_frees_pages(cluster, reference):
+    import openai
+
+    from models.registry import tiny_tokenizer
+
+    want, identity = reference
+    tokenizer = tiny_tokenizer()
+    client = openai.OpenAI(base_url=cluster.http_url, api_key="none", max_retries=0)
+    exports = worker_stats(cluster.workers[0].address)["kv_exports"]
+    for prompt, ids, max_tokens in zip(PROMPTS[:1], want, MAX_TOKENS):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        kwargs = dict(model=identity.name, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        full = client.completions.create(**kwargs)
+        assert full.choices[0].text == text
+        assert full.usage.completion_tokens == len(ids)
+        assert full.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
+        chunks = client.completions.create(**kwargs, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    wait_until(  # every request went through the pair: one K/V export each
+        lambda: worker_stats(cluster.workers[0].address)["kv_exports"] == exports + 2, 30, "kv"
+    )
+    stream = client.completions.create(
+        model=identity.name, prompt="disconnect me", max_tokens=100, stream=True
+    )
+    next(iter(stream))
+    stream.close()  # the client goes away mid-stream
     for w in cluster.workers:
         wait_until(lambda w=w: worker_stats(w.address)["kv_pages_used"] == 0, 60, "pages freed")
         assert worker_stats(w.address)["num_running"] == 0
@@ -225,6 +258,8 @@ def test_router_and_kv_service_import_without_jax():
         ("serving.cluster", ["--replicas=-1"], "replicas"),
         ("serving.router", [], "workers"),
         ("serving.router", ["--workers=nohost"], "HOST:PORT"),
+        ("serving.router", ["--workers=127.0.0.1:1", "--http_port=8000"], "--tokenizer"),
+        ("serving.server", ["--model=mock", "--role=prefill"], "holds no K/V"),
     ],
 )
 def test_programs_refuse_bad_flags_with_one_line(module, args, says):

@@ -18,16 +18,20 @@ class KVArray(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("meta_json", "arrays", "total_bytes", "prefill_s")
+    __slots__ = ("meta_json", "arrays", "total_bytes", "prefill_s", "jax_address", "jax_uuid")
     META_JSON_FIELD_NUMBER: _ClassVar[int]
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    JAX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    JAX_UUID_FIELD_NUMBER: _ClassVar[int]
     meta_json: bytes
     arrays: _containers.RepeatedCompositeFieldContainer[KVArray]
     total_bytes: int
     prefill_s: float
-    def __init__(self, meta_json: _Optional[bytes] = ..., arrays: _Optional[_Iterable[_Union[KVArray, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    jax_address: str
+    jax_uuid: int
+    def __init__(self, meta_json: _Optional[bytes] = ..., arrays: _Optional[_Iterable[_Union[KVArray, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., jax_address: _Optional[str] = ..., jax_uuid: _Optional[int] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
     __slots__ = ("sha256",)
