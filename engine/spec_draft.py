@@ -21,8 +21,10 @@ target has K/V for, the draft has too, for the same tokens):
     rollback            as the target's: K/V past kv_len are stale, overwritten before read
 
 So a prefix-cache hit finds both models' K/V of the same tokens in its pages. NOTE: KV
-imported from another engine (engine/kv_transfer.py) fills only the target cache:
-speculation with a draft model is refused there (engine/spec_decode.py).
+imported from another engine (engine/kv_transfer.py) fills only the target cache, and
+this is not refused: such a request drafts from a draft cache with holes, which costs
+acceptance but never correctness (the rule is exact for whatever q the drafts were drawn
+from; the target's own K/V are complete).
 """
 
 from __future__ import annotations
