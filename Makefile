@@ -21,19 +21,13 @@ demo: install
 	$(VPY) -m serving.cli generate --model=smollm2-135m \
 	  --prompt="What is the capital of France?" --max_tokens=32 --temperature=0
 
-# NOTE: four pytest processes, not one: a single process that builds every test's XLA:CPU
-# programs crashed inside XLA about 300 tests in (see tests/conftest.py). They run in two
-# lanes at once, because most test time is single-threaded XLA compilation and the machine
-# has two cores: lane B prints as it runs, lane A's log (.test-lane-a.log) is printed after.
+# NOTE: many pytest processes, not one: a single process that builds every test's XLA:CPU
+# programs crashed inside XLA about 300 tests in (see tests/conftest.py). tests/lanes.py runs
+# groups of files as fresh processes on two lanes at once (most test time is single-threaded
+# XLA compilation and the machine has two cores), longest first by tests/durations.json
+# (`python -m tests.lanes --record` rewrites it), each group's output printed when it ends.
 test: install
-	@( $(VPY) -m pytest -q tests/test_[a-e]*.py; r1=$$?; \
-	   $(VPY) -m pytest -q tests/test_[f-l]*.py; r2=$$?; \
-	   exit $$((r1 || r2)) ) > .test-lane-a.log 2>&1 & lane_a=$$!; \
-	$(VPY) -m pytest -q tests/test_[m-r]*.py; r3=$$?; \
-	$(VPY) -m pytest -q tests/test_[s-z]*.py; r4=$$?; \
-	wait $$lane_a; r12=$$?; \
-	echo "---- lane A: tests/test_[a-l]*.py ----"; cat .test-lane-a.log; \
-	exit $$((r12 || r3 || r4))
+	$(VPY) -m tests.lanes --lanes=2
 
 # The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
 # the SmolLM2 + peft adapter oracle).

@@ -120,6 +120,7 @@ def section_burst(a) -> dict:
         server_args.append(f"--warmup_max_shapes={a.burst_warmup_max_shapes}")
     if a.burst_model == "mock":
         server_args.append(f"--mock_step_time_s={a.mock_step_time_s}")
+    server_args += [x for x in a.burst_server_args.split(",") if x]  # e.g. --layer_loop=scan
     out = reliability_burst.run(
         a.burst_model,
         a.burst_n,
@@ -392,6 +393,7 @@ def main(argv=None) -> int:
         help="1: the server runs its engine in a child process (--engine_process); 0: in-process",
     )
     p.add_argument("--burst_warmup_max_shapes", type=int, default=32)
+    p.add_argument("--burst_server_args", default="", help="more server flags, comma-separated")
     p.add_argument("--mock_step_time_s", type=float, default=0.05)
     p.add_argument("--soak_fake_n", type=int, default=10_000)
     p.add_argument("--soak_model_n", type=int, default=1_000)

@@ -19,6 +19,13 @@ Variants, each one compiled program timed by its median over warm runs:
 `step - no_attention` is attention + KV write; `step_full - step` the full sampler's cost;
 `no_attention - forward_only` the greedy sampler's. Each figure: median wall ms and median
 process CPU ms (the steadier one on a shared machine), with the load average.
+
+Compute floor in CPU time (`--floor`, on by default): a 2048^3 float32 matmul is timed in the
+same process (median process CPU time), and each variant is printed as `floor/CPU`: the
+case's FLOPs (`ModelConfig.flops_per_token` of every real token at its context) at that
+matmul's FLOP per CPU-second, over the variant's CPU time. Wall-clock floors swing 2x with
+the machine's load; this ratio is what engine_bench's "compute floor / step" would be on an
+otherwise idle machine, and `forward_only`'s is the ceiling the rest of the step can reach.
 """
 
 from __future__ import annotations
@@ -140,12 +147,33 @@ def _median_s(fn, iters: int) -> tuple[float, float, float]:
     return statistics.median(walls), statistics.median(cpus), first_s
 
 
+def matmul_flop_per_cpu_s(n: int = 2048, iters: int = 5) -> float:
+    """float32 matmul FLOP per process-CPU second of an n^3 product (this machine, now)."""
+    m = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    matmul = jax.jit(lambda a, b: a @ b)
+    _, cpu_s, _ = _median_s(lambda: matmul(m, m), iters)
+    return 2 * n**3 / cpu_s
+
+
+def case_flops(cfg, case: Case) -> float:
+    """Forward FLOPs of the case's real tokens, each at its own context (engine_bench's
+    compute floor counts the same)."""
+    contexts = list(case.decode_contexts)
+    for start, n in case.prefill:
+        contexts += range(start + 1, start + n + 1)
+    return sum(cfg.flops_per_token(c) for c in contexts)
+
+
 def _stub_attention(q, k, v, layer, cache):
     return q, cache
 
 
-def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop: str) -> dict:
+def profile_case(
+    model, case: Case, iters: int, variants: list[str], layer_loop: str, flop_per_cpu_s=None
+) -> dict:
+    """Times each variant; with `flop_per_cpu_s`, also its fraction of the compute floor."""
     cfg, params = model.config, layer_layout(model.params, layer_loop)
+    floor_cpu_s = case_flops(cfg, case) / flop_per_cpu_s if flop_per_cpu_s else None
     batch, shape, num_pages = make_batch(case)
     kv = PagedKVCache.zeros(cfg, num_pages + 1, PAGE_SIZE)
     counts = jnp.zeros((1, 1), jnp.int32)
@@ -195,8 +223,12 @@ def profile_case(model, case: Case, iters: int, variants: list[str], layer_loop:
             t, cpu, first = _median_s(runners[name], iters)
         out[name + "_ms"], out[name + "_cpu_ms"] = 1e3 * t, 1e3 * cpu
         out[name + "_first_call_s"] = first
+        ratio = ""
+        if floor_cpu_s:
+            out[name + "_floor_over_cpu"] = floor_cpu_s / cpu
+            ratio = f", floor/CPU {floor_cpu_s / cpu:.2f}"
         print(
-            f"    {name}: {1e3 * t:.1f} ms wall, {1e3 * cpu:.1f} ms CPU, first call "
+            f"    {name}: {1e3 * t:.1f} ms wall, {1e3 * cpu:.1f} ms CPU{ratio}, first call "
             f"{first:.1f} s (load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
@@ -211,6 +243,7 @@ def parse_args(argv):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--layer_loop", default="auto", choices=LAYER_LOOPS)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--no_floor", action="store_true", help="skip the 2048^3 matmul floor")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.iters = "tiny", 2
@@ -225,10 +258,20 @@ def main(argv=None) -> dict:
     cases = SMOKE_CASES if args.smoke else CASES
     names = args.cases.split(",") if args.cases else list(cases)
     results = {}
+    flop_per_cpu_s = None
+    if not args.no_floor:
+        flop_per_cpu_s = matmul_flop_per_cpu_s(256 if args.smoke else 2048)
+        results["matmul_gflop_per_cpu_s"] = flop_per_cpu_s / 1e9
+        print(f"  matmul floor: {flop_per_cpu_s / 1e9:.0f} GFLOP per CPU-second", flush=True)
     for name in names:
         print(f"  {name}:", flush=True)
         results[name] = profile_case(
-            model, cases[name], args.iters, args.variants.split(","), args.layer_loop
+            model,
+            cases[name],
+            args.iters,
+            args.variants.split(","),
+            args.layer_loop,
+            flop_per_cpu_s,
         )
     return results
 

@@ -20,7 +20,10 @@ padding every decode to a prefill chunk. Padding rows write their K/V to the nul
 Persistent batch state (vLLM v1's InputBatch): a request holds a *slot* in [0, max_num_seqs)
 from its admission to its end or preemption. `BatchBuilder` keeps per-slot numpy rows of
 the page table and the sampling parameters and writes a row only when it changes (a new
-request, new pages); a step's arrays are then numpy gathers by slot, not per-row Python.
+request, new pages); a step's arrays are then numpy gathers by slot, not per-row Python:
+the plan is read in one pass into an [n, 6] int32 array (slot, start, new tokens, output
+index, samples, known tokens; `_plan_columns`), which also writes the page-table rows that
+grew, and every field is filled from it with whole-array operations.
 
 Tokens the host does not know yet: with overlapped steps a decode's input is the token the
 previous step sampled, still on the device. Such a row has `token_slots[row] = slot` and
@@ -256,7 +259,7 @@ class BatchBuilder:
         self.eos_token_ids = tuple(eos_token_ids)
         self.fit_shape = fit_shape
         self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
-        self.num_pages = np.zeros(S, np.int32)  # [S] filled entries of each row
+        self.num_pages = [0] * S  # [S] filled entries of each row (a list: read per row)
         self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
         # [S] per-slot needs that pick the compiled sampler variant (engine/core.py)
         self.needs_full = np.zeros(S, bool)
@@ -289,7 +292,7 @@ class BatchBuilder:
             self._free_slots.append(slot)
 
     def _sync_pages(self, slot: int, page_ids: list[int]) -> None:
-        n = int(self.num_pages[slot])
+        n = self.num_pages[slot]
         if len(page_ids) > n:  # a request's page table only grows while it holds a slot
             self.page_table[slot, n : len(page_ids)] = page_ids[n:]
             self.num_pages[slot] = len(page_ids)
@@ -299,41 +302,32 @@ class BatchBuilder:
         """`scheduled`: the plan's ScheduledRequest list (each request holds a slot);
         `fit_shape` overrides the builder's (speculative steps: engine/spec_decode.py)."""
         ps = self.page_size
-        n = len(scheduled)
-        slots = np.empty(n, np.int32)
-        starts = np.empty(n, np.int32)
-        out_index = np.empty(n, np.int32)
-        samples = np.empty(n, bool)
-        num_new = np.empty(n, np.int32)
-        tokens = np.empty(n, np.int32)  # decode rows: the input token, -1 = on device
-        for i, s in enumerate(scheduled):
-            req = s.request
-            slot = self.slot_of[req.request_id]
-            self._sync_pages(slot, req.page_ids)
-            slots[i], starts[i], out_index[i], samples[i] = slot, s.start, s.output_index, s.samples
-            num_new[i] = s.num_new_tokens
-            if s.num_new_tokens == 1:
-                known = req.all_token_ids
-                tokens[i] = known[s.start] if s.start < len(known) else -1
+        cols = self._plan_columns(scheduled)  # [n, 6]
+        slots, starts, num_new, out_index = cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3]
+        samples = cols[:, 4].astype(bool)
         is_decode = num_new == 1
         d = np.flatnonzero(is_decode)
         p = np.flatnonzero(~is_decode)
-        chunks = [scheduled[i] for i in p]
-        num_prefill_tokens = sum(s.num_new_tokens for s in chunks)
+        # decode rows: the input token when the host knows it, else -1 (on the device)
+        tokens = np.full(len(d), -1, np.int32)
+        for j in np.flatnonzero(starts[d] < cols[d, 5]).tolist():
+            i = int(d[j])
+            tokens[j] = scheduled[i].request.all_token_ids[int(starts[i])]
+        chunks = [scheduled[i] for i in p.tolist()]
         ends = starts + num_new
         needed = BatchShape(
             num_decode=len(d),
-            num_prefill_tokens=num_prefill_tokens,
+            num_prefill_tokens=int(num_new[p].sum()),
             num_prefill_seqs=len(p),
             pages_per_seq=int(-(-ends.max() // ps)),
-            max_query_len=max((s.num_new_tokens for s in chunks), default=0),
+            max_query_len=int(num_new[p].max()) if len(p) else 0,
         )
         shape = (fit_shape or self.fit_shape)(needed)
         batch = StepBatch.zeros(shape)
-        self._fill_decode(batch, slots[d], starts[d], tokens[d])
+        self._fill_decode(batch, slots[d], starts[d], tokens)
         self._fill_prefill(batch, shape, chunks, slots[p], starts[p])
         Sd = shape.num_decode
-        sampler_rows = np.empty(n, np.int32)
+        sampler_rows = np.empty(len(cols), np.int32)
         sampler_rows[d] = np.arange(len(d))
         sampler_rows[p] = Sd + np.arange(len(p))
         self._fill_sampling(batch, sampler_rows, slots, out_index, samples)
@@ -346,6 +340,22 @@ class BatchBuilder:
             penalties=bool(self.needs_penalties[slots].any()),
             logprobs=bool(self.needs_logprobs[slots].any()),
         )
+
+    def _plan_columns(self, scheduled) -> np.ndarray:
+        """[n, 6] int32 (slot, start, num_new_tokens, output_index, samples, known tokens)
+        of each scheduled request, in one pass that also writes the page-table rows that
+        grew (host time, #20: no per-row numpy stores)."""
+        slot_of, num_pages, flat = self.slot_of, self.num_pages, []
+        extend = flat.extend
+        for s in scheduled:
+            req = s.request
+            slot = slot_of[req.request_id]
+            if len(req.page_ids) != num_pages[slot]:
+                self._sync_pages(slot, req.page_ids)
+            extend(
+                (slot, s.start, s.num_new_tokens, s.output_index, s.samples, req.num_known_tokens)
+            )
+        return np.array(flat, np.int32).reshape(-1, 6)
 
     def _fill_decode(self, b: StepBatch, slots, starts, tokens) -> None:
         nd, ps, P = len(slots), self.page_size, b.page_table_d.shape[1]

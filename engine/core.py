@@ -37,8 +37,9 @@ mask needs the token sampled the step before, on the host, before the next step 
 dispatched. While any constrained request is in the engine, `step()` first waits for the
 step in flight and then runs synchronously (every row of the batch, free ones too: their
 tokens are unchanged, only the overlap is lost); with none left it overlaps again. Such
-steps pass a [rows, ceil(V/32)] int32 bitmask to the jitted step, a separate compiled
-variant (not built by warm-up: the first constrained step of a shape compiles it).
+steps pass a [rows, ceil(V/32)] int32 bitmask to the jitted step's "full" sampler program,
+which every non-greedy step runs with an all-ones mask anyway (engine/shapes.py), so a
+constrained step needs no program of its own.
 
 Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
 The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
@@ -79,10 +80,10 @@ from engine.sampling import (
     uses_penalties,
 )
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.shapes import ShapeSet
+from engine.shapes import ShapeSet, sampler_variants
 from engine.spec_decode import SpecDecoder
 from engine.step import NONFINITE_TOKEN, engine_step
-from engine.structured_matcher import StructuredRequests
+from engine.structured_matcher import StructuredRequests, bitmask_width
 from models.llama import LayerWeights, cast_params, layer_layout
 from models.registry import engine_model
 
@@ -170,9 +171,15 @@ class EngineCore:
             if self.mesh is None
             else (lambda x: sharding.replicate(x, self.mesh))
         )
-        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
         self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
+        # ---- shapes (#21.3): the token counts exist from the start (the "full" sampler
+        # program always applies penalties), so every step program has one signature.
         self._penalties_ready = False
+        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
+        if self.mesh is None:  # NOTE: see full_program for the mesh case
+            self.init_penalty_state()
+        self._all_allowed: dict[int, np.ndarray] = {}  # rows -> all-ones token bitmask
+        # ---- end shapes ----
         self.adapters = self._adapter_manager(model, kv_sharding)  # LoRA; None: max_loras=0
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -281,22 +288,26 @@ class EngineCore:
         if plan.is_empty:
             self.timings.schedule_s += time.perf_counter() - t0
             return None
+        slot_of = self.builder.slot_of  # host2 (#20): slot work only for new requests
         for s in plan.scheduled:
-            self._take_slot(s.request)
+            if s.request.request_id not in slot_of:
+                self._take_slot(s.request)
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
-        # NOTE: penalties ride on the full sampler: three variants (greedy, full, full with
-        # penalties) are what warm-up builds. Flags never change a row's token.
-        flags = FULL_FLAGS if built.full_sampler or built.penalties else GREEDY_FLAGS
         try:
-            bitmask = self._token_bitmask(plan, built)
+            # NOTE: two sampler programs per shape, what warm-up builds (engine/shapes.py
+            # sampler_variants); flags never change a row's token.
+            flags, use_penalties, bitmask = self._sampler_program(
+                built, self._token_bitmask(plan, built)
+            )
             # NOTE: no speculation while constrained requests run (step() checks), so a
             # step with a bitmask never takes the speculative path.
             spec_run = None if spec is None else spec.run(plan, built, flags is FULL_FLAGS)
             if spec_run is not None:  # speculative decoding: drafts verified in this step
                 return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
-            packed = self.run_step(built.batch, built.shape, flags, built.penalties, bitmask)
+            packed = self.run_step(built.batch, built.shape, flags, use_penalties, bitmask)
+            self._check_compiles(built.shape, flags)  # the dispatch built it, if anything
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
             return None
@@ -321,10 +332,11 @@ class EngineCore:
         now = time.monotonic()
         if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
             self._fail_nonfinite(step.plan, tokens, now, outputs)
+        # host2 (#20): finished requests' tokens are left in; update_after_step skips them
         sampled = {
             s.request.request_id: t
             for s, t in zip(step.plan.scheduled, tokens.tolist())
-            if s.samples and not s.request.is_finished
+            if s.samples
         }
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
@@ -340,7 +352,6 @@ class EngineCore:
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2
         self.timings.num_steps += 1
-        self._check_compiles(step.built.shape)
 
     def _fail_nonfinite(self, plan: SchedulerOutput, tokens, now: float, outputs) -> None:
         """Requests whose logits held NaN/inf (flagged on device: NONFINITE_TOKEN) end
@@ -358,13 +369,61 @@ class EngineCore:
         self.num_failed_steps += 1
         outputs += self.outputs.fail(plan, e, time.monotonic())
 
-    def _check_compiles(self, shape: BatchShape) -> None:
+    def _check_compiles(self, shape: BatchShape, flags: SamplingFlags) -> None:
+        """Logs each program built after warm-up once, with the step that built it (what
+        the server's pagedjax_compiles_after_warmup_total counts)."""
         if self._compiles_at_warmup is None:
             return
         after = compiles.count() - self._compiles_at_warmup
         if after > self._logged_compiles:
+            log.warning(
+                "%d program(s) compiled after warm-up (step shape %s, %s sampler)",
+                after - self._logged_compiles,
+                shape,
+                "greedy" if flags.all_greedy else "full",
+            )
             self._logged_compiles = after
-            log.warning("a program compiled after warm-up (step shape %s)", shape)
+
+    # ---- shapes (#21.3): which of a shape's two programs a step runs --------------------
+    def _sampler_program(self, built: BuiltStep, bitmask: np.ndarray | None) -> tuple:
+        """(flags, use_penalties, token_bitmask) of a step: "greedy" (argmax only) when the
+        shape is decode-only and every row is greedy, unconstrained, without logprobs or
+        penalties; else "full", which always applies penalties (neutral for rows without)
+        and a token bitmask (all tokens allowed when no row is constrained), so one program
+        per shape serves every other request (engine/shapes.py sampler_variants)."""
+        greedy_ok = "greedy" in sampler_variants(built.shape) or self.mesh is not None
+        if greedy_ok and not (built.full_sampler or built.penalties or bitmask is not None):
+            return GREEDY_FLAGS, False, None
+        use_penalties, all_allowed = self.full_program(built.shape)
+        return (
+            FULL_FLAGS,
+            use_penalties or built.penalties,
+            all_allowed if bitmask is None else bitmask,
+        )
+
+    def full_program(self, shape: BatchShape) -> tuple[bool, np.ndarray | None]:
+        """(use_penalties, token_bitmask) of the "full" program an unconstrained step runs.
+        NOTE: with a mesh the sampler programs stay as they were before the shape set was
+        made small (greedy on every shape, penalties and the bitmask variants of their own,
+        compiled on first use, token counts allocated on first use): the sharded step's
+        full sampler crashed XLA:CPU's compiler on a greedy workload (an
+        optimization_barrier cast check, tests/test_multihost.py); not investigated."""
+        if self.mesh is not None:
+            return False, None
+        return True, self.all_allowed(shape)
+
+    def all_allowed(self, shape: BatchShape) -> np.ndarray:
+        """[Sd + Sp, ceil(V/32)] int32 all ones: the full program's bitmask when no row is
+        constrained (numpy, like structured output's own masks: one jit signature)."""
+        rows = shape.num_decode + shape.num_prefill_seqs
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            mask = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
+            mask.flags.writeable = False
+            self._all_allowed[rows] = mask
+        return mask
+
+    # ---- end shapes ----
 
     def _token_bitmask(self, plan: SchedulerOutput, built: BuiltStep) -> np.ndarray | None:
         """[Sd + Sp, ceil(V/32)] int32 allowed tokens of the sampler rows (structured output),
@@ -414,7 +473,13 @@ class EngineCore:
         )
         return packed
 
-    def compile_step(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> None:
+    def compile_step(
+        self,
+        shape: BatchShape,
+        flags: SamplingFlags,
+        use_penalties: bool,
+        token_bitmask: np.ndarray | None = None,
+    ) -> None:
         """Build the step program of `shape` (compile, or load from the persistent cache)
         without running it: `jit.lower(...).compile()` fills the cache a call then uses."""
         engine_step.lower(
@@ -426,6 +491,7 @@ class EngineCore:
             StepBatch.zeros(shape).pack(),
             **self._static_args(shape, flags, use_penalties),
             lora=self._lora_inputs(None, shape),
+            **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
         ).compile()
 
     def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
@@ -562,6 +628,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
             "num_step_shapes": len(self.shapes),
+            "num_step_programs": sum(len(sampler_variants(s)) for s in self.shapes.shapes),
             "num_compiled_steps": compiles.count("engine_step"),  # in this process
             "warmup_s": self.warmup_s,
             "compiles_after_warmup": (

@@ -109,23 +109,39 @@ class KVPayload:
     arrays: dict[str, np.ndarray]  # KV_FIELDS present in the cache, each [L, K, n, ps(, hd)]
     checksum: str  # hex sha256 (payload_checksum)
     # jax.experimental.transfer (serving/kv_transfer_jax.py): `arrays` are device arrays
-    # padded to the page-count bucket, and the checksum covers the metadata only
+    # padded to the page-count bucket, and the checksum covers the metadata and
+    # `device_digest` (engine/kv_digest.py: the sender's digest of the arrays; "" = none)
     on_device: bool = False
+    device_digest: str = ""
 
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
     def verify(self) -> None:
-        got = payload_checksum(self.meta, {} if self.on_device else self.arrays)
+        got = payload_checksum(self.meta, {} if self.on_device else self.arrays, self.device_digest)
         if got != self.checksum:
             raise KVChecksumError(
                 f"KV payload of {self.meta.request_id!r}: checksum {got} != sent {self.checksum}"
             )
 
+    def verify_device_digest(self) -> None:
+        """The pulled arrays' digest against the sender's (on_device payloads that carry
+        one): a reduction on this device, no host copy of the pages."""
+        from engine.kv_digest import device_digest
 
-def payload_checksum(meta: KVMeta, arrays: dict[str, np.ndarray]) -> str:
+        got = device_digest(self.arrays)
+        if got != self.device_digest:
+            raise KVChecksumError(
+                f"KV pages of {self.meta.request_id!r}: device digest {got} != sent "
+                f"{self.device_digest}"
+            )
+
+
+def payload_checksum(meta: KVMeta, arrays: dict[str, np.ndarray], device_digest: str = "") -> str:
     h = hashlib.sha256(meta.to_json())
+    if device_digest:
+        h.update(device_digest.encode())
     for name in KV_FIELDS:
         if name in arrays:
             h.update(name.encode())
@@ -262,12 +278,17 @@ def _zero_pages(kv, n: int, on_device: bool):
     return PagedKVCache(*(zeros(getattr(kv, name)) for name in KV_FIELDS))
 
 
+def _arrays_of(kv) -> dict:
+    return {n: getattr(kv, n) for n in KV_FIELDS if getattr(kv, n) is not None}
+
+
 def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool = False) -> int:
     """Compile the gather (prefill side) and / or scatter (decode side) program of every
     bucket, so no transfer compiles while serving. Engine thread: the scatter replaces
     `core.kv`, writing zeros into the null page only (nobody reads it). Returns the number
     of programs run. `on_device`: the scatter of device arrays too (the jax transport's
-    pulled pages; another jit cache entry than host arrays)."""
+    pulled pages; another jit cache entry than host arrays) and the device digest of the
+    pages (engine/kv_digest.py) on either side."""
     import jax
 
     gather_fn, scatter_fn = _device_fns()
@@ -279,6 +300,11 @@ def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool
             runs += 1
         for device in ((False, True) if on_device else (False,)) if scatter else ():
             core.kv = scatter_fn(core.kv, ids, _zero_pages(core.kv, n, device))
+            runs += 1
+        if on_device:  # the jax transport's digest of the offered / pulled pages
+            from engine.kv_digest import device_digest
+
+            device_digest(_arrays_of(_zero_pages(core.kv, n, True)))
             runs += 1
     jax.block_until_ready(core.kv)
     return runs

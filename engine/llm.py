@@ -93,7 +93,11 @@ class LLM:
         (`compilation_cache_dir`, default engine/compilation_cache.py: ~/.cache/pagedjax/xla;
         "" turns it off), so the next `LLM(...)` on this machine loads it.
         `warmup=True` builds every program up front (a server's choice: no compile while
-        serving)."""
+        serving): 2 per decode-only shape and 1 per prefill shape of the engine's shape set
+        (`max_step_shapes`, engine/shapes.py; 48 programs for 32 shapes), several minutes
+        on a 2-core CPU the first time, seconds once they are in the cache. NOTE: the
+        default stays False because a notebook's first cell runs a handful of shapes, not
+        the whole set; a later shape costs one compile stall in that call, not an error."""
         from engine.compilation_cache import enable as enable_compilation_cache
         from models.registry import load_model
         from models.source import check_model_source

@@ -181,7 +181,7 @@ class Scheduler:
         budget = self._schedule_running(now_s, budget, scheduled, preempted)
         if not preempted:
             self._admit_waiting(now_s, budget, scheduled)
-        total = sum(s.num_new_tokens for s in scheduled)
+        total = sum([s.num_new_tokens for s in scheduled])  # a list: cheaper than a generator
         assert total <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return SchedulerOutput(
@@ -197,16 +197,20 @@ class Scheduler:
         preempted since this plan (waiting again) still receives its token: it was sampled
         from its whole context before the preemption."""
         received = []
+        # host time (#20): properties read once per row; no prefix-cache call when off
+        caching = self.pool.enable_prefix_caching
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
         for s in output.scheduled:
             request = s.request
             if s.samples:
                 request.num_pending_outputs -= 1
-            if request.is_finished:  # ended between schedule() and now (finish_request)
+            status = request.status
+            if status is finished:  # ended between schedule() and now (finish_request)
                 continue
-            if request.status is RequestStatus.RUNNING:
+            if caching and status is running:
                 self.pool.cache_full_pages(request)
             if s.samples:
-                assert request.num_output_tokens == s.output_index, request.request_id
+                assert len(request.output_token_ids) == s.output_index, request.request_id
                 request.append_output_token(sampled_token_ids[request.request_id], now_s)
                 received.append(request)
         return received
@@ -230,7 +234,8 @@ class Scheduler:
         while order and budget > 0:
             request = order.popleft()
             num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
-            num_new += self._spec_tokens_fitting(request, num_new, budget)
+            if request.spec_token_ids:  # host time (#20): the call only with drafts
+                num_new += self._spec_tokens_fitting(request, num_new, budget)
             while not self._grow_pages(request, num_new):
                 if request.spec_token_ids:  # drafts never preempt anyone: drop them
                     num_new -= len(request.spec_token_ids)
@@ -278,9 +283,12 @@ class Scheduler:
         if request.first_scheduled_s is None:
             request.first_scheduled_s = now_s
         start = request.num_computed_tokens
-        drafts, request.spec_token_ids = tuple(request.spec_token_ids), []
+        drafts = ()
+        if request.spec_token_ids:  # host time (#20): no new list per request per step
+            drafts, request.spec_token_ids = tuple(request.spec_token_ids), []
+        num_outputs = len(request.output_token_ids)
         samples = start + num_new == request.num_tokens + len(drafts)
-        output_index = request.num_output_tokens + request.num_pending_outputs
+        output_index = num_outputs + request.num_pending_outputs
         request.num_computed_tokens += num_new
         request.num_pending_outputs += samples
         return ScheduledRequest(
@@ -312,9 +320,10 @@ class Scheduler:
 
     def _grow_pages(self, request: Request, num_new: int) -> bool:
         """Make the page table cover num_computed + num_new tokens; False if no room."""
-        num_pages = self.pool.pages_for_tokens(request.num_computed_tokens + num_new) - len(
-            request.page_ids
-        )
+        num_tokens = request.num_computed_tokens + num_new
+        if num_tokens <= len(request.page_ids) * self.pool.page_size:  # host time (#20)
+            return True
+        num_pages = self.pool.pages_for_tokens(num_tokens) - len(request.page_ids)
         if num_pages <= 0:
             return True
         pages = self.pool.allocate(num_pages)

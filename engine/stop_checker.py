@@ -56,9 +56,15 @@ class StopChecker:
         self.params = sampling_params
         self._grammar_done = grammar_done
         self.detokenizer = detokenizer
-        self._stop_ids = set(sampling_params.stop_token_ids)
+        self.stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
-            self._stop_ids |= set(eos_token_ids)
+            self.stop_ids |= set(eos_token_ids)
+        # host time (#20): what engine/outputs.py's per-step fast path reads. `plain`: no
+        # stop string and no grammar, so a token that is not a stop id and stays below
+        # max_tokens only counts (add_token's first and last rules decide everything).
+        self.plain = not sampling_params.stop and grammar_done is None
+        self.max_tokens = sampling_params.max_tokens
+        self.min_tokens = sampling_params.min_tokens
         self._held = ""  # text that may be the start of a stop string
         self.num_output_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -66,7 +72,7 @@ class StopChecker:
     def ends_on(self, token_id: int) -> bool:
         """Whether `token_id`, as the next output, ends the request as a stop id (rule 1):
         such a token is never detokenized (engine/outputs.py batches the others)."""
-        return token_id in self._stop_ids and self.num_output_tokens >= self.params.min_tokens
+        return token_id in self.stop_ids and self.num_output_tokens >= self.min_tokens
 
     def add_token(self, token_id: int, text: str | None = None) -> StopResult:
         """Account for one sampled token; returns the text to emit and the finish reason.
@@ -76,7 +82,7 @@ class StopChecker:
             raise RequestFinishedError(self.num_output_tokens)
         index = self.num_output_tokens
         self.num_output_tokens += 1
-        if token_id in self._stop_ids and index >= self.params.min_tokens:
+        if token_id in self.stop_ids and index >= self.min_tokens:
             return self._finish("stop", self.flush())
         if text is None:
             text = self.detokenizer.add_token(token_id)
@@ -95,6 +101,16 @@ class StopChecker:
             return self._finish("length", text + self.flush())
         return StopResult(text, None)
 
+    def continues(self, token_id: int) -> bool:
+        """add_token's common case in one test, for a token whose text the caller emits
+        as is: a plain request, a token that is not a stop id, below max_tokens. Then the
+        token is counted and True returned; False changes nothing (call add_token)."""
+        n = self.num_output_tokens + 1
+        if self.plain and n < self.max_tokens and token_id not in self.stop_ids:
+            self.num_output_tokens = n
+            return True
+        return False
+
     def flush(self) -> str:
         """The held-back text (for a request ending for any other reason)."""
         text, self._held = self._held, ""
@@ -102,6 +118,7 @@ class StopChecker:
 
     def _finish(self, reason: FinishReason, text: str) -> StopResult:
         self.finish_reason = reason
+        self.plain = False  # continues() no longer applies: add_token raises
         self._held = ""
         return StopResult(text, reason)
 

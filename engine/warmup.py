@@ -1,18 +1,24 @@
 """Warm-up: build every program the engine can run while serving, before it serves.
 
-The programs are
-    the step, for every shape of the engine's ShapeSet (engine/shapes.py: every batch is
-      padded to one of them) x each sampler variant: "greedy" (all rows greedy, no
-      logprobs), "full" (any sampling or logprobs), "penalties" (full + token counts);
-    the penalty state: its allocation and the per-slot reset (one program: token lists are
-      padded to max_model_len).
+The programs (engine/shapes.py holds the design):
+    the step, for every shape of the engine's ShapeSet (every batch is padded to one of
+      them) x each sampler variant the shape can run (`sampler_variants`): "greedy" and
+      "full" for a decode-only shape, "full" for a shape with a prefill. "full" covers
+      sampling, top-k/top-p, logprobs, penalties and structured output's token bitmask, so
+      no request needs a program of its own. With the server's default config (32
+      sequences, 512 tokens, 8,192-token context, --warmup_max_shapes 32) that is 16
+      decode-only + 16 prefill shapes = 48 step programs;
+    the penalty state's per-slot reset (one program: token lists padded to max_model_len).
+LoRA adapters ride in the step's arguments (same programs). Not built here: speculative
+verify steps (engine/spec_decode.py's own shape set) and KV transfer gather/scatter
+(engine/kv_transfer.py), which their features warm.
 Each program is built ahead of time (`jit.lower(...).compile()` with the engine's own
 arguments, which fills the cache a call uses) without running it, so warm-up costs only
 compile (or persistent-cache load) time, on `default_workers()` threads at once (XLA
 compiles without the interpreter lock); `execute=True` runs each step once on an
 all-padding batch instead (what a multi-host leader needs: its followers build their
 programs when it announces the steps). After `warmup` nothing compiles:
-`EngineCore.stats()["compiles_after_warmup"]` stays 0 (tests/test_engine_overlap.py drives
+`EngineCore.stats()["compiles_after_warmup"]` stays 0 (tests/test_warmup_shapes.py drives
 a random workload to check it). With JAX's persistent compilation cache
 (engine/compilation_cache.py) a second start loads these programs from disk instead.
 """
@@ -20,7 +26,6 @@ a random workload to check it). With JAX's persistent compilation cache
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import os
 import time
@@ -31,11 +36,11 @@ import numpy as np
 from engine import compilation_cache
 from engine.batch import BatchShape, StepBatch
 from engine.sampling import FULL_FLAGS, GREEDY_FLAGS
-from engine.shapes import reachable_shapes  # noqa: F401  (re-exported: the full product)
+from engine.shapes import reachable_shapes, sampler_variants  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
-SAMPLER_VARIANTS = ("greedy", "full", "penalties")
+SAMPLER_VARIANTS = ("greedy", "full")
 dummy_batch = StepBatch.zeros  # an all-padding batch of a shape
 
 
@@ -49,44 +54,56 @@ def warmup(
     workers: int | None = None,
 ) -> float:
     """Builds the step for `shapes` (default: the engine's whole ShapeSet, or its
-    `max_shapes` cheapest) and each variant in `sampling`; returns and logs the seconds.
+    `max_shapes` cheapest) in each variant of `sampling` a shape can run (a shape with a
+    prefill always gets "full": it has no other); returns and logs the seconds.
     `workers`: programs built at once (default `default_workers()`)."""
-    variants = {
-        "greedy": (GREEDY_FLAGS, False),
-        "full": (FULL_FLAGS, False),
-        "penalties": (FULL_FLAGS, True),
-    }
-    unknown = set(sampling) - set(variants)
+    unknown = set(sampling) - set(SAMPLER_VARIANTS)
     if unknown:
         raise ValueError(f"sampling={sampling!r}: unknown variants {sorted(unknown)}")
     if shapes is None:
         shapes = engine.shapes.shapes[:max_shapes]
     t0 = time.perf_counter()
-    programs = [(shape, *variants[name]) for shape, name in itertools.product(shapes, sampling)]
+    programs = step_programs(engine, shapes, sampling)
     with compilation_cache.warmup_guard():  # a crash while loading sets the cache aside
-        if "penalties" in sampling:
-            _warm_penalty_state(engine)
+        _warm_penalty_state(engine)
         if execute:
-            for shape, flags, use_penalties in programs:
-                packed = engine.run_step(StepBatch.zeros(shape), shape, flags, use_penalties)
+            for shape, flags, use_penalties, bitmask in programs:
+                packed = engine.run_step(
+                    StepBatch.zeros(shape), shape, flags, use_penalties, bitmask
+                )
                 jax.block_until_ready(packed)
         else:
             _build_all(engine, programs, workers)
         # ---- speculative decoding: its verify (and draft) programs (engine/spec_decode.py)
         if getattr(engine, "spec", None) is not None:
+            variants = {"greedy": (GREEDY_FLAGS, False), "full": (FULL_FLAGS, False)}
             _call_all(engine.spec.warm_programs([variants[name] for name in sampling]), workers)
         # ---- end speculative decoding
     warmup_s = time.perf_counter() - t0
     engine.mark_warm(warmup_s)
     log.warning(
-        "warm-up built %d step programs (%d shapes of %d, %s) in %.1fs",
-        len(shapes) * len(sampling),
+        "warm-up built %d step programs + 1 penalty reset (%d shapes of %d) in %.1fs",
+        len(programs),
         len(shapes),
         len(engine.shapes),
-        "/".join(sampling),
         warmup_s,
     )
     return warmup_s
+
+
+def step_programs(engine, shapes: list[BatchShape], sampling=SAMPLER_VARIANTS) -> list[tuple]:
+    """(shape, flags, use_penalties, token_bitmask) of every step program of `shapes`,
+    cheapest shape first (see the module docstring)."""
+    programs = []
+    for shape in shapes:
+        # a mesh keeps greedy on every shape (EngineCore.full_program says why)
+        names = ("greedy", "full") if getattr(engine, "mesh", None) else sampler_variants(shape)
+        for name in names:
+            if name == "greedy" and "greedy" in sampling:
+                programs.append((shape, GREEDY_FLAGS, False, None))
+            elif name == "full" and ("full" in sampling or shape.num_prefill_tokens):
+                programs.append((shape, FULL_FLAGS, *engine.full_program(shape)))
+    return programs
 
 
 def default_workers() -> int:
@@ -97,7 +114,7 @@ def default_workers() -> int:
 
 
 def _build_all(engine, programs: list, workers: int | None) -> None:
-    """`engine.compile_step` for each (shape, flags, use_penalties), `workers` at a time,
+    """`engine.compile_step` for each (shape, flags, use_penalties, bitmask), `workers` at a time,
     cheapest first (the order of `programs`); the first error is raised."""
     workers = default_workers() if workers is None else workers
     if workers <= 1 or len(programs) <= 1:

@@ -4,6 +4,9 @@
 engine step at once: the windows of all of them go to the tokenizer's `decode_batch` per
 (tokenizer, skip_special_tokens) group (at 256 running requests the Python layers around
 each request's one or two `decode` calls were most of the detokenizer's host time).
+The window of the text emitted last is usually one token: its text comes from the
+tokenizer's memo (`Tokenizer.decode_token`, exact: decode is a pure function of the ids),
+so a generated token costs one `decode` call, not two.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ class IncrementalDetokenizer:
     ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # decode of a one-token window, memoized by the tokenizer when it can (host time)
+        self._decode_token = getattr(tokenizer, "decode_token", None)
+        # detokenize_step decodes detokenizers of one key together; None: one by one
+        self.batch_key = (
+            (id(tokenizer), skip_special_tokens) if hasattr(tokenizer, "decode_batch") else None
+        )
         self.token_ids: list[int] = list(prompt_ids or ())
         self._prefix_offset = max(len(self.token_ids) - self._PROMPT_CONTEXT_TOKENS, 0)
         self._read_offset = len(self.token_ids)
@@ -83,6 +92,8 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, stop: int) -> str:
         if start >= stop:
             return ""
+        if stop - start == 1 and self._decode_token is not None:
+            return self._decode_token(self.token_ids[start], self._skip_special)
         return self._tokenizer.decode(
             self.token_ids[start:stop], skip_special_tokens=self._skip_special
         )
@@ -95,27 +106,61 @@ def detokenize_step(detokenizers: Sequence, token_ids: Sequence[int]) -> list[st
     one; so do all when a tokenizer has no decode_batch."""
     texts: list[str] = [""] * len(detokenizers)
     groups: dict[tuple[int, bool], list[int]] = {}
-    for i, (d, t) in enumerate(zip(detokenizers, token_ids)):
-        if type(d) is IncrementalDetokenizer and hasattr(d._tokenizer, "decode_batch"):
-            groups.setdefault((id(d._tokenizer), d._skip_special), []).append(i)
+    for i, d in enumerate(detokenizers):
+        key = getattr(d, "batch_key", None)
+        if key is None:
+            texts[i] = d.add_token(token_ids[i])
+        elif key in groups:
+            groups[key].append(i)
         else:
-            texts[i] = d.add_token(t)
+            groups[key] = [i]
     for rows in groups.values():
         _decode_group([detokenizers[i] for i in rows], [token_ids[i] for i in rows], rows, texts)
     return texts
 
 
 def _decode_group(detoks: list[IncrementalDetokenizer], token_ids, rows, texts) -> None:
-    """One decode_batch over each detokenizer's window (and its prefix window when stale)."""
-    windows = []
+    """One decode_batch over each detokenizer's window. A stale prefix window (the text
+    emitted last) is decoded first: one token (the common case) from the tokenizer's memo,
+    longer ones with the windows."""
+    first = detoks[0]
+    windows, stale = [], []
     for d, t in zip(detoks, token_ids):
         ids = d.token_ids
         ids.append(int(t))
         if d._prefix_text is None:
-            windows.append(ids[d._prefix_offset : d._read_offset])
+            start, stop = d._prefix_offset, d._read_offset
+            if stop - start == 1 and d._decode_token is not None:
+                d._prefix_text = d._decode_token(ids[start], d._skip_special)
+            elif start >= stop:
+                d._prefix_text = ""
+            else:
+                stale.append(d)
+                windows.append(ids[start:stop])
         windows.append(ids[d._prefix_offset :])
-    decoded = iter(detoks[0]._tokenizer.decode_batch(windows, detoks[0]._skip_special))
-    for d, i in zip(detoks, rows):
-        if d._prefix_text is None:
-            d._prefix_text = next(decoded)
-        texts[i] = d._accept(next(decoded))
+    decoded = first._tokenizer.decode_batch(windows, first._skip_special)
+    if stale:  # rare: a prefix window of several tokens (after a held character)
+        decoded = _take_stale_prefixes(detoks, stale, decoded)
+    for d, i, text in zip(detoks, rows, decoded):
+        # d._accept(text), inlined: the common path of every generated token
+        prefix = d._prefix_text
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            texts[i] = ""
+            continue
+        texts[i] = text[len(prefix) :]
+        d._prefix_offset, d._read_offset = d._read_offset, len(d.token_ids)
+        d._prefix_text = None
+
+
+def _take_stale_prefixes(detoks, stale, decoded: list[str]) -> list[str]:
+    """`decoded` holds each stale detokenizer's prefix text right before its window's text
+    (the order `_decode_group` appended them): set the prefixes, return the windows'."""
+    stale_ids = {id(d) for d in stale}
+    out, k = [], 0
+    for d in detoks:
+        if id(d) in stale_ids:
+            d._prefix_text = decoded[k]
+            k += 1
+        out.append(decoded[k])
+        k += 1
+    return out

@@ -70,6 +70,7 @@ class Tokenizer:
         probe = backend.encode("a", add_special_tokens=True).ids
         self.add_bos = bos_token_id is not None and bool(probe) and probe[0] == bos_token_id
         self.sha256 = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+        self._token_texts: dict[int, str] = {}  # decode_token's memo, at most 2 x vocab
 
     # --- construction -----------------------------------------------------------------------
 
@@ -144,8 +145,17 @@ class Tokenizer:
         NOTE: a loop of `backend.decode`, not `backend.decode_batch`: for an engine step's
         hundreds of 1-3 token windows the Rust batch (its thread pool) was 1.5-2x slower
         on this 2-core machine (measured)."""
-        decode = self.backend.decode
-        return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+        decode, skip = self.backend.decode, skip_special_tokens
+        return [decode(ids, skip) for ids in batch]  # positional: cheaper per call
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """`decode([token_id])`, memoized (host time, issue 20): the detokenizer's window of
+        the token it emitted last is one token, decoded again for every generated token."""
+        key = token_id if skip_special_tokens else ~token_id  # ids are >= 0
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self._token_texts[key] = self.backend.decode([token_id], skip_special_tokens)
+        return text
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

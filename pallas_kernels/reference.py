@@ -105,9 +105,10 @@ def attend_padded(
     (rows with q_valid False give zeros) over each sequence's pages. Returns [S, Qm, H, hd]
     float32.
 
-    One query row per sequence (decode) multiplies and reduces elementwise: XLA:CPU fuses
-    that into one pass over the gathered K/V, where a batched [G, hd] x [hd, N] dot per
-    (head, sequence) runs about 2x slower. Longer blocks use dots."""
+    Both products are batched dots over (K, S), decode (Qm = 1) included: in the engine's
+    64-way SmolLM2 decode step they cost ~8% less step CPU time (median of six alternating
+    runs) than an elementwise multiply-reduce for Qm = 1 (benchmarks/RESULTS.md, "64-way
+    decode: where the step's CPU time goes")."""
     num_seqs, qm, num_heads, head_dim = qs.shape
     num_kv_heads = k_pages.shape[1]
     group = num_heads // num_kv_heads
@@ -120,10 +121,7 @@ def attend_padded(
 
     qg = qs.astype(jnp.float32).reshape(num_seqs, qm, num_kv_heads, group, head_dim)
     qg = qg.transpose(2, 0, 1, 3, 4)  # [K, S, Qm, G, hd]
-    if qm == 1:
-        scores = jnp.sum(qg[..., None, :] * keys[:, :, None, None], axis=-1)  # [K, S, 1, G, N]
-    else:
-        scores = jnp.einsum("ksqgd,ksnd->ksqgn", qg, keys)  # [K, S, Qm, G, N]
+    scores = jnp.einsum("ksqgd,ksnd->ksqgn", qg, keys)  # [K, S, Qm, G, N]
     scores = scores * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -138,10 +136,7 @@ def attend_padded(
     probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)  # [K, S, Qm, G, N]
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)
-    if qm == 1:
-        out = jnp.sum(probs[..., None] * values[:, :, None, None], axis=-2)  # [K, S, 1, G, hd]
-    else:
-        out = jnp.einsum("ksqgn,ksnd->ksqgd", probs, values)  # [K, S, Qm, G, hd]
+    out = jnp.einsum("ksqgn,ksnd->ksqgd", probs, values)  # [K, S, Qm, G, hd]
     return out.transpose(1, 2, 0, 3, 4).reshape(num_seqs, qm, num_heads, head_dim)
 
 

@@ -116,7 +116,10 @@ class CapacityModel:
         counts at most `max_jump` x the current estimate (see `_bounded`)."""
         if concurrency < 1 or step_s <= 0:
             return
-        bucket = 1 << (concurrency - 1).bit_length()  # 1, 2, 4, ...: few, well-fed points
+        # 1, 2, 4, ...: few, well-fed points. NOTE: rounded down: a step of 18 rows filed
+        # as 32 made the 32-row estimate optimistic, and the next burst admitted 41 calls
+        # that all timed out (benchmarks/RESULTS.md); filed as 16 it errs on the safe side.
+        bucket = 1 << (concurrency.bit_length() - 1)
         with self._lock:
             old = self._step_s.get(bucket)
             if old is None:
@@ -209,11 +212,15 @@ def probe(
     max_inflight: int,
     *,
     sizes: tuple[int, ...] | None = None,
-    prompt_tokens: int = 32,
+    prompt_tokens: int = 96,
     decode_steps: int = 3,
     token_id: int = 65,
 ) -> CapacityModel:
-    """Measure step times on `engine` (no other thread may use it meanwhile)."""
+    """Measure step times on `engine` (no other thread may use it meanwhile).
+    NOTE: 96-token prompts: the context of a one-line chat call (~40 templated tokens) part
+    way through its reply, so the probe's decode steps run at the page-table rung such calls
+    run at (engine/shapes.py pads the page table; 32-token prompts measured the 4-page rung,
+    a cold burst's calls ran at the 32-page one)."""
     sizes = sizes or tuple(sorted({1, max(1, max_inflight // 4), max_inflight}))
     step_s, prefill_rates = {}, []
     for b in sizes:
@@ -230,8 +237,12 @@ def probe(
 
 def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int):
     ids = [f"capacity-probe-{uuid.uuid4().hex}" for _ in range(batch)]
-    # They run to max_tokens on their own: no aborts in the engine's books.
-    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    # They run to max_tokens on their own: no aborts in the engine's books. NOTE: sampled,
+    # not greedy: chat traffic samples (temperature 1 by default), which runs the step's
+    # "full" sampler program (engine/shapes.py), ~10-20 ms more per SmolLM2 step at 32 rows
+    # than greedy's argmax; a greedy probe seeded 64-token calls ~20% too fast and the
+    # calls a cold burst admitted timed out at 56-57 of 64 tokens (benchmarks/RESULTS.md).
+    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True)
     produced = dict.fromkeys(ids, 0)
     for i, request_id in enumerate(ids):
         # distinct prompts, so the prefix cache cannot shorten the prefill

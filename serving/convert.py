@@ -73,6 +73,10 @@ def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> Samplin
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         structured=structured_output(req),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens
+        if req.HasField("skip_special_tokens")
+        else True,
     )
 
 

@@ -94,12 +94,14 @@ def engine_warmup(engine, max_shapes: int):
 
 def _warmup_with_progress(engine, num_reports: int = 8) -> None:
     """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
-    line after each."""
-    from engine.warmup import warmup
+    line after each, and a last one with the program count (engine/warmup.py lists them)."""
+    from engine import compiles
+    from engine.warmup import step_programs, warmup
 
     shapes = engine.shapes.shapes
+    num_programs = len(step_programs(engine, shapes))
     chunk = max(1, -(-len(shapes) // num_reports))
-    t0 = time.perf_counter()
+    t0, hits0 = time.perf_counter(), compiles.stats()["compilation_cache_hits_total"]
     # NOTE: warmup() logs a summary per call; the progress lines below replace them.
     warmup_log = logging.getLogger(warmup.__module__)
     level = warmup_log.level
@@ -114,4 +116,10 @@ def _warmup_with_progress(engine, num_reports: int = 8) -> None:
             )
     finally:
         warmup_log.setLevel(level)
-    engine.mark_warm(time.perf_counter() - t0)  # compiles after this count as while serving
+    warmup_s = time.perf_counter() - t0
+    engine.mark_warm(warmup_s)  # compiles after this count as while serving
+    hits = compiles.stats()["compilation_cache_hits_total"] - hits0
+    shared.progress(
+        f"warm-up: {num_programs} step programs ({len(shapes)} shapes) + 1 penalty reset "
+        f"in {warmup_s:.1f}s ({hits} loaded from the compilation cache)"
+    )

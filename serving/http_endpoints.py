@@ -1,6 +1,7 @@
 """The HTTP API's endpoints besides generation: GET /v1/models, POST /tokenize and
 /detokenize (vLLM's shapes), GET /health (503 while the circuit breaker is open), GET /ready
-(503 with a reason: warming_up, draining, circuit_open) and GET /metrics (the server's
+(503 with a reason: warming_up, draining, circuit_open, or the engine's
+not_ready_reason(), e.g. the router's no_route) and GET /metrics (the server's
 Prometheus registry, the same one gRPC's metrics port serves)."""
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class InfoEndpoints:
             if g.breaker.state == "open"
             else None
         )
+        # an engine may know more (the router's RoutedEngine: "no_route" without a worker)
+        if reason is None and hasattr(g.engine, "not_ready_reason"):
+            reason = g.engine.not_ready_reason()
         return JSONResponse({"ready": reason is None, "reason": reason}, 200 if not reason else 503)
 
     async def prometheus(self) -> Response:

@@ -16,6 +16,7 @@ Supported fields (OpenAI's, then vLLM's extras):
     stream_options.continuous_usage_stats (vLLM's: usage so far in every chunk),
     top_k (-1 or 0 disables), min_p, repetition_penalty, min_tokens, ignore_eos,
     stop_token_ids, priority (vLLM's: lower is served earlier; <0 high, 0 normal, >0 low),
+    include_stop_str_in_output, skip_special_tokens,
     revision (a pin: 409 when another revision is loaded; also header x-pagedjax-revision),
     return_token_times (streamed chunks carry pagedjax.token_times_unix_ns: when the server
     produced each token, for the load generator's inter-token latency).
@@ -101,6 +102,8 @@ class _GenerationFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # pagedjax: the revision this request must run on; per-token server times in chunks
     revision: str = ""
     return_token_times: bool = False
@@ -224,6 +227,8 @@ def sampling_params(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         structured=structured_output(req),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )
 
 

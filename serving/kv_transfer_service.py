@@ -32,6 +32,7 @@ import uuid
 
 import grpc
 
+from engine.adapter_refs import loaded_adapters
 from engine.kv_transfer import KVChecksumError, KVTransferMismatchError, check_compatible
 from serving import kv_transfer_jax
 from serving.kv_transfer_wire import KVWireError, payload_chunks, receive_payload
@@ -80,14 +81,17 @@ def with_transfer_warmup(engine, warmup, role: str, kv_transport: str = "grpc"):
     return run
 
 
-def install(server, role: str, kv_transport: str = "grpc", host: str = "127.0.0.1"):
+def install(
+    server, role: str, kv_transport: str = "grpc", host: str = "127.0.0.1", jax_checksum=True
+):
     """Add the KVTransfer service to a PagedJaxServer (before it starts). `kv_transport`
-    "jax" starts a jax.experimental.transfer server on `host` (serving/kv_transfer_jax.py)."""
+    "jax" starts a jax.experimental.transfer server on `host` (serving/kv_transfer_jax.py;
+    `jax_checksum`: the device digest of the pages, engine/kv_digest.py)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r}: one of {ROLES}")
     jax_transport = None
     if role != "both" and hasattr(server.engine, "expect_export"):
-        jax_transport = kv_transfer_jax.start(kv_transport, host.strip("[]"))
+        jax_transport = kv_transfer_jax.start(kv_transport, host.strip("[]"), jax_checksum)
     service = KVTransferService(server, role, jax_transport)
     kv_grpc.add_KVTransferServicer_to_server(service, server.grpc_server)
     return service
@@ -168,7 +172,7 @@ class KVTransferService(kv_grpc.KVTransferServicer):
         call = stub.Prefill(request.request, timeout=time_left_s(context), metadata=metadata)
         context.add_callback(call.cancel)
         try:
-            payload, stats = receive_payload(call, self.jax)
+            payload, stats = receive_payload(call, self.jax, time_left_s(context))
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
@@ -223,6 +227,7 @@ class KVTransferService(kv_grpc.KVTransferServicer):
                 for k, v in stats.items()
                 if isinstance(v, int | float) and not isinstance(v, bool)
             },
+            adapters={n: ref.content_hash for n, ref in loaded_adapters(engine).items()},
         )
 
     def _transfer_engine(self, rpc: str, context):

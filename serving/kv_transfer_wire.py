@@ -62,10 +62,10 @@ def payload_chunks(
 
 
 def receive_payload(
-    chunks: Iterable[kv_pb.KVChunk], jax_transport=None
+    chunks: Iterable[kv_pb.KVChunk], jax_transport=None, pull_timeout_s: float | None = None
 ) -> tuple[KVPayload, TransferStats]:
-    """Rebuild a payload from its chunks (or pull it: `jax_transport`, a JaxTransport) and
-    verify its checksum."""
+    """Rebuild a payload from its chunks (or pull it: `jax_transport`, a JaxTransport, within
+    `pull_timeout_s`) and verify its checksum."""
     it = iter(chunks)
     first = next(it, None)
     if first is None or first.WhichOneof("part") != "header":
@@ -73,7 +73,7 @@ def receive_payload(
     t0 = time.perf_counter()
     header = first.header
     if header.jax_address:
-        return _pull_payload(header, next(it, None), jax_transport, t0)
+        return _pull_payload(header, next(it, None), jax_transport, t0, pull_timeout_s)
     buf = bytearray()
     trailer = None
     for chunk in it:
@@ -105,11 +105,11 @@ def receive_payload(
     return payload, TransferStats(len(buf), transfer_s, header.prefill_s)
 
 
-def _pull_payload(header, trailer_chunk, jax_transport, t0: float):
+def _pull_payload(header, trailer_chunk, jax_transport, t0: float, timeout_s: float | None):
     if jax_transport is None:
         raise KVWireError("KV stream: the sender offers jax transfer, this worker has none")
     if trailer_chunk is None or trailer_chunk.WhichOneof("part") != "trailer":
         raise KVWireError("KV stream: a jax transfer header must be followed by the trailer")
-    payload = jax_transport.pull(header, trailer_chunk.trailer.sha256)
+    payload = jax_transport.pull(header, trailer_chunk.trailer, timeout_s)
     stats = TransferStats(header.total_bytes, time.perf_counter() - t0, header.prefill_s)
     return payload, stats

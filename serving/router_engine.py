@@ -18,8 +18,13 @@ the request's pages. A worker call that ends with a gRPC status becomes a final 
 DEADLINE_EXCEEDED -> timed_out, CANCELLED -> cancelled, RESOURCE_EXHAUSTED -> rejected,
 UNAVAILABLE / no route -> "unavailable" (HTTP 503), anything else -> failed (HTTP 500).
 
-Not forwarded (the gRPC API has no field for them; refused with INVALID_ARGUMENT rather than
-silently dropped): include_stop_str_in_output, skip_special_tokens=false, LoRA adapters.
+LoRA: the HTTP `model` may name an adapter loaded on EVERY routable worker with the same
+content hash (their WorkerInfo reports name -> hash; `adapters.loaded` here is that
+intersection, so the server's resolve_adapter and /v1/models see them); it crosses as the
+gRPC `adapter` field. Routing ignores adapters (any routable worker has it); an adapter
+unloaded between the check and the call is the worker's NOT_FOUND. Loading adapters through
+the router (/v1/load_lora_adapter) is not supported: load them on the workers.
+include_stop_str_in_output and skip_special_tokens cross as GenerateRequest fields.
 Token times are the workers' (unix ns on the wire, mapped to this process's monotonic clock).
 Sampling floats cross the gRPC API as float32 (top_p=0.9 arrives as 0.89999998), as they do
 for any gRPC client.
@@ -31,8 +36,13 @@ import threading
 
 import grpc
 
-from engine.api_types import EngineRequest, RequestMetrics, RequestOutput, TokenLogprob
-from engine.errors import InvalidRequestError
+from engine.api_types import (
+    AdapterRef,
+    EngineRequest,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from serving.convert import _UNIX_MINUS_MONOTONIC_NS
 from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
@@ -48,14 +58,8 @@ FINISH_OF_STATUS = {
 
 
 def generate_request(er: EngineRequest) -> pb.GenerateRequest:
-    """`er` as the gRPC API says it (raises InvalidRequestError for what it cannot say)."""
+    """`er` as the gRPC API says it."""
     sp = er.sampling
-    if sp.include_stop_str_in_output:
-        raise InvalidRequestError("include_stop_str_in_output", True, "false through the router")
-    if not sp.skip_special_tokens:
-        raise InvalidRequestError("skip_special_tokens", False, "true through the router")
-    if er.adapter is not None:
-        raise InvalidRequestError("model", er.adapter, "the base model through the router")
     req = pb.GenerateRequest(
         request_id=er.request_id,
         token_ids=pb.TokenIds(ids=er.prompt_token_ids),
@@ -66,7 +70,11 @@ def generate_request(er: EngineRequest) -> pb.GenerateRequest:
         ignore_eos=sp.ignore_eos,
         priority=PB_PRIORITY.get(er.priority, pb.PRIORITY_NORMAL),
         stream=True,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        adapter=er.adapter or "",
     )
+    if not sp.skip_special_tokens:
+        req.skip_special_tokens = False
     for name in SAMPLING_FIELDS:
         value = getattr(sp, name)
         if value is not None:
@@ -110,6 +118,27 @@ class _Relay:
             self.cancelled, call = True, self.call
         if call is not None:
             call.cancel()
+
+
+class ClusterAdapters:
+    """`loaded` as engine/adapter_refs.loaded_adapters reads it: the LoRA adapters every
+    routable worker has loaded, with one content hash."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    @property
+    def loaded(self) -> dict[str, AdapterRef]:
+        pool = self.pool
+        addresses = [a for role in ("both", "prefill", "decode") for a in pool.routable(role)]
+        if not addresses:
+            return {}
+        maps = [pool.workers[a].adapters for a in addresses]
+        return {
+            name: AdapterRef(name, content_hash, path="", rank=0, slot=0)
+            for name, content_hash in maps[0].items()
+            if all(m.get(name) == content_hash for m in maps[1:])
+        }
 
 
 class RoutedEngine:
@@ -158,6 +187,15 @@ class RoutedEngine:
             if out.finished:
                 self._relays.pop(out.request_id, None)
         return outputs
+
+    @property
+    def adapters(self) -> ClusterAdapters:
+        return ClusterAdapters(self.client.pool)
+
+    def not_ready_reason(self) -> str | None:
+        """The HTTP /ready answer's reason (serving/http_endpoints.py): "no_route" while no
+        prefill + decode pair and no `both` replica is routable, as the router's gRPC health."""
+        return None if self.client.has_route() else "no_route"
 
     def stats(self) -> dict:
         return {**self._stats, "num_running": len(self._relays), **self.client.counters}

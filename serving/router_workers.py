@@ -46,6 +46,7 @@ class Worker:
     refused: str = ""  # why this worker is never routed to (version mismatch)
     inflight: int = 0
     stats: dict = dataclasses.field(default_factory=dict)
+    adapters: dict = dataclasses.field(default_factory=dict)  # LoRA name -> content hash
     checks_failed: int = 0
 
     @property
@@ -135,6 +136,7 @@ class WorkerPool:
         versions.update(kv_dtype=info.kv_dtype, page_size=info.page_size)
         with self._lock:
             w.role, w.versions, w.stats = info.role, versions, dict(info.stats)
+            w.adapters = dict(info.adapters)
             self._check_versions(w)
             was = w.healthy
             w.healthy = status == health_pb2.HealthCheckResponse.SERVING

@@ -74,6 +74,7 @@ class ServerConfig:
     # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
     role: str = "both"
     kv_transport: str = "grpc"  # or "jax": jax.experimental.transfer (kv_transfer_jax.py)
+    kv_jax_checksum: bool = True  # jax transport: device digest of the pages (engine/kv_digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
 
@@ -161,7 +162,7 @@ class PagedJaxServer:
         pb_grpc.add_PagedJaxServicer_to_server(self.service, self.grpc_server)
         # -- disaggregation: the KVTransfer service (Prefill / Decode / WorkerInfo)
         self.kv_service = kv_transfer_service.install(
-            self, config.role, config.kv_transport, config.host
+            self, config.role, config.kv_transport, config.host, config.kv_jax_checksum
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -353,6 +354,12 @@ def define_flags() -> None:
         "K/V between workers: gRPC bytes, or "
         "jax.experimental.transfer (falls back to gRPC with a peer that has none)",
     )
+    flags.DEFINE_bool(
+        "kv_jax_checksum",
+        True,
+        "with --kv_transport=jax: digest the K/V pages on the device at export and check "
+        "the pulled ones (one extra read of the pages on each side; off: metadata only)",
+    )
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
@@ -378,8 +385,23 @@ def define_flags() -> None:
         None,
         "JAX persistent compilation cache (default: ~/.cache/pagedjax/xla; '' or 'none': off)",
     )
+    # NOTE: the server defaults to scan, the engine's "auto" (LLM()) unrolls on CPU. A server
+    # warms ~48 step programs before it serves; unrolled layers compile ~5x slower on
+    # XLA:CPU (SmolLM2: ~2.3 min per program cold vs ~27 s with scan, 2026-12-01), which
+    # makes a cold start take most of an hour, for ~15-30% less batch-1 CPU per step
+    # (benchmarks/RESULTS.md). LLM() compiles only the shapes it meets, so it keeps auto.
+    flags.DEFINE_enum(
+        "layer_loop",
+        "scan",
+        ["auto", "scan", "unrolled"],
+        "the model's layer loop (EngineConfig.layer_loop; auto: unrolled on a CPU device; "
+        "scan compiles ~5x faster, unrolled decodes batch 1 ~15-30% faster on CPU)",
+    )
     flags.DEFINE_integer(
-        "warmup_max_shapes", 64, "compile up to this many step shapes before serving (0: none)"
+        "warmup_max_shapes",
+        32,
+        "step shapes the engine pads every batch to and compiles before serving (0: none;"
+        " 32: 48 step programs for the default config, engine/shapes.py)",
     )
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "longest prompt accepted (tokens)")
@@ -537,6 +559,8 @@ def engine_options_from_flags() -> dict:
         "mesh": FLAGS.mesh,
         "speculative": shared.check_speculative(FLAGS.speculative),  # None: off
         **lora_options_from_flags(),
+        # shapes (#21.4): scan compiles each step program ~4x faster than unrolled layers
+        **({} if FLAGS.layer_loop == "auto" else {"layer_loop": FLAGS.layer_loop}),
     }
 
 
@@ -581,6 +605,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         engine_config={"model": FLAGS.model, **engine_config},
         role=FLAGS.role,
         kv_transport=FLAGS.kv_transport,
+        kv_jax_checksum=FLAGS.kv_jax_checksum,
     )
 
 

@@ -81,6 +81,83 @@ def test_stop_checker_with_text_given_equals_detokenizing_itself(tokens, min_tok
             break
 
 
+class PlainDecoder:
+    """Only `decode`: no memo (decode_token), no decode_batch: the reference path."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return TOK.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_token_memo_equals_decode():
+    for skip in (False, True):
+        for token in range(TOK.vocab_size):
+            assert TOK.decode_token(token, skip) == TOK.decode([token], skip), (token, skip)
+        assert TOK.decode_token(EOS, skip) == TOK.decode([EOS], skip)  # memo hit
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    streams=st.lists(
+        st.tuples(st.lists(token_ids, max_size=6), st.booleans(), st.lists(token_ids, max_size=12)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_detokenize_step_equals_the_unmemoized_detokenizer(streams):
+    """The memoized one-token windows and the inlined accept give the deltas of a
+    detokenizer that decodes every window itself."""
+    fast = [TOK.new_detokenizer(p, skip_special_tokens=s) for p, s, _ in streams]
+    ref = [IncrementalDetokenizer(PlainDecoder(), p, s) for p, s, _ in streams]
+    for step in range(max(len(out) for _, _, out in streams)):
+        rows = [i for i, (_, _, out) in enumerate(streams) if step < len(out)]
+        tokens = [streams[i][2][step] for i in rows]
+        got = detokenize_step([fast[i] for i in rows], tokens)
+        assert got == [ref[i].add_token(t) for i, t in zip(rows, tokens)]
+    assert [d.flush() for d in fast] == [d.flush() for d in ref]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tokens=st.lists(st.sampled_from([3 + ord(c) for c in "ab"] + [EOS, 7]), max_size=16),
+    min_tokens=st.integers(0, 3),
+    max_tokens=st.integers(1, 10),
+    ignore_eos=st.booleans(),
+)
+def test_stop_checker_continues_is_add_tokens_common_case(
+    tokens, min_tokens, max_tokens, ignore_eos
+):
+    """`continues(t)` is True only when add_token(t) would emit the text and go on (a
+    plain request; stop ids always take add_token), and leaves the checker as it would."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(min_tokens, max_tokens),
+        stop_token_ids=[7],
+        ignore_eos=ignore_eos,
+    )
+    a = StopChecker(params, (EOS,), TOK.new_detokenizer([1], True))
+    b = StopChecker(params, (EOS,), TOK.new_detokenizer([1], True))
+    for t in tokens:
+        result = a.add_token(t, "x")
+        fast = b.continues(t)
+        if fast:
+            assert result == ("x", None), (t, result)
+        else:  # the slow path: a stop id (ends or, before min_tokens, does not), or the end
+            assert result != ("x", None) or t in b.stop_ids, (t, result)
+            assert b.add_token(t, "x") == result
+        assert b.num_output_tokens == a.num_output_tokens
+        if result.finish_reason is not None:
+            assert not b.continues(t)  # a finished checker never takes the fast path
+            break
+
+
+def test_continues_never_applies_with_stop_strings_or_a_grammar():
+    with_stop = StopChecker(SamplingParams(stop=["z"]), (EOS,), TOK.new_detokenizer([1], True))
+    with_grammar = StopChecker(SamplingParams(), (EOS,), Echo(), grammar_done=lambda t: False)
+    assert not with_stop.continues(3 + ord("a"))
+    assert not with_grammar.continues(3 + ord("a"))
+    assert with_stop.num_output_tokens == with_grammar.num_output_tokens == 0
+
+
 @pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())

@@ -27,6 +27,8 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
         ):
             assert math.isfinite(row[key]) and row[key] > 0, key
         assert 0.0 <= row["host_fraction"] < 1.0
+        assert row["step_cpu_ms"] > 0 and row["compute_floor_over_step_cpu"] > 0
+        assert f"CPU time, c={row['concurrency']}: step" in table
         assert row["memory_floor_ms"] > 0 and row["steps"] >= 4  # 1 prefill + 3 decodes
         assert f"| {row['concurrency']} |" in table
     mixed = r["static_vs_continuous"]
@@ -36,9 +38,12 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
     pre = r["prefill"]
     assert pre["prompt_len"] == 40 and pre["steps"] >= 1 and pre["tokens_per_s"] > 0
     assert pre["compute_floor_over_step"] > 0 and "prefill 40 tokens" in table
+    assert pre["compute_floor_over_step_cpu"] > 0 and "CPU time, prefill:" in table
     for key in (
         "batch1_memory_floor/step>=0.8",
         "prefill_compute_floor/step>=0.6",
+        "batch1_memory_floor/step>=0.8 (CPU time)",
+        "prefill_compute_floor/step>=0.6 (CPU time)",
     ):
         assert math.isfinite(r["targets"][key]) and r["targets"][key] > 0, key
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
@@ -99,3 +104,38 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
         jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, GREEDY_FLAGS, False))
         sizes.append(compiles.count())
     assert sizes[2] == sizes[1]
+
+
+def test_reached_shapes_dry_run_finds_the_run_shapes():
+    """The host-only dry run that picks the shapes to warm: it fakes the engine's device call,
+    whose signature grew (structured output's bitmask) without this being noticed, so every
+    warmed benchmark compiled during its timed run. No device step runs here."""
+    from models.registry import load_model
+
+    model = load_model("tiny")
+    engine = engine_bench.make_engine(model, max_num_seqs=4, max_model_len=64, num_tokens=256)
+    w = engine_bench.uniform_workload(3, prompt_len=12, output_len=3, vocab=512, seed=1)
+    shapes = engine_bench.reached_shapes(engine, w)
+    assert any(s.num_prefill_tokens > 0 for s in shapes)  # the prompts' prefill
+    assert any(s.num_decode >= 3 and s.num_prefill_tokens == 0 for s in shapes)  # decodes
+    assert not engine.has_unfinished() and "run_step" not in vars(engine)
+
+
+def test_cpu_floors_use_the_peaks_per_cpu_second():
+    """The CPU-time ratios: the same floors at the peaks' rate per CPU-second, over the
+    steps' median process CPU time."""
+    from configs.model_config import from_name
+
+    cfg = from_name("tiny")
+    wall = engine_bench.Floors(weight_bytes=1000, kv_bytes_per_token=10, bandwidth_b_s=1, flop_s=1)
+    peaks = {"bandwidth_gb_per_cpu_s": 1e-5, "matmul_gflop_per_cpu_s": 1e-3}  # 1e4 B, 1e6 FLOP
+    cpu = engine_bench.cpu_floors(wall, peaks)
+    steps = [
+        engine_bench.StepRecord(1.0, 0.9, 0, 0, 0, 2, 0, [5, 7], cpu_s=cpu_s)
+        for cpu_s in (0.5, 0.2, 0.9)
+    ]
+    r = engine_bench.cpu_ratios(cfg, cpu, steps)
+    assert r["step_cpu_ms"] == 500.0
+    assert math.isclose(r["memory_floor_over_step_cpu"], (1000 + 10 * 12) / 1e4 / 0.5)
+    flops = cfg.flops_per_token(5) + cfg.flops_per_token(7)
+    assert math.isclose(r["compute_floor_over_step_cpu"], flops / 1e6 / 0.5)

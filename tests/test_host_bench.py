@@ -20,6 +20,7 @@ def test_smoke_run_reports_every_phase_and_ratio(tmp_path, capsys):
         for name in ("sync", "overlap"):
             run = row[name]
             assert run["steps_per_s"] > 0 and math.isfinite(run["over_device"])
+            assert run["cpu_ms_per_step"] > 0 and len(run["rounds_cpu_ms"]) == 1
             assert set(run["host_ms"]) == set(host_bench.PHASES)
             assert all(v >= 0 for k, v in run["host_ms"].items() if k != "stop")
             assert 0 < row["projection"][name]["engine_over_device"] <= 1

@@ -4,16 +4,21 @@ what one engine produces; roles are enforced; pages end free on both workers; a 
 whose KV layout differs is refused with FAILED_PRECONDITION; the chunked wire format
 rebuilds the payload and a corrupted chunk is DATA_LOSS-worthy (KVChecksumError)."""
 
+import socket
+import time
+
 import grpc
 import numpy as np
 import pytest
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.kv_transfer import KVChecksumError
+from engine.kv_digest import device_digest
+from engine.kv_transfer import KVChecksumError, KVMeta, payload_checksum
 from engine.sampling_params import SamplingParams
 from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
+from serving.kv_transfer_jax import JaxPullError
 from serving.kv_transfer_service import wrap_engine
 from serving.kv_transfer_wire import payload_chunks, receive_payload
 from serving.proto import kv_transfer_pb2 as kv_pb
@@ -163,8 +168,17 @@ def test_jax_transfer_transport_and_fallback_to_grpc(workers, tiny_model):
         )
         assert [c.WhichOneof("part") for c in offer] == ["header", "trailer"]
         assert offer[0].header.jax_address == pj.kv_service.jax.address
-        payload = dj.kv_service.jax.pull(offer[0].header, offer[1].trailer.sha256)
+        header, trailer = offer[0].header, offer[1].trailer
+        assert trailer.device_digest.startswith("k_pages:")  # the pages' device digest
+        payload = dj.kv_service.jax.pull(header, trailer)
         assert payload.on_device and payload.meta.request_id == "j0"
+        assert device_digest(payload.arrays) == trailer.device_digest
+        # pages that differ from the ones digested at export are refused (DATA_LOSS)
+        other = fresh_offer(stub, "j0b")[0].header
+        bad = kv_pb.KVTrailer(device_digest="k_pages:0000000000000000")
+        bad.sha256 = payload_checksum(KVMeta.from_json(other.meta_json), {}, bad.device_digest)
+        with pytest.raises(KVChecksumError, match="device digest"):
+            dj.kv_service.jax.pull(other, bad)
         pulls = 0
         for source, rid in ((pj, "j1"), (ps_grpc, "j2")):  # jax, then the gRPC fallback
             for prompt in PROMPTS[:2]:
@@ -176,8 +190,47 @@ def test_jax_transfer_transport_and_fallback_to_grpc(workers, tiny_model):
                 pulls += 1
         assert dj.loop.engine.counters["kv_imports"] == pulls
         assert dj.kv_service.totals["kv_jax_pulls"] == 2  # the two from the jax worker
+        # a pull from a peer that is gone (JAX 0.10.2's pull blocks): UNAVAILABLE at once
+        pj.kv_service.jax.address, live = f"127.0.0.1:{free_port()}", pj.kv_service.jax.address
+        dj.kv_service.jax.pull_timeout_s = 1.0
+        with pytest.raises(grpc.RpcError) as e:
+            decode_call(f"127.0.0.1:{dj.port}", "hello", "jgone", f"127.0.0.1:{pj.port}")
+        pj.kv_service.jax.address = live
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "unreachable" in e.value.details()
+        assert dj.loop.engine.counters["kv_imports"] == pulls  # nothing imported
+        # a live peer whose pull does not return (an expired offer): JaxPullError in time
+        jt = dj.kv_service.jax
+        jt._connections[live] = Stalled()
+        with pytest.raises(JaxPullError, match="nothing within 0.5s"):
+            jt.pull(header, trailer, timeout_s=0.5)
+        assert live not in jt._connections  # the next pull connects afresh
         for s in (pj, dj, ps_grpc):
             wait_for(lambda s=s: s.loop.last_stats.get("kv_pages_used") == 0, what="pages")
+
+
+class Stalled:
+    """A transfer connection whose pull takes 2 s (JAX's blocks for good on a lost offer)."""
+
+    def pull(self, uuid, specs):
+        time.sleep(2.0)
+        return []
+
+
+def fresh_offer(stub, request_id: str) -> list:
+    return list(
+        stub.Prefill(
+            build_request("hello", request_id=request_id, max_tokens=5),
+            metadata=(("x-pagedjax-kv-transport", "jax"),),
+        )
+    )
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_router_retries_a_pair_whose_prefill_worker_died_once_elsewhere(workers, tiny_model):

@@ -5,6 +5,7 @@ decode workers on the tiny model) is tested over HTTP in tests/test_router.py.""
 
 import contextlib
 
+import httpx
 import openai
 import pytest
 
@@ -74,6 +75,16 @@ def test_completions_and_chat_through_the_router_equal_the_replica():
             wait_for(lambda s=s: pages_free(s), 10, "pages free on the replica")
 
 
+def test_stop_string_kept_in_the_output_through_the_router():
+    """include_stop_str_in_output crosses the router to the worker, which applies it."""
+    with routed(num_replicas=1) as (router, servers, client):
+        ask = dict(model="mock", prompt="abc", max_tokens=7, stop=["fg"])
+        assert client.completions.create(**ask).choices[0].text == "de"
+        kept = client.completions.create(**ask, extra_body={"include_stop_str_in_output": True})
+        assert kept.choices[0].text == "defg"
+        assert kept.choices[0].finish_reason == "stop"
+
+
 def test_http_disconnect_cancels_the_worker_request_and_frees_its_pages():
     with routed(num_replicas=1, step_time_s=0.02) as (router, servers, client):
         stream = client.completions.create(
@@ -90,9 +101,13 @@ def test_http_disconnect_cancels_the_worker_request_and_frees_its_pages():
         assert engine.num_steps < 400  # cancelled long before its 400 tokens
 
 
-def test_no_routable_worker_is_503():
+def test_no_routable_worker_is_503_and_not_ready():
     with routed(num_replicas=1) as (router, servers, client):
+        ready_url = f"http://127.0.0.1:{router.http_port}/ready"
+        assert httpx.get(ready_url).json() == {"ready": True, "reason": None}
         servers[0].stop(0)
+        wait_for(lambda: httpx.get(ready_url).status_code == 503, 10, "/ready 503")
+        assert httpx.get(ready_url).json() == {"ready": False, "reason": "no_route"}
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model="mock", prompt="abc", max_tokens=3)
         assert e.value.status_code == 503
@@ -135,6 +150,7 @@ def test_engine_request_crosses_the_grpc_api_unchanged():
         SamplingParams(structured=StructuredOutput(choice=("a", "b"))),
         SamplingParams(structured=StructuredOutput(json_object=True)),
         SamplingParams(min_tokens=2, temperature=0.0),
+        SamplingParams(include_stop_str_in_output=True, skip_special_tokens=False, stop=("c",)),
     ):
         assert (
             convert.sampling_params(generate_request(EngineRequest("c", [1], other)), 16) == other

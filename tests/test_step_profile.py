@@ -28,3 +28,15 @@ def test_smoke_profile_runs_every_variant():
     for case in ("decode8", "prefill5"):
         for v in ("step", "step_full", "no_attention", "forward_only"):
             assert r[case][f"{v}_ms"] > 0 and r[case][f"{v}_cpu_ms"] >= 0
+            assert r[case][f"{v}_floor_over_cpu"] > 0
+    assert r["matmul_gflop_per_cpu_s"] > 0
+
+
+def test_case_flops_count_every_real_token_at_its_context():
+    from configs.model_config import PRESETS
+
+    cfg = PRESETS["tiny"]
+    case = step_profile.Case((20, 3), ((0, 2), (16, 1)))
+    expected = sum(cfg.flops_per_token(c) for c in (20, 3, 1, 2, 17))
+    assert step_profile.case_flops(cfg, case) == expected
+    assert cfg.flops_per_token(20) > cfg.flops_per_token(3)  # context counts

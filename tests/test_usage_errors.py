@@ -170,18 +170,23 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
     import types
 
     import engine.warmup
+    from engine.batch import BatchShape
     from serving import engine_build
 
     compiled, marked = [], []
     monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
+    shapes = [BatchShape(n, 0, 0, 4, 1) for n in range(1, 11)]  # decode-only: 2 programs each
     eng = types.SimpleNamespace(
-        shapes=types.SimpleNamespace(shapes=list(range(10))), mark_warm=marked.append
+        shapes=types.SimpleNamespace(shapes=shapes),
+        mark_warm=marked.append,
+        full_program=lambda shape: (True, None),
     )
     engine_build._warmup_with_progress(eng, num_reports=4)
-    assert compiled == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert compiled == [shapes[0:3], shapes[3:6], shapes[6:9], shapes[9:]]
     lines = capsys.readouterr().err.splitlines()
     assert [ln.split(" (")[0] for ln in lines] == [
-        f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)
+        *(f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)),
+        "warm-up: 20 step programs",
     ]
     assert len(marked) == 1 and marked[0] >= 0
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from serving.proto import pagedjax_pb2 as serving_dot_proto_dot_pagedjax__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fserving/proto/kv_transfer.proto\x12\x0bpagedjax.v1\x1a\x1cserving/proto/pagedjax.proto\"5\n\x07KVArray\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x92\x01\n\x08KVHeader\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12$\n\x06\x61rrays\x18\x02 \x03(\x0b\x32\x14.pagedjax.v1.KVArray\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x13\n\x0bjax_address\x18\x05 \x01(\t\x12\x10\n\x08jax_uuid\x18\x06 \x01(\x04\"\x1b\n\tKVTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"u\n\x07KVChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pagedjax.v1.KVHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12)\n\x07trailer\x18\x03 \x01(\x0b\x32\x16.pagedjax.v1.KVTrailerH\x00\x42\x06\n\x04part\"Q\n\rDecodeRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.pagedjax.v1.GenerateRequest\x12\x11\n\tkv_source\x18\x02 \x01(\t\"\x13\n\x11WorkerInfoRequest\"\xde\x01\n\x12WorkerInfoResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12,\n\x08versions\x18\x02 \x01(\x0b\x32\x1a.pagedjax.v1.ModelVersions\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12\x39\n\x05stats\x18\x05 \x03(\x0b\x32*.pagedjax.v1.WorkerInfoResponse.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xe3\x01\n\nKVTransfer\x12?\n\x07Prefill\x12\x1c.pagedjax.v1.GenerateRequest\x1a\x14.pagedjax.v1.KVChunk0\x01\x12\x45\n\x06\x44\x65\x63ode\x12\x1a.pagedjax.v1.DecodeRequest\x1a\x1d.pagedjax.v1.GenerateResponse0\x01\x12M\n\nWorkerInfo\x12\x1e.pagedjax.v1.WorkerInfoRequest\x1a\x1f.pagedjax.v1.WorkerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fserving/proto/kv_transfer.proto\x12\x0bpagedjax.v1\x1a\x1cserving/proto/pagedjax.proto\"5\n\x07KVArray\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x92\x01\n\x08KVHeader\x12\x11\n\tmeta_json\x18\x01 \x01(\x0c\x12$\n\x06\x61rrays\x18\x02 \x03(\x0b\x32\x14.pagedjax.v1.KVArray\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x13\n\x0bjax_address\x18\x05 \x01(\t\x12\x10\n\x08jax_uuid\x18\x06 \x01(\x04\"2\n\tKVTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x15\n\rdevice_digest\x18\x02 \x01(\t\"u\n\x07KVChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pagedjax.v1.KVHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12)\n\x07trailer\x18\x03 \x01(\x0b\x32\x16.pagedjax.v1.KVTrailerH\x00\x42\x06\n\x04part\"Q\n\rDecodeRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.pagedjax.v1.GenerateRequest\x12\x11\n\tkv_source\x18\x02 \x01(\t\"\x13\n\x11WorkerInfoRequest\"\xd0\x02\n\x12WorkerInfoResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12,\n\x08versions\x18\x02 \x01(\x0b\x32\x1a.pagedjax.v1.ModelVersions\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12\x39\n\x05stats\x18\x05 \x03(\x0b\x32*.pagedjax.v1.WorkerInfoResponse.StatsEntry\x12?\n\x08\x61\x64\x61pters\x18\x06 \x03(\x0b\x32-.pagedjax.v1.WorkerInfoResponse.AdaptersEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rAdaptersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xe3\x01\n\nKVTransfer\x12?\n\x07Prefill\x12\x1c.pagedjax.v1.GenerateRequest\x1a\x14.pagedjax.v1.KVChunk0\x01\x12\x45\n\x06\x44\x65\x63ode\x12\x1a.pagedjax.v1.DecodeRequest\x1a\x1d.pagedjax.v1.GenerateResponse0\x01\x12M\n\nWorkerInfo\x12\x1e.pagedjax.v1.WorkerInfoRequest\x1a\x1f.pagedjax.v1.WorkerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERINFORESPONSE_STATSENTRY']._loaded_options = None
   _globals['_WORKERINFORESPONSE_STATSENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERINFORESPONSE_ADAPTERSENTRY']._loaded_options = None
+  _globals['_WORKERINFORESPONSE_ADAPTERSENTRY']._serialized_options = b'8\001'
   _globals['_KVARRAY']._serialized_start=78
   _globals['_KVARRAY']._serialized_end=131
   _globals['_KVHEADER']._serialized_start=134
   _globals['_KVHEADER']._serialized_end=280
   _globals['_KVTRAILER']._serialized_start=282
-  _globals['_KVTRAILER']._serialized_end=309
-  _globals['_KVCHUNK']._serialized_start=311
-  _globals['_KVCHUNK']._serialized_end=428
-  _globals['_DECODEREQUEST']._serialized_start=430
-  _globals['_DECODEREQUEST']._serialized_end=511
-  _globals['_WORKERINFOREQUEST']._serialized_start=513
-  _globals['_WORKERINFOREQUEST']._serialized_end=532
-  _globals['_WORKERINFORESPONSE']._serialized_start=535
-  _globals['_WORKERINFORESPONSE']._serialized_end=757
-  _globals['_WORKERINFORESPONSE_STATSENTRY']._serialized_start=713
-  _globals['_WORKERINFORESPONSE_STATSENTRY']._serialized_end=757
-  _globals['_KVTRANSFER']._serialized_start=760
-  _globals['_KVTRANSFER']._serialized_end=987
+  _globals['_KVTRAILER']._serialized_end=332
+  _globals['_KVCHUNK']._serialized_start=334
+  _globals['_KVCHUNK']._serialized_end=451
+  _globals['_DECODEREQUEST']._serialized_start=453
+  _globals['_DECODEREQUEST']._serialized_end=534
+  _globals['_WORKERINFOREQUEST']._serialized_start=536
+  _globals['_WORKERINFOREQUEST']._serialized_end=555
+  _globals['_WORKERINFORESPONSE']._serialized_start=558
+  _globals['_WORKERINFORESPONSE']._serialized_end=894
+  _globals['_WORKERINFORESPONSE_STATSENTRY']._serialized_start=801
+  _globals['_WORKERINFORESPONSE_STATSENTRY']._serialized_end=845
+  _globals['_WORKERINFORESPONSE_ADAPTERSENTRY']._serialized_start=847
+  _globals['_WORKERINFORESPONSE_ADAPTERSENTRY']._serialized_end=894
+  _globals['_KVTRANSFER']._serialized_start=897
+  _globals['_KVTRANSFER']._serialized_end=1124
 # @@protoc_insertion_point(module_scope)

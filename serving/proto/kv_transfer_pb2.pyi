@@ -34,10 +34,12 @@ class KVHeader(_message.Message):
     def __init__(self, meta_json: _Optional[bytes] = ..., arrays: _Optional[_Iterable[_Union[KVArray, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., jax_address: _Optional[str] = ..., jax_uuid: _Optional[int] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
-    __slots__ = ("sha256",)
+    __slots__ = ("sha256", "device_digest")
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     sha256: str
-    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+    device_digest: str
+    def __init__(self, sha256: _Optional[str] = ..., device_digest: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
@@ -62,7 +64,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfoResponse(_message.Message):
-    __slots__ = ("role", "versions", "kv_dtype", "page_size", "stats")
+    __slots__ = ("role", "versions", "kv_dtype", "page_size", "stats", "adapters")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,14 +72,23 @@ class WorkerInfoResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     versions: _pagedjax_pb2.ModelVersions
     kv_dtype: str
     page_size: int
     stats: _containers.ScalarMap[str, float]
-    def __init__(self, role: _Optional[str] = ..., versions: _Optional[_Union[_pagedjax_pb2.ModelVersions, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    adapters: _containers.ScalarMap[str, str]
+    def __init__(self, role: _Optional[str] = ..., versions: _Optional[_Union[_pagedjax_pb2.ModelVersions, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -1,0 +1,160 @@
+"""Run the test suite as a few parallel lanes of pytest processes, longest files first.
+
+`make test` calls `python -m tests.lanes`. Why not one pytest process: a test module builds
+many XLA:CPU executables, and one process running the whole suite once crashed inside
+XLA's compiler about 300 tests in (see tests/conftest.py), so the suite runs as groups of
+files, each group a fresh process. Why not fixed lanes: files differ in cost by 100x, and
+a lane split by file name was 4 minutes longer than its twin. So each lane takes the next
+group from one queue, ordered by the time its files took last time (`tests/durations.json`,
+seconds of wall time per file, rewritten with `--record`): longest-processing-time-first,
+which ends the lanes within about one group of each other.
+
+Groups: a file estimated over `--group_s` runs alone; smaller ones are packed together up
+to that size (one interpreter start and JAX import per group, not per file).
+Each group's output is held back and printed whole when it ends, so lanes never interleave
+lines; a failing group's output is printed in full, a passing one as its summary line.
+Exit status: 0 when every group passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+
+DURATIONS_PATH = os.path.join(os.path.dirname(__file__), "durations.json")
+UNKNOWN_FILE_S = 30.0  # estimate for a file with no recorded time (a new test file)
+
+
+def load_durations(path: str = DURATIONS_PATH) -> dict[str, float]:
+    try:
+        with open(path) as f:
+            return {k: float(v) for k, v in json.load(f).items()}
+    except FileNotFoundError:
+        return {}
+
+
+def plan_groups(files: list[str], durations: dict[str, float], group_s: float) -> list[list[str]]:
+    """Files packed into groups of about `group_s` estimated seconds, longest group first."""
+    est = {f: durations.get(os.path.basename(f), UNKNOWN_FILE_S) for f in files}
+    groups: list[list[str]] = []
+    current: list[str] = []
+    current_s = 0.0
+    for f in sorted(files, key=lambda f: -est[f]):
+        if est[f] >= group_s:
+            groups.append([f])
+            continue
+        current.append(f)
+        current_s += est[f]
+        if current_s >= group_s:
+            groups.append(current)
+            current, current_s = [], 0.0
+    if current:
+        groups.append(current)
+    return sorted(groups, key=lambda g: -sum(est[f] for f in g))
+
+
+def file_times(junit_path: str) -> dict[str, float]:
+    """Seconds per test file from a pytest JUnit XML report (sum of its test cases)."""
+    out: dict[str, float] = {}
+    try:
+        root = ET.parse(junit_path).getroot()
+    except (ET.ParseError, FileNotFoundError):
+        return out
+    for case in root.iter("testcase"):
+        module = case.get("classname", "").split(".")
+        name = next((m for m in module if m.startswith("test_")), None)
+        if name:
+            key = f"{name}.py"
+            out[key] = out.get(key, 0.0) + float(case.get("time", 0.0))
+    return out
+
+
+class _Lane(threading.Thread):
+    def __init__(self, index, work, results, pytest_args, lock, record):
+        super().__init__(daemon=True)
+        self.index, self.work, self.results = index, work, results
+        self.pytest_args, self.lock, self.record = pytest_args, lock, record
+
+    def run(self):
+        while True:
+            try:
+                group = self.work.get_nowait()
+            except queue.Empty:
+                return
+            result = self._run_group(group)
+            self.results.append(result)
+            if self.record:
+                with self.lock:
+                    record(result["times"])
+
+    def _run_group(self, group: list[str]) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            junit = os.path.join(tmp, "junit.xml")
+            cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}"]
+            cmd += self.pytest_args + group
+            start = time.monotonic()
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            wall_s = time.monotonic() - start
+            times = file_times(junit)
+        ok = proc.returncode in (0, 5)  # 5: nothing collected (every test deselected)
+        lines = proc.stdout.rstrip().splitlines()
+        with self.lock:
+            names = " ".join(os.path.basename(f) for f in group)
+            print(f"[lane {self.index}] {wall_s:6.0f} s  {names}", flush=True)
+            print(proc.stdout if not ok else "    " + (lines[-1] if lines else ""), flush=True)
+        return {"group": group, "ok": ok, "wall_s": wall_s, "times": times}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lanes", type=int, default=2, help="parallel pytest processes")
+    ap.add_argument("--group_s", type=float, default=120.0, help="target seconds per group")
+    ap.add_argument("--record", action="store_true", help=f"rewrite {DURATIONS_PATH}")
+    ap.add_argument("files", nargs="*", help="test files (default: tests/test_*.py)")
+    args, pytest_args = ap.parse_known_args(argv)
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = args.files or sorted(glob.glob(os.path.join(here, "test_*.py")))
+    files = [os.path.relpath(f) for f in files]
+    durations = load_durations()
+    work: queue.Queue = queue.Queue()
+    for group in plan_groups(files, durations, args.group_s):
+        work.put(group)
+    results: list[dict] = []
+    lock = threading.Lock()
+    start = time.monotonic()
+    lanes = [
+        _Lane(i, work, results, pytest_args, lock, args.record) for i in range(max(1, args.lanes))
+    ]
+    for lane in lanes:
+        lane.start()
+    for lane in lanes:
+        lane.join()
+    failed = [r for r in results if not r["ok"]]
+    print(
+        f"---- {len(results)} groups on {len(lanes)} lanes in {time.monotonic() - start:.0f} s; "
+        f"{len(failed)} failed: {' '.join(' '.join(r['group']) for r in failed) or '-'}"
+    )
+    return 1 if failed else 0
+
+
+def record(times: dict[str, float], path: str = DURATIONS_PATH) -> None:
+    """Merge measured seconds per file into `path` (called after each group, so a run
+    stopped halfway keeps what it measured)."""
+    measured = load_durations(path)
+    measured.update({k: round(v, 1) for k, v in times.items()})
+    with open(path, "w") as f:
+        json.dump(dict(sorted(measured.items())), f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The suite runner's plan (tests/lanes.py): every file exactly once, big files alone,
+groups longest first, per-file times read back from pytest's JUnit report."""
+
+from tests.lanes import UNKNOWN_FILE_S, file_times, plan_groups
+
+
+def test_plan_covers_every_file_once_longest_first():
+    durations = {"test_a.py": 300.0, "test_b.py": 50.0, "test_c.py": 60.0, "test_d.py": 10.0}
+    files = [f"tests/{n}" for n in ("test_a.py", "test_b.py", "test_c.py", "test_d.py")]
+    files.append("tests/test_new.py")  # not recorded yet: estimated UNKNOWN_FILE_S
+    groups = plan_groups(files, durations, group_s=100.0)
+    flat = [f for g in groups for f in g]
+    assert sorted(flat) == sorted(files)
+    assert groups[0] == ["tests/test_a.py"]  # over group_s: alone, and the longest first
+    est = {**durations, "test_new.py": UNKNOWN_FILE_S}
+    sizes = [sum(est[f.split("/")[-1]] for f in g) for g in groups]
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(s < 100.0 + 60.0 for s in sizes[1:])  # packed up to about group_s
+
+
+def test_file_times_sums_cases_per_module(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_x" name="a" time="1.5"/>'
+        '<testcase classname="tests.test_x.TestK" name="b" time="2.0"/>'
+        '<testcase classname="tests.test_y" name="c" time="0.25"/>'
+        "</testsuite></testsuites>"
+    )
+    assert file_times(str(report)) == {"test_x.py": 3.5, "test_y.py": 0.25}
+    assert file_times(str(tmp_path / "missing.xml")) == {}
