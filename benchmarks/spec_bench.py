@@ -1,6 +1,9 @@
-"""Speculative decoding benchmark (issue 11): spec off vs ngram, by batch size, on a
-workload where drafts should be right (quote back a passage given in the prompt) and one
-where they should not (a free-form story).
+"""Speculative decoding benchmark (issue 11): spec off vs each proposer (ngram, layers),
+by batch size, on a workload where drafts should be right (quote back a passage given in
+the prompt) and one where they should not (a free-form story), plus "policy": ngram with
+the default auto-disable (`disable_by_batch_size`), to show where it switches off.
+
+    python -m benchmarks.spec_bench --modes=off,ngram,layers,policy --draft_layers=8
 
     python -m benchmarks.spec_bench                      # SmolLM2-135M, float32
     python -m benchmarks.spec_bench --batches=1,8 --max_tokens=48 --out=spec.json
@@ -14,7 +17,9 @@ How each figure is measured:
   alternating off / ngram, so a change of machine load hits both; the median run by tok/s
   is reported, with every run's tok/s. Prefix caching off (a rerun would hit).
 - mode "off": no speculation (overlapped steps); "ngram": k drafts from prompt lookup,
-  `disable_by_batch_size=None` so speculation runs at every batch size measured.
+  `disable_by_batch_size=None` so speculation runs at every batch size measured;
+  "layers": k drafts from the target's first `--draft_layers` layers + its head (same
+  forced-on policy); "policy": ngram with the default disable_by_batch_size (off above it).
 - TPOT: mean over requests of (last token time - first token time) / (tokens - 1);
   tok/s: output tokens / wall time of the run (prefill included); acceptance: accepted /
   drafted tokens; tokens/verify: tokens a verified sequence emits per step; draft overhead:
@@ -97,11 +102,17 @@ def prompts_for(workload: str, batch: int, smoke: bool) -> list:
 
 
 def engines(model, args) -> dict[str, LLM]:
-    """The two engines compared, over one set of weights."""
+    """The engines compared (args.modes), over one set of weights."""
     opts = dict(max_num_seqs=max(args.batches), max_model_len=args.max_model_len)
     opts["prefix_caching"] = False  # a repeated run would hit
     spec = {"num_speculative_tokens": args.k, "disable_by_batch_size": None}
-    return {"off": LLM(model, **opts), "ngram": LLM(model, speculative=spec, **opts)}
+    specs = {
+        "off": None,
+        "ngram": spec,
+        "layers": dict(spec, method="layers", num_draft_layers=args.draft_layers),
+        "policy": {"num_speculative_tokens": args.k},  # the default disable_by_batch_size
+    }
+    return {mode: LLM(model, speculative=specs[mode], **opts) for mode in args.modes}
 
 
 def measure(llms: dict, workload: str, batch: int, args) -> dict[str, dict]:
@@ -138,14 +149,16 @@ def fmt(row: dict) -> str:
     )
 
 
-def policy(rows: list[dict], floor: float = 0.9) -> int | None:
-    """Largest batch where speculation pays somewhere (ngram/off tok/s > 1 on some
+def policy(rows: list[dict], floor: float = 0.9, mode: str = "ngram") -> int | None:
+    """Largest batch where speculation pays somewhere (mode/off tok/s > 1 on some
     workload) and costs at most 1 - floor everywhere (>= floor on every workload, e.g. a
     free story whose drafts all fail); None: no such batch."""
     best = None
     for b in sorted({r["batch"] for r in rows}):
         tok_s = {(r["workload"], r["mode"]): r["tok_s"] for r in rows if r["batch"] == b}
-        ratios = [tok_s[(w, "ngram")] / tok_s[(w, "off")] for w in {w for w, _ in tok_s}]
+        if not any(m == mode for _, m in tok_s):
+            continue
+        ratios = [tok_s[(w, mode)] / tok_s[(w, "off")] for w in {w for w, _ in tok_s}]
         if max(ratios) > 1 and min(ratios) >= floor:
             best = b
     return best
@@ -159,12 +172,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--max_model_len", type=int, default=512)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--modes", default="off,ngram,layers,policy")
+    ap.add_argument("--draft_layers", type=int, default=8, help="layers: the first N draft")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.modes = args.modes.split(",")
+    if args.modes[0] != "off":
+        raise ValueError(f"--modes={','.join(args.modes)}: the first mode must be off")
     if args.smoke:
         args.max_tokens, args.repeats = min(args.max_tokens, 12), 1
+        args.draft_layers = min(args.draft_layers, 1)  # the tiny model has 2 layers
     model = load_model("tiny" if args.smoke else "smollm2-135m")
     rows = []
     for batch in args.batches:
@@ -174,16 +193,17 @@ def main(argv=None) -> list[dict]:
             rows += pair.values()
             for row in pair.values():
                 print(fmt(row), flush=True)
-            same = pair["off"]["outputs"] == pair["ngram"]["outputs"]
-            pair["ngram"]["identical_outputs"] = same
-            speedup = pair["ngram"]["tok_s"] / pair["off"]["tok_s"]
-            tpot = pair["off"]["tpot_ms"] / pair["ngram"]["tpot_ms"]
-            print(
-                f"  -> ngram/off: tok/s x{speedup:.2f}, TPOT lower x{tpot:.2f}, "
-                f"greedy outputs identical: {same}  [{load_avg()}]",
-                flush=True,
-            )
-    best = policy(rows)
+            for mode in args.modes[1:]:
+                same = pair["off"]["outputs"] == pair[mode]["outputs"]
+                pair[mode]["identical_outputs"] = same
+                speedup = pair[mode]["tok_s"] / pair["off"]["tok_s"]
+                tpot = pair["off"]["tpot_ms"] / pair[mode]["tpot_ms"]
+                print(
+                    f"  -> {mode}/off: tok/s x{speedup:.2f}, TPOT lower x{tpot:.2f}, "
+                    f"greedy outputs identical: {same}  [{load_avg()}]",
+                    flush=True,
+                )
+    best = {m: policy(rows, mode=m) for m in args.modes[1:] if m != "policy"}
     print(f"policy: disable_by_batch_size={best} (a gain somewhere, >= 0.9x everywhere)")
     for r in rows:
         r.pop("outputs")

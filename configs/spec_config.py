@@ -2,11 +2,14 @@
 
     SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                       prompt_lookup_min=1, prompt_lookup_max=4, disable_by_batch_size=8)
+    SpeculativeConfig(method="layers", num_speculative_tokens=4, num_draft_layers=8)
 
-`method`: "ngram" (prompt lookup, model-free; the only one implemented so far). "draft" and
-"layers" are named by the design (issue #11) but refused here until they exist, with an
-error that says so. `disable_by_batch_size`: the engine stops speculating while more than
-this many requests run (None: always speculate); the default comes from
+`method`: "ngram" (prompt lookup, model-free, engine/spec_ngram.py) or "layers"
+(self-speculation from the target's first `num_draft_layers` layers plus its own head,
+engine/spec_layers.py; checked against the model's layer count by the engine) or "draft"
+(a separate `draft_model`, a preset name or path for models.registry.load_model, with the
+target's tokenizer: engine/spec_draft.py). `disable_by_batch_size`: the engine stops speculating
+while more than this many requests run (None: always speculate); the default comes from
 benchmarks/spec_bench.py's measurement on this CPU (see benchmarks/RESULTS.md).
 """
 
@@ -15,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-METHODS = ("ngram",)
-PLANNED_METHODS = ("draft", "layers")
+METHODS = ("ngram", "layers", "draft")
+PLANNED_METHODS = ()
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # measured: benchmarks/RESULTS.md, speculative decoding
 
@@ -33,6 +36,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched earlier in the sequence
     prompt_lookup_max: int = 4  # ngram: longest (tried first)
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    num_draft_layers: int | None = None  # layers: the target's first N layers draft (required)
+    draft_model: str | None = None  # draft: the draft model's preset name or path (required)
 
     def __post_init__(self):
         if self.method in PLANNED_METHODS:
@@ -64,6 +69,18 @@ class SpeculativeConfig:
             "None (never disable) or an int >= 1",
         )
 
+        n = self.num_draft_layers
+        if self.method == "layers":
+            _check("num_draft_layers", n, isinstance(n, int) and n >= 1, "an int >= 1 (layers)")
+        else:
+            only = f"only with method='layers' (not {self.method!r})"
+            _check("num_draft_layers", n, n is None, only)
+        m = self.draft_model
+        if self.method == "draft":
+            _check("draft_model", m, isinstance(m, str) and m != "", "a model name or path")
+        else:
+            _check("draft_model", m, m is None, f"only with method='draft' (not {self.method!r})")
+
     @classmethod
     def of(cls, value) -> SpeculativeConfig | None:
         """None, a SpeculativeConfig, a dict of its fields, or a string: "" / "off" (None),
@@ -85,10 +102,12 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One line for ServerInfo and the resolved versions, e.g. "ngram:k=4"."""
-        return f"{self.method}:k={self.num_speculative_tokens}"
+        layers = "" if self.num_draft_layers is None else f",layers={self.num_draft_layers}"
+        model = "" if self.draft_model is None else f",model={self.draft_model}"
+        return f"{self.method}:k={self.num_speculative_tokens}{layers}{model}"
 
 
-_ALIASES = {"k": "num_speculative_tokens"}
+_ALIASES = {"k": "num_speculative_tokens", "layers": "num_draft_layers", "model": "draft_model"}
 
 
 def _parse(text: str) -> dict | None:
@@ -104,5 +123,5 @@ def _parse(text: str) -> dict | None:
         _check(item, item, bool(eq), "expected key=value")
         key = _ALIASES.get(key.strip(), key.strip())
         val = val.strip()
-        out[key] = None if val.lower() == "none" else int(val)
+        out[key] = None if val.lower() == "none" else val if key == "draft_model" else int(val)
     return out

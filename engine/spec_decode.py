@@ -5,7 +5,9 @@ One speculative step (`SpecDecoder.step`, called by EngineCore.step when specula
     1. drain: an overlapped step still in flight is finished first (its tokens are needed)
     2. propose: each running decode gets up to k drafts (engine/spec_ngram.py), capped so
        that the step can never emit more than max_tokens; rows with penalties do not
-       speculate (their counts would change inside the step)
+       speculate (their counts would change inside the step). Model proposers (layers,
+       draft) propose k placeholders here and draw the real drafts on device after the
+       build (`_draft_on_device`, engine/spec_layers.py, engine/spec_draft.py)
     3. schedule: a decode with drafts computes 1 + len(drafts) tokens (the scheduler gives
        it the lookahead pages; drafts are dropped rather than preempting anyone)
     4. build: the speculating decodes go in the prefill group with query_len 1 + drafts,
@@ -37,6 +39,7 @@ synchronous, and the engine switches per step: speculate (synchronous) while at 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -44,9 +47,18 @@ import numpy as np
 
 from configs.spec_config import SpeculativeConfig
 from engine.api_types import RequestOutput, TokenLogprob
-from engine.batch import BuiltStep, pow2_bucket
-from engine.sampling import FULL_FLAGS, GREEDY_FLAGS, SampleResult, SamplingTensors, uses_penalties
+from engine.batch import BatchShape, BuiltStep, StepBatch
+from engine.sampling import (
+    FULL_FLAGS,
+    GREEDY_FLAGS,
+    SampleResult,
+    SamplingTensors,
+    _greedy_rows,
+    uses_penalties,
+)
 from engine.shapes import ShapeSet, spec_shapes
+from engine.spec_draft import DraftModel, fill
+from engine.spec_layers import draft_layers
 from engine.spec_ngram import propose_ngram
 from engine.spec_step import SpecBatch, spec_engine_step
 from engine.step import NONFINITE_TOKEN
@@ -143,6 +155,24 @@ class SpecDecoder:
         self.proposer = lambda req, k: propose_ngram(
             req.all_token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
         )
+        if config.method == "layers":
+            L, n = core.cfg.num_layers, config.num_draft_layers
+            # NOTE: n == L is allowed: the whole model drafts for itself, every draft is
+            # accepted (q == p); a check of the machinery (tests), never a speed-up.
+            if n > L:
+                raise ValueError(
+                    f"speculative.num_draft_layers={n} is invalid: must be <= the model's "
+                    f"num_layers ({L}) for {core.cfg.name!r}"
+                )
+        self.draft = None  # the draft model (method "draft"): engine/spec_draft.py
+        if config.method == "draft":
+            from models.registry import load_model
+
+            draft = load_model(config.draft_model)
+            self.draft = DraftModel(core, draft, core.config.dtype, core.config.layer_loop)
+        if config.method in ("layers", "draft"):
+            # placeholders: the real drafts are drawn on device after scheduling (run())
+            self.proposer = lambda req, k: [0] * k
 
     def should_speculate(self) -> bool:
         """The batch-size policy: speculate while at most disable_by_batch_size run, and
@@ -201,6 +231,9 @@ class SpecDecoder:
         core = self.core
         spec = self._spec_batch(plan, built, spec_idx)
         flags = FULL_FLAGS if flags_full else GREEDY_FLAGS
+        draft_probs = None
+        if self.config.method in ("layers", "draft"):
+            spec, draft_probs = self._draft_on_device(plan, built, spec_idx, spec)
         core.kv, core._counts, core._last_tokens, packed, spec_packed, num_acc = spec_engine_step(
             core.params,
             core.kv,
@@ -214,13 +247,43 @@ class SpecDecoder:
             flags=flags,
             use_penalties=built.penalties,
             impl=core.impl,
+            draft_probs=draft_probs,
         )
         return packed, spec_packed, num_acc, spec_idx
+
+    def _draft_on_device(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
+        """The layers / draft proposer on device (engine/spec_layers.py, spec_draft.py):
+        the drafts and their q stay on device and go straight into the verify step (no
+        host round trip)."""
+        core, b, Sd = self.core, built.batch, built.shape.num_decode
+        Sv = spec.num_drafts.shape[0]
+        first_tokens = np.zeros(Sv, np.int32)
+        start = np.zeros(Sv, np.int32)
+        page_table = np.zeros((Sv, b.page_table_p.shape[1]), np.int32)
+        for j, i in enumerate(spec_idx):
+            s = plan.scheduled[i]
+            first_tokens[j] = s.request.all_token_ids[s.start]
+            start[j] = s.start
+            page_table[j] = b.page_table_p[int(built.sampler_rows[i]) - Sd]
+        inputs = (first_tokens, start, page_table, spec.num_drafts, spec.sampling)
+        if self.draft is None:  # layers: the target's first N layers over its own cache
+            core.kv, drafts, q = draft_layers(
+                core.params, core.kv, *inputs,
+                cfg=core.cfg, num_layers=self.config.num_draft_layers, k=self.k, impl=core.impl,
+            )  # fmt: skip
+            return dataclasses.replace(spec, drafts=drafts), q
+        d = self.draft
+        d.kv, drafts, q = draft_layers(
+            d.params, d.kv, *inputs, cfg=d.cfg, num_layers=None, k=self.k, impl=d.impl
+        )
+        spec = dataclasses.replace(spec, drafts=drafts)
+        d.fill(built.batch, built.shape, core._last_tokens, spec)  # the whole step's K/V
+        return spec, q
 
     def _spec_batch(self, plan, built: BuiltStep, spec_idx: list[int]) -> SpecBatch:
         b, k1 = built.batch, self.k + 1
         Sd = built.shape.num_decode
-        Sv = pow2_bucket(len(spec_idx))
+        Sv = built.shape.num_prefill_seqs  # >= len(spec_idx): one program per batch shape
         verify_rows = np.zeros((Sv, k1), np.int32)
         drafts = np.zeros((Sv, self.k), np.int32)
         num_drafts = np.zeros(Sv, np.int32)
@@ -239,6 +302,85 @@ class SpecDecoder:
         rows = {name: np.repeat(v[slots], k1, axis=0) for name, v in per_slot.items()}
         rows["step"] = steps.reshape(-1)
         return SpecBatch(verify_rows, drafts, num_drafts, SamplingTensors(**rows))
+
+    # ---- warm-up (engine/warmup.py calls this) ----------------------------------------------
+    def warm_shapes(self) -> list[BatchShape]:
+        """The verify shapes the batch-size policy lets a step reach: Sd + Sv <=
+        disable_by_batch_size (all of spec_shapes when the policy is off). A speculative
+        step that also carries a prefill chunk fits an engine shape instead: that program
+        is not among these (compiled on first use; counted in compiles_after_warmup)."""
+        limit = self.config.disable_by_batch_size
+        shapes = spec_shapes(self.core.sched_config, self.k + 1)
+        if limit is None:
+            return shapes
+        return [s for s in shapes if s.num_decode + s.num_prefill_seqs <= max(limit, 1)]
+
+    def warm_programs(self, variants: list[tuple]) -> list:
+        """Zero-argument builders, one per (verify shape, sampler variant) and, for the
+        layers proposer, one draft program per (Sv, P): each lowers and compiles without
+        running (as EngineCore.compile_step). `variants`: (flags, use_penalties) pairs."""
+        programs = [
+            functools.partial(self._compile_verify, shape, flags, penalties)
+            for shape in self.warm_shapes()
+            for flags, penalties in variants
+        ]
+        if self.config.method in ("layers", "draft"):
+            sizes = sorted({(s.num_prefill_seqs, s.pages_per_seq) for s in self.warm_shapes()})
+            programs += [functools.partial(self._compile_draft, sv, p) for sv, p in sizes]
+        if self.draft is not None:  # the draft cache's fill: every engine and verify shape
+            programs += [
+                functools.partial(self._compile_fill, s, False) for s in self.core.shapes.shapes
+            ]
+            programs += [functools.partial(self._compile_fill, s, True) for s in self.warm_shapes()]
+        return programs
+
+    def _zero_spec_batch(self, Sv: int) -> SpecBatch:
+        k1 = self.k + 1
+        rows = {n: np.repeat(v[:1], Sv * k1, axis=0) for n, v in _greedy_rows(1).items()}
+        return SpecBatch(
+            np.zeros((Sv, k1), np.int32),
+            np.zeros((Sv, self.k), np.int32),
+            np.zeros(Sv, np.int32),
+            SamplingTensors(**rows),
+        )
+
+    def _compile_verify(self, shape: BatchShape, flags, use_penalties: bool) -> None:
+        core, Sv = self.core, shape.num_prefill_seqs
+        spec, draft_probs = self._zero_spec_batch(Sv), None
+        if self.config.method == "layers":  # drafts and q arrive from the draft program
+            on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            V = core.cfg.vocab_size
+            spec.drafts = jax.ShapeDtypeStruct((Sv, self.k), np.int32, sharding=on_device)
+            draft_probs = jax.ShapeDtypeStruct((Sv, self.k, V), np.float32, sharding=on_device)
+        spec_engine_step.lower(
+            core.params, core.kv, core._counts, core._prompt_mask, core._last_tokens,
+            StepBatch.zeros(shape).pack(), spec,
+            cfg=core.cfg, shape=shape, flags=flags, use_penalties=use_penalties,
+            impl=core.impl, draft_probs=draft_probs,
+        ).compile()  # fmt: skip
+
+    def _compile_draft(self, Sv: int, pages_per_seq: int) -> None:
+        core, zeros = self.core, np.zeros(Sv, np.int32)
+        params, kv, cfg, n = core.params, core.kv, core.cfg, self.config.num_draft_layers
+        if self.draft is not None:
+            params, kv, cfg, n = self.draft.params, self.draft.kv, self.draft.cfg, None
+        draft_layers.lower(
+            params, kv, zeros, zeros, np.zeros((Sv, pages_per_seq), np.int32),
+            zeros, self._zero_spec_batch(Sv).sampling,
+            cfg=cfg, num_layers=n, k=self.k, impl=core.impl,
+        ).compile()  # fmt: skip
+
+    def _compile_fill(self, shape: BatchShape, with_drafts: bool) -> None:
+        d, extra = self.draft, ()
+        if with_drafts:  # drafts arrive from the draft program (on device)
+            on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            spec = self._zero_spec_batch(shape.num_prefill_seqs)
+            drafts = jax.ShapeDtypeStruct(spec.drafts.shape, np.int32, sharding=on_device)
+            extra = (spec.verify_rows, drafts, spec.num_drafts)
+        fill.lower(
+            d.params, d.kv, self.core._last_tokens, StepBatch.zeros(shape).pack(), *extra,
+            cfg=d.cfg, shape=shape, impl=d.impl,
+        ).compile()  # fmt: skip
 
     # ---- 6. results ---------------------------------------------------------------------------
     def _finish(self, launched, outputs: list[RequestOutput]) -> None:

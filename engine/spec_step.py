@@ -22,7 +22,10 @@ the host (sample_mask 0). Each verified position is sampled by the same `sample`
 step runs (its own seed and output index), and the drafts are accepted by the point-mass
 rule on those draws; spec_packed holds, per verified position, the emitted token (-1 past
 the correction), its target logprob and the top-K target logprobs, exactly as a plain
-step reports them. The caller runs speculative steps
+step reports them. With `draft_probs` (a model proposer's q), the drafts come from
+device, are written into the token ids here, and the general rule accept_drafts(p, q)
+decides (keys salted apart from the sampler's, engine/spec_layers.py). The caller runs
+speculative steps
 synchronously (engine/spec_decode.py says why), so `last_tokens` is not written for
 speculating rows: every input token of the next step is known on the host.
 """
@@ -44,7 +47,8 @@ from engine.sampling import (
     sample,
     update_counts,
 )
-from engine.spec_rule import accept_point_mass_drafts
+from engine.spec_layers import ACCEPT_SALT, RESIDUAL_SALT, row_keys
+from engine.spec_rule import accept_drafts, accept_point_mass_drafts, processed_logits, target_probs
 from engine.step import NONFINITE_TOKEN, paged_attention_fn
 from models.llama import Params, forward
 
@@ -77,13 +81,21 @@ def spec_engine_step(
     flags: SamplingFlags,
     use_penalties: bool,
     impl: str = "auto",
+    draft_probs: jax.Array | None = None,
 ):
-    """See the module docstring. One device, no mesh (speculation with a mesh: not yet)."""
+    """See the module docstring. One device, no mesh (speculation with a mesh: not yet).
+    `draft_probs` [Sv, k, V]: q of a model proposer (engine/spec_layers.py), whose drafts
+    (`spec.drafts`, on device) replace the placeholder draft tokens of the batch; None: a
+    point-mass proposer (ngram)."""
     batch: StepBatch = batch.unpack(shape)
     Sv, k1 = spec.verify_rows.shape
     attention = paged_attention_fn(cfg, batch, shape, impl)
     from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
     token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]
+    if draft_probs is not None:  # the drafts never went to the host: write them in here
+        live = jnp.arange(k1 - 1)[None, :] < spec.num_drafts[:, None]  # [Sv, k]
+        at = jnp.where(live, spec.verify_rows[:, 1:], token_ids.shape[0])  # [Sv, k]
+        token_ids = token_ids.at[at.reshape(-1)].set(spec.drafts.reshape(-1), mode="drop")
     rows = jnp.concatenate([batch.logits_indices, spec.verify_rows.reshape(-1)])
     logits, kv_cache = forward(
         params, cfg, token_ids, batch.positions, kv_cache, attention, rows
@@ -105,8 +117,34 @@ def spec_engine_step(
     # ---- the verified rows: each position sampled as a plain step would, then the rule
     # for point-mass drafts (engine/spec_rule.py) ----
     drawn = sample(verified, spec.sampling, flags=flags)  # rows [Sv * (k+1)]
-    accepted = accept_point_mass_drafts(drawn.tokens.reshape(Sv, k1), spec.drafts, spec.num_drafts)
+    if draft_probs is None:
+        accepted = accept_point_mass_drafts(
+            drawn.tokens.reshape(Sv, k1), spec.drafts, spec.num_drafts
+        )
+    else:
+        accepted = _accept_model_drafts(verified, spec, draft_probs)
+        drawn.logprobs = _token_logprobs(verified, spec.sampling, accepted.tokens.reshape(-1))
     drawn.tokens = accepted.tokens.reshape(-1)  # -1 past the correction / bonus
     seq_finite = jnp.all(jnp.isfinite(verified).reshape(Sv, -1), axis=-1)  # [Sv]
     num_accepted = jnp.where(seq_finite, accepted.num_accepted, NONFINITE_TOKEN)
     return kv_cache, counts, last_tokens, result.pack(), drawn.pack(), num_accepted
+
+
+def _accept_model_drafts(verified: jax.Array, spec: SpecBatch, q: jax.Array):
+    """The general rule (engine/spec_rule.py accept_drafts) with the draft's q [Sv, k, V]
+    and the target's p at the verified rows, both after the request's transforms."""
+    Sv, k1 = spec.verify_rows.shape
+    p = target_probs(verified, spec.sampling).reshape(Sv, k1, -1)  # [Sv, k+1, V]
+    greedy = spec.sampling.temperature.reshape(Sv, k1)[:, 0] <= 0  # [Sv]
+    accept_keys = row_keys(spec.sampling, ACCEPT_SALT).reshape(Sv, k1)
+    residual_keys = row_keys(spec.sampling, RESIDUAL_SALT).reshape(Sv, k1)
+    return accept_drafts(p, q, spec.drafts, spec.num_drafts, greedy, accept_keys, residual_keys)
+
+
+def _token_logprobs(logits: jax.Array, tensors: SamplingTensors, tokens: jax.Array):
+    """[R] log-probability of tokens [R] under log_softmax(processed logits), as the
+    sampler reports it (-1 tokens: any value, never read)."""
+    lg = processed_logits(logits, tensors)  # [R, V]
+    lse = jax.nn.logsumexp(lg, axis=-1)  # [R]
+    chosen = jnp.take_along_axis(lg, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    return chosen - lse

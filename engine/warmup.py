@@ -74,6 +74,11 @@ def warmup(
                 jax.block_until_ready(packed)
         else:
             _build_all(engine, programs, workers)
+        # ---- speculative decoding: its verify (and draft) programs (engine/spec_decode.py)
+        if getattr(engine, "spec", None) is not None:
+            variants = {"greedy": (GREEDY_FLAGS, False), "full": (FULL_FLAGS, False)}
+            _call_all(engine.spec.warm_programs([variants[name] for name in sampling]), workers)
+        # ---- end speculative decoding
     warmup_s = time.perf_counter() - t0
     engine.mark_warm(warmup_s)
     log.warning(
@@ -118,6 +123,14 @@ def _build_all(engine, programs: list, workers: int | None) -> None:
         return
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool:
         for future in [pool.submit(engine.compile_step, *p) for p in programs]:
+            future.result()
+
+
+def _call_all(builders: list, workers: int | None) -> None:
+    """Each zero-argument builder, `workers` at a time; the first error is raised."""
+    workers = default_workers() if workers is None else workers
+    with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+        for future in [pool.submit(build) for build in builders]:
             future.result()
 
 

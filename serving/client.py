@@ -47,6 +47,8 @@ class GenerateResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    spec_drafted_tokens: int = 0  # speculative decoding: drafts verified / accepted
+    spec_accepted_tokens: int = 0
     server_timings: dict = dataclasses.field(default_factory=dict)  # queue/ttft/tpot/e2e _s
     versions: dict = dataclasses.field(default_factory=dict)
     token_times_unix_ns: list[int] = dataclasses.field(default_factory=list)  # server clock
@@ -192,6 +194,8 @@ class GenerateClient:
             res.prompt_tokens = f.usage.prompt_tokens
             res.cached_tokens = f.usage.cached_tokens
             res.completion_tokens = f.usage.completion_tokens
+            res.spec_drafted_tokens = f.usage.spec_drafted_tokens
+            res.spec_accepted_tokens = f.usage.spec_accepted_tokens
             res.server_timings = {
                 k: getattr(f.timings, k) for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")
             }

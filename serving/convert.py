@@ -143,6 +143,8 @@ def final_info(summary, identity) -> pb.FinalInfo:
             prompt_tokens=summary.prompt_tokens,
             cached_tokens=summary.cached_tokens,
             completion_tokens=summary.completion_tokens,
+            spec_drafted_tokens=summary.spec_drafted_tokens,
+            spec_accepted_tokens=summary.spec_accepted_tokens,
         ),
         timings=pb.Timings(
             **{k: summary.timings.get(k) or 0.0 for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}

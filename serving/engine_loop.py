@@ -426,6 +426,8 @@ class EngineLoop:
     def _finish(self, r: ActiveRequest, out: RequestOutput) -> None:
         if out.metrics is not None:
             r.engine_queue_s = out.metrics.queue_s
+            r.spec_drafted_tokens = out.metrics.spec_drafted_tokens
+            r.spec_accepted_tokens = out.metrics.spec_accepted_tokens
         r.finish_reason = out.finish_reason
         r.timings = r.compute_timings(time.monotonic())
         outcome, reason, status = _FINISH.get(out.finish_reason, _FINISH["failed"])

@@ -125,7 +125,8 @@ def define_speculative() -> None:
         "speculative",
         "off",
         "speculative decoding: off, ngram, ngram:k=4,prompt_lookup_max=4,"
-        "disable_by_batch_size=8 (or a JSON object)",
+        "disable_by_batch_size=8, layers:k=4,layers=8 (the first 8 layers draft), "
+        "draft:k=4,model=NAME (a draft model with the same tokenizer) (or a JSON object)",
     )
 
 

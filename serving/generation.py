@@ -115,6 +115,8 @@ class FinalSummary:
     cached_tokens: int
     completion_tokens: int
     timings: dict  # queue_s, ttft_s, tpot_s, e2e_s (None: not measured)
+    spec_drafted_tokens: int = 0  # speculative decoding: drafts verified / accepted
+    spec_accepted_tokens: int = 0
 
 
 def is_done(items: list[RequestOutput]) -> bool:
@@ -125,7 +127,13 @@ def is_done(items: list[RequestOutput]) -> bool:
 def final_summary(r: ActiveRequest, finish_reason: str) -> FinalSummary:
     timings = {k: (r.timings or {}).get(k) for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
     return FinalSummary(
-        finish_reason, r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens, timings
+        finish_reason,
+        r.num_prompt_tokens,
+        r.num_cached_tokens,
+        r.num_output_tokens,
+        timings,
+        r.spec_drafted_tokens,
+        r.spec_accepted_tokens,
     )
 
 

@@ -179,12 +179,17 @@ def usage(summaries: list[FinalSummary], num_prompts: int, n: int) -> dict:
     prompt = sum(s.prompt_tokens for s in summaries[::n][:num_prompts])
     cached = sum(s.cached_tokens for s in summaries[::n][:num_prompts])
     completion = sum(s.completion_tokens for s in summaries)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    drafted = sum(s.spec_drafted_tokens for s in summaries)
+    if drafted:  # speculative decoding verified drafts for it (a pagedjax extension)
+        accepted = sum(s.spec_accepted_tokens for s in summaries)
+        out["speculative"] = {"drafted_tokens": drafted, "accepted_tokens": accepted}
+    return out
 
 
 def running_usage(choices: list[ChoiceState], n: int) -> dict:

@@ -118,6 +118,8 @@ class ActiveRequest:
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    spec_drafted_tokens: int = 0  # speculative decoding, from the final output's metrics
+    spec_accepted_tokens: int = 0
     engine_queue_s: float | None = None
     timings: dict | None = None  # queue_s, ttft_s, tpot_s, e2e_s once finished
     finish_reason: str | None = None

@@ -9,11 +9,13 @@ pytestmark = pytest.mark.compile  # builds its own engine configurations
 
 
 def test_spec_bench_smoke(capsys):
-    rows = spec_bench.main(["--smoke", "--batches=1,2", "--workloads=quote"])
+    rows = spec_bench.main(
+        ["--smoke", "--batches=1,2", "--workloads=quote", "--modes=off,ngram,layers"]
+    )
     assert {(r["batch"], r["mode"]) for r in rows} == {
-        (b, m) for b in (1, 2) for m in ("off", "ngram")
+        (b, m) for b in (1, 2) for m in ("off", "ngram", "layers")
     }
-    ngram = [r for r in rows if r["mode"] == "ngram"]
+    ngram = [r for r in rows if r["mode"] != "off"]
     assert all(r["identical_outputs"] and r["verify_steps"] > 0 for r in ngram)
     assert all(r["tok_s"] > 0 and r["compiles"] == 0 for r in rows)
     assert "policy: disable_by_batch_size=" in capsys.readouterr().out

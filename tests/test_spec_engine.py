@@ -149,8 +149,8 @@ def test_config_errors_name_the_field():
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig.of({"method": "medusa"})
-    with pytest.raises(NotImplementedError, match="draft"):
-        SpeculativeConfig.of("draft:k=2")
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig.of("draft:k=2")  # a draft model is required
     with pytest.raises(ValueError, match="known keys"):
         SpeculativeConfig.of({"k": 3})
     assert SpeculativeConfig.of("ngram:k=2,disable_by_batch_size=none") == SpeculativeConfig(
