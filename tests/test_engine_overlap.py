@@ -15,13 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs.engine_config import EngineConfig, SchedulerConfig
-from engine import compiles
 from engine.api_types import EngineRequest
 from engine.batch import BatchShape
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.shapes import ShapeSet, reachable_shapes, step_cost, step_shapes
-from engine.warmup import warmup
 
 OPTS = dict(
     page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
@@ -134,31 +132,8 @@ def test_synchronous_engine_matches_overlapped_on_greedy_batches(tiny_model):
     assert got[0] == got[1]
 
 
-@pytest.mark.compile
-def test_nothing_compiles_after_warmup_on_a_random_workload(tiny_model):
-    """The shape set (every batch padded to one of its shapes) warmed with every sampler
-    variant; a random workload (lengths, greedy / seeded / penalties / logprobs / stops,
-    a cancellation, a pool small enough to preempt) then builds no program at all."""
-    cfg = EngineConfig(
-        model="tiny",
-        num_pages=7,  # 6 usable pages of 8 tokens for 2 sequences of up to 32: preemption
-        page_size=8,
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
-        prefill_chunk_size=16,
-        max_model_len=32,
-    )
-    core = EngineCore(tiny_model, cfg)
-    assert len(core.shapes) == 8
-    warmup(core)
-    before = compiles.count()
-    rng = np.random.default_rng(5)
-    prompts = [[1] + rng.integers(3, 512, int(rng.integers(0, 15))).tolist() for _ in range(12)]
-    out = _drive(core, prompts, stop_id=int(rng.integers(3, 512)), cancel=(2,))
-    assert len(out) == 12 and core.stats()["num_steps"] > 30
-    assert core.stats()["num_preemptions"] > 0
-    assert compiles.count() == before
-    assert core.stats()["compiles_after_warmup"] == 0
+# Nothing compiles after warm-up on a random workload: tests/test_warmup_shapes.py (a
+# coarser shape set, padding in every dimension, more request kinds than this file had).
 
 
 # ---------------------------------------------------------------- the shape set (no device)

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.compile  # builds its own engine configurations
 K = 3
 # prompt_lookup_min=1: the random tiny model never quotes its prompt, so only 1-grams match
 SPEC = {"num_speculative_tokens": K, "disable_by_batch_size": None, "prompt_lookup_min": 1}
-OPTS = dict(TINY_OPTS, num_pages=16)  # 15 usable pages of 8 tokens: preemptions
+# 15 usable pages of 8 tokens: preemptions; 6 step shapes: few programs to compile
+OPTS = dict(TINY_OPTS, num_pages=16, max_step_shapes=6)
 MAX_TOKENS = 16
 
 
