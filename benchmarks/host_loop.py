@@ -116,15 +116,22 @@ def _prompt(i: int) -> list[int]:
     return [1] + [3 + 97 + (i * 7 + j) % 26 for j in range(PROMPT_TOKENS - 1)]
 
 
-def steady(model, n: int, steps: int) -> dict:
-    """CPU ms of this thread per steady decode step (overlapped engine, n requests)."""
+def _decoding_engine(model, n: int, steps: int):
+    """An overlapped engine on the fake device with n greedy requests past their prefill,
+    each with room for 2 * steps more tokens."""
     engine = make_engine(model, n, overlap=True)
     engine.run_step = engine.run_step_fast
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 64, ignore_eos=True)
     for i in range(n):
-        engine.add_request(EngineRequest(f"s{i}", _prompt(i), params))
-    for _ in range(-(-n * PROMPT_TOKENS // 512) + 3):
+        engine.add_request(EngineRequest(f"r{i}", _prompt(i), params))
+    for _ in range(-(-n * PROMPT_TOKENS // 512) + 3):  # the prefill chunks, then decodes
         engine.step()
+    return engine
+
+
+def steady(model, n: int, steps: int) -> dict:
+    """CPU ms of this thread per steady decode step (overlapped engine, n requests)."""
+    engine = _decoding_engine(model, n, steps)
     before = dataclasses.replace(engine.timings)
     detok0 = engine.outputs.detokenize_s
     c0, w0 = time.thread_time(), time.perf_counter()
@@ -221,13 +228,7 @@ def _output_key(out) -> str:
 
 
 def profile(model, n: int, steps: int, top: int = 35) -> str:
-    engine = make_engine(model, n, overlap=True)
-    engine.run_step = engine.run_step_fast
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 64, ignore_eos=True)
-    for i in range(n):
-        engine.add_request(EngineRequest(f"p{i}", _prompt(i), params))
-    for _ in range(-(-n * PROMPT_TOKENS // 512) + 3):
-        engine.step()
+    engine = _decoding_engine(model, n, steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):

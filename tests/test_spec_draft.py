@@ -15,17 +15,16 @@ from hypothesis import strategies as st
 
 from configs.engine_config import EngineConfig
 from engine import LLM, SamplingParams
-from engine.api_types import EngineRequest
 from engine.core import EngineCore
 from engine.spec_draft import DraftModel, DraftTokenizerError, check_draft
 from models.registry import load_model
-from tests.test_prefix_cache_engine import check_page_references
 from tests.test_spec_engine import (  # noqa: F401
     GREEDY,
     OPTS,
     PROMPTS,
     assert_idle,
     check_same,
+    drive_random_workload,
     reference,
 )
 
@@ -111,27 +110,7 @@ def test_random_workload_tiny_pool_returns_every_page(
     plain = reference[0]
     core = EngineCore(tiny_model, EngineConfig(model="tiny", speculative=DRAFT, **OPTS))
     with_draft(core, other_draft)
-    tokens, reasons, step = {}, {}, 0
-    last_arrival = max(at for _, at, _ in requests)
-    while step <= last_arrival or core.has_unfinished():
-        for i, (which, at, abort_after) in enumerate(requests):
-            if at == step:
-                core.add_request(EngineRequest(f"r{i}", PROMPTS[which], GREEDY))
-                tokens[f"r{i}"] = []
-            if abort_after is not None and at + abort_after == step:
-                core.abort_request(f"r{i}")
-        for out in core.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
-        check_page_references(core)
-        step += 1
-        assert step < 500, "the workload did not finish"
-    for i, (which, _, _) in enumerate(requests):
-        got, want = tokens[f"r{i}"], plain[which]
-        assert got == want[: len(got)]
-        if reasons[f"r{i}"] != "cancelled":
-            assert got == want  # the draft cache stayed right through preemptions
+    drive_random_workload(core, requests, plain)  # the draft cache stays right throughout
     assert core.pool.num_free_pages == core.pool.num_pages - 1  # every page is back
     assert core.pool.num_used_pages == 0
 

@@ -161,26 +161,10 @@ def test_config_errors_name_the_field():
     assert EngineConfig(speculative="ngram:k=5").speculative.num_speculative_tokens == 5
 
 
-# ---- randomized: preemptions (tiny pool), cancellations, every page back ---------------------
-_REQUEST = st.tuples(
-    st.integers(0, len(PROMPTS) - 1),  # which prompt
-    st.integers(0, 6),  # arrival step
-    st.one_of(st.none(), st.integers(0, 8)),  # abort this many steps after arrival
-)
-
-
-@settings(
-    max_examples=5,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(requests=st.lists(_REQUEST, min_size=3, max_size=8), corrupt=st.sampled_from([0.0, 0.4]))
-def test_random_workload_tiny_pool_returns_every_page(tiny_model, reference, requests, corrupt):
-    plain = reference[0]
-    # 15 usable pages of 8 tokens for up to 8 requests of up to ~47 tokens: preemptions.
-    core = EngineCore(tiny_model, EngineConfig(model="tiny", speculative=SPEC, **OPTS))
-    core.spec.proposer = oracle(plain, corrupt, seed=len(requests))
+def drive_random_workload(core, requests, plain) -> dict[str, str]:
+    """Runs (prompt index, arrival step, abort delay) requests through `core`, checking page
+    references every step; every request ends exactly once with a prefix of its spec-off
+    greedy tokens (all of them unless cancelled). Returns {request id: finish reason}."""
     tokens, reasons, step = {}, {}, 0
     last_arrival = max(at for _, at, _ in requests)
     while step <= last_arrival or core.has_unfinished():
@@ -204,6 +188,30 @@ def test_random_workload_tiny_pool_returns_every_page(tiny_model, reference, req
         assert got == want[: len(got)]
         if reasons[f"r{i}"] != "cancelled":
             assert got == want
+    return reasons
+
+
+# ---- randomized: preemptions (tiny pool), cancellations, every page back ---------------------
+_REQUEST = st.tuples(
+    st.integers(0, len(PROMPTS) - 1),  # which prompt
+    st.integers(0, 6),  # arrival step
+    st.one_of(st.none(), st.integers(0, 8)),  # abort this many steps after arrival
+)
+
+
+@settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(requests=st.lists(_REQUEST, min_size=3, max_size=8), corrupt=st.sampled_from([0.0, 0.4]))
+def test_random_workload_tiny_pool_returns_every_page(tiny_model, reference, requests, corrupt):
+    plain = reference[0]
+    # 15 usable pages of 8 tokens for up to 8 requests of up to ~47 tokens: preemptions.
+    core = EngineCore(tiny_model, EngineConfig(model="tiny", speculative=SPEC, **OPTS))
+    core.spec.proposer = oracle(plain, corrupt, seed=len(requests))
+    reasons = drive_random_workload(core, requests, plain)
     s = core.stats()
     event(f"preemptions>0: {s['num_preemptions'] > 0}")
     event(f"cancelled>0: {'cancelled' in reasons.values()}")
