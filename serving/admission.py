@@ -244,7 +244,8 @@ class WaitingQueue:
                 self._clamp(1000 * late_s),
                 f"estimated completion {est.completion_s:.3f}s (queue wait {est.wait_s:.3f}s + "
                 f"own prefill and {item.max_tokens or '?'} tokens {est.service_s:.3f}s) "
-                f"exceeds the deadline ({item.deadline_s - now:.3f}s left)",
+                f"x margin {margin:g} = {completion_s:.3f}s exceeds the deadline "
+                f"({item.deadline_s - now:.3f}s left)",
             )
         if item.deadline_s is None and est.wait_s > self.cfg.queue_timeout_s:
             raise Rejected(

@@ -111,6 +111,15 @@ def test_a_cold_burst_is_shed_from_the_first_request():
     assert "exceeds the deadline" in str(shed[0])
 
 
+def test_a_shed_message_names_the_margin_it_applied():
+    """A 1.1 s estimate (0.1 s prefill + 10 tokens x 0.1 s) against 1.1 s left is shed only
+    because of the 1.2 margin: the message must say so, or it reads as if 1.1 s exceeded 1.1 s."""
+    model = CapacityModel({1: 0.1}, prefill_tokens_per_s=100.0, max_inflight=1)
+    q = WaitingQueue(AdmissionConfig(deadline_margin=1.2), clock=lambda: 0.0, capacity=model)
+    with pytest.raises(Rejected, match=r"x margin 1.2 = 1.320s exceeds the deadline \(1.100s left"):
+        q.offer(_item(0, deadline_s=1.1))
+
+
 def test_without_a_deadline_the_queue_timeout_bounds_the_wait():
     model = CapacityModel({1: 1.0}, prefill_tokens_per_s=1e6, max_inflight=1)
     q = WaitingQueue(AdmissionConfig(queue_timeout_s=5.0), clock=lambda: 0.0, capacity=model)
