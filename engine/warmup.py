@@ -17,7 +17,11 @@ arguments, which fills the cache a call uses) without running it, so warm-up cos
 compile (or persistent-cache load) time, on `default_workers()` threads at once (XLA
 compiles without the interpreter lock); `execute=True` runs each step once on an
 all-padding batch instead (what a multi-host leader needs: its followers build their
-programs when it announces the steps). After `warmup` nothing compiles:
+programs when it announces the steps). `stop` (a zero-argument callable) is checked before
+each program: once it returns True, warm-up raises `WarmupCancelled` after the programs
+already building finish (an XLA compile cannot be interrupted), so a server told to shut
+down while warming exits within one program's compile time instead of the whole set's.
+After `warmup` nothing compiles:
 `EngineCore.stats()["compiles_after_warmup"]` stays 0 (tests/test_warmup_shapes.py drives
 a random workload to check it). With JAX's persistent compilation cache
 (engine/compilation_cache.py) a second start loads these programs from disk instead.
@@ -44,6 +48,14 @@ SAMPLER_VARIANTS = ("greedy", "full")
 dummy_batch = StepBatch.zeros  # an all-padding batch of a shape
 
 
+class WarmupCancelled(Exception):
+    """`warmup`'s `stop()` returned True: the programs not yet started were not built."""
+
+
+def _never() -> bool:
+    return False
+
+
 def warmup(
     engine,
     shapes: list[BatchShape] | None = None,
@@ -52,11 +64,13 @@ def warmup(
     max_shapes: int | None = None,
     execute: bool = False,
     workers: int | None = None,
+    stop=_never,
 ) -> float:
     """Builds the step for `shapes` (default: the engine's whole ShapeSet, or its
     `max_shapes` cheapest) in each variant of `sampling` a shape can run (a shape with a
     prefill always gets "full": it has no other); returns and logs the seconds.
-    `workers`: programs built at once (default `default_workers()`)."""
+    `workers`: programs built at once (default `default_workers()`); `stop`: see the
+    module docstring (raises WarmupCancelled)."""
     unknown = set(sampling) - set(SAMPLER_VARIANTS)
     if unknown:
         raise ValueError(f"sampling={sampling!r}: unknown variants {sorted(unknown)}")
@@ -68,14 +82,16 @@ def warmup(
         _warm_penalty_state(engine)
         if execute:
             for shape, flags, use_penalties, bitmask in programs:
+                _check(stop)
                 packed = engine.run_step(
                     StepBatch.zeros(shape), shape, flags, use_penalties, bitmask
                 )
                 jax.block_until_ready(packed)
         else:
-            _build_all(engine, programs, workers)
+            _build_all(engine, programs, workers, stop)
         # ---- speculative decoding: its verify (and draft) programs (engine/spec_decode.py)
         if getattr(engine, "spec", None) is not None:
+            _check(stop)
             variants = {"greedy": (GREEDY_FLAGS, False), "full": (FULL_FLAGS, False)}
             _call_all(engine.spec.warm_programs([variants[name] for name in sampling]), workers)
         # ---- end speculative decoding
@@ -113,17 +129,34 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _build_all(engine, programs: list, workers: int | None) -> None:
+def _build_all(engine, programs: list, workers: int | None, stop=_never) -> None:
     """`engine.compile_step` for each (shape, flags, use_penalties, bitmask), `workers` at a time,
-    cheapest first (the order of `programs`); the first error is raised."""
+    cheapest first (the order of `programs`); the first error is raised. At most `workers`
+    programs are submitted at once, so a `stop()` leaves only those to finish."""
     workers = default_workers() if workers is None else workers
     if workers <= 1 or len(programs) <= 1:
         for program in programs:
+            _check(stop)
             engine.compile_step(*program)
         return
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool:
-        for future in [pool.submit(engine.compile_step, *p) for p in programs]:
+        building: set[concurrent.futures.Future] = set()
+        for program in programs:
+            if len(building) >= workers:
+                done, building = concurrent.futures.wait(
+                    building, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                for future in done:
+                    future.result()
+            _check(stop)
+            building.add(pool.submit(engine.compile_step, *program))
+        for future in concurrent.futures.as_completed(building):
             future.result()
+
+
+def _check(stop) -> None:
+    if stop():
+        raise WarmupCancelled("warm-up stopped before every program was built")
 
 
 def _call_all(builders: list, workers: int | None) -> None:

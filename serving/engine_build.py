@@ -85,16 +85,17 @@ def engine_warmup(engine, max_shapes: int):
     if not max_shapes or not hasattr(replicas[0], "run_step"):
         return None
 
-    def run() -> None:
+    def run(stop=None) -> None:
         for replica in replicas:
-            _warmup_with_progress(replica)
+            _warmup_with_progress(replica, stop=stop)
 
     return run
 
 
-def _warmup_with_progress(engine, num_reports: int = 8) -> None:
+def _warmup_with_progress(engine, num_reports: int = 8, stop=None) -> None:
     """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
-    line after each, and a last one with the program count (engine/warmup.py lists them)."""
+    line after each, and a last one with the program count (engine/warmup.py lists them).
+    `stop()` True: raises engine.warmup.WarmupCancelled (a shutdown during warm-up)."""
     from engine import compiles
     from engine.warmup import step_programs, warmup
 
@@ -108,7 +109,7 @@ def _warmup_with_progress(engine, num_reports: int = 8) -> None:
     warmup_log.setLevel(logging.ERROR)
     try:
         for start in range(0, len(shapes), chunk):
-            warmup(engine, shapes[start : start + chunk])
+            warmup(engine, shapes[start : start + chunk], **({"stop": stop} if stop else {}))
             done = min(start + chunk, len(shapes))
             elapsed_s = time.perf_counter() - t0
             shared.progress(

@@ -30,6 +30,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.warmup import WarmupCancelled
 from serving import convert, kv_transfer_service
 from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
@@ -87,8 +88,10 @@ class PagedJaxServer:
         tenants: TenantRegistry | None = None,
         warmup=None,
     ):
-        """`warmup`: called with no arguments on the engine thread before it serves (compiles
-        the step shapes); generation is refused as warming_up until it returns."""
+        """`warmup(stop)`: called on the engine thread before it serves (compiles the step
+        shapes); generation is refused as warming_up until it returns. `stop()` turns True
+        when the server starts shutting down; a warm-up that honours it raises
+        engine.warmup.WarmupCancelled (serving/engine_build.py's does)."""
         config = config or ServerConfig()
         self.engine, self.config = engine, config
         stats = dict(engine.stats())
@@ -221,9 +224,12 @@ class PagedJaxServer:
         if self._warmup is None:
             return
         try:
-            self._warmup()
+            self._warmup(stop=lambda: self.generator.draining)
             if self.config.capacity_probe:
                 self.waiting.capacity = probe(self.loop.engine, self.limits.max_inflight)
+        except WarmupCancelled:  # SIGTERM while warming: stop after the programs building
+            log.warning("warm-up stopped: the server is shutting down")
+            return
         except Exception:  # stays not ready (503 warming_up); the log says why
             log.exception("warm-up failed; the server will not become ready")
             return
@@ -318,7 +324,8 @@ def build_serving_engine(
     )
     if not max_shapes or model == "mock":
         return engine, None
-    return engine, lambda: engine.warmup(max_shapes)
+    # NOTE: `stop` is not forwarded: the child's warm-up ends when close() kills the child.
+    return engine, lambda stop: engine.warmup(max_shapes)
 
 
 # -- end overload (#17) ------------------------------------------------------------------------

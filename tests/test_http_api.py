@@ -482,7 +482,8 @@ def test_tokenize_and_detokenize(served):
 def test_not_ready_until_warm_up_ends():
     release = threading.Event()
     engine = MockEngine(step_time_s=0.001)
-    with running_server(engine, http_port=0, warmup=lambda: release.wait(30)) as (server, grpc):
+    warmup = lambda stop: release.wait(30)  # noqa: E731
+    with running_server(engine, http_port=0, warmup=warmup) as (server, grpc):
         ready = httpx.get(_url(server, "/ready"))
         assert ready.status_code == 503 and ready.json()["reason"] == "warming_up"
         with pytest.raises(openai.InternalServerError) as e:
@@ -614,7 +615,7 @@ def test_streamed_n_choices_interleave_and_match_the_non_streamed(served):
 
 
 def test_failed_warm_up_leaves_the_server_not_ready(caplog):
-    def broken():
+    def broken(stop):
         raise RuntimeError("compile failed")
 
     with running_server(MockEngine(), http_port=0, warmup=broken) as (server, _):

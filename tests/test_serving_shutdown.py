@@ -190,3 +190,33 @@ def test_reload_refuses_another_tokenizer():
     with pytest.raises(ValueError, match="tokenizer_hash"):
         server.reload(other)
     server.stop(0)
+
+
+@pytest.mark.subprocess
+def test_sigterm_during_warm_up_stops_it_and_exits_0(tmp_path):
+    """A server told to stop while it compiles (a rollout replacing a starting pod) stops
+    after the programs in flight instead of building the whole set: exit 0, one line
+    saying so, no traceback, fewer programs than the set."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.server", "--model=tiny", "--host=127.0.0.1",
+         "--port=0", "--metrics_port=-1", "--warmup_max_shapes=32",
+         f"--compilation_cache_dir={tmp_path}/xla"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving on"):
+                break
+        assert lines and lines[-1].startswith("serving on"), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, rest
+        assert "warm-up stopped: the server is shutting down" in rest, rest
+        assert "Traceback" not in rest and "warm-up failed" not in rest, rest
+        assert "32/32 step shapes compiled" not in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()

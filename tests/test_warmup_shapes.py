@@ -7,6 +7,9 @@ mixed decode, greedy / temperature / top-k / top-p / logprobs / penalties / stop
 a structured-output request, prefix-cache hits, preemption, cancellation) must build no
 program at all."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -16,7 +19,7 @@ from engine.api_types import EngineRequest
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.shapes import reachable_shapes, sampler_variants
-from engine.warmup import step_programs, warmup
+from engine.warmup import WarmupCancelled, _build_all, step_programs, warmup
 
 CONFIG = dict(
     model="tiny",
@@ -98,3 +101,26 @@ def test_every_max_shapes_is_honoured_by_the_server_default_config():
         assert len(step_shapes(sc, max_shapes)) <= max_shapes
     shapes = step_shapes(sc, DEFAULT_MAX_SHAPES)
     assert sum(len(sampler_variants(s)) for s in shapes) == 48
+
+
+class _CountingEngine:
+    """Just what `_build_all` calls: compile_step, here a short sleep that counts."""
+
+    def __init__(self):
+        self.started = 0
+        self.lock = threading.Lock()
+
+    def compile_step(self, *program):
+        with self.lock:
+            self.started += 1
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_a_stopped_warmup_builds_no_program_after_the_ones_in_flight(workers):
+    """stop() turns True after the 3rd program starts: at most `workers` more were already
+    submitted, nothing after; WarmupCancelled says it was not a finished warm-up."""
+    engine = _CountingEngine()
+    with pytest.raises(WarmupCancelled):
+        _build_all(engine, [(i,) for i in range(40)], workers, stop=lambda: engine.started >= 3)
+    assert 3 <= engine.started <= 3 + workers
