@@ -332,22 +332,17 @@ class EngineCore:
         now = time.monotonic()
         if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
             self._fail_nonfinite(step.plan, tokens, now, outputs)
-        # host2 (#20): finished requests' tokens are left in; update_after_step skips them
-        sampled = {
-            s.request.request_id: t
-            for s, t in zip(step.plan.scheduled, tokens.tolist())
-            if s.samples
-        }
+        # host2 (#20): finished requests' tokens are left in; receive_tokens skips them
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
-        received = self.scheduler.update_after_step(step.plan, sampled, now)
+        received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
         logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
             self._logprobs(step.plan, result, step.built.sampler_rows)
             if step.built.logprobs
             else None
         )
-        outputs += self.outputs.emit(received, now, logprobs)
+        outputs += self.outputs.emit(received, now, logprobs, got)
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2

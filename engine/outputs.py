@@ -86,6 +86,9 @@ class OutputProcessor:
         self.cache_sharing = cache_sharing
         self._on_finished = on_finished
         self._stops: dict[str, StopChecker] = {}
+        # every stop id of any request seen (a superset of the running ones': a token not
+        # in it ends no request, checked for the whole step at once)
+        self._stop_id_union: set[int] = set()
         self.detokenize_s = 0.0  # host seconds in the step's detokenization (host_bench)
 
     # ---- requests in ------------------------------------------------------------------------
@@ -116,9 +119,10 @@ class OutputProcessor:
         )
         self.scheduler.add_request(req)
         detok = self.tokenizer.new_detokenizer(er.prompt_token_ids, er.sampling.skip_special_tokens)
-        self._stops[er.request_id] = StopChecker(
+        stop = self._stops[er.request_id] = StopChecker(
             er.sampling, self.tokenizer.eos_token_ids, detok, grammar_done
         )
+        self._stop_id_union |= stop.stop_ids
         return req
 
     def is_tracked(self, request_id: str) -> bool:
@@ -164,14 +168,17 @@ class OutputProcessor:
         received: list[Request],
         now_s: float,
         logprobs: dict[str, TokenLogprob] | None = None,
+        tokens: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Stop checks and deltas for the requests that just received a token (what
-        `scheduler.update_after_step` returned; `commit` = the two together)."""
-        # ---- host time (#20): the step's detokenization batched; a row that only
-        # continues (StopChecker.continues) gets its delta without the per-row layers ----
+        `scheduler.update_after_step` returned; `commit` = the two together). `tokens`:
+        their new tokens, when the caller has them (`scheduler.receive_tokens`)."""
+        # ---- host time (#20): the step's detokenization in one pass; a row that only
+        # continues (StopChecker.continues, inlined) gets its delta without the per-row layers
         stops_of = self._stops
         stops = [stops_of[req.request_id] for req in received]
-        tokens = [req.output_token_ids[-1] for req in received]
+        if tokens is None:
+            tokens = [req.output_token_ids[-1] for req in received]
         t0 = time.perf_counter()
         texts = self._detokenize(stops, tokens)
         self.detokenize_s += time.perf_counter() - t0
@@ -179,7 +186,10 @@ class OutputProcessor:
         append = outputs.append
         for req, stop, token, text in zip(received, stops, tokens, texts):
             lp = logprobs.get(req.request_id) if logprobs else None
-            if lp is None and stop.continues(token):
+            n = stop.num_output_tokens + 1
+            if stop.plain and n < stop.max_tokens and token not in stop.stop_ids and lp is None:
+                stop.num_output_tokens = n  # StopChecker.continues(token), inlined
+                cached = req.num_cached_tokens
                 # NOTE: positional: RequestOutput's field order (about 2x cheaper than
                 # keywords for the hundreds built per step)
                 append(
@@ -191,7 +201,7 @@ class OutputProcessor:
                         False,
                         None,
                         len(req.prompt_token_ids),
-                        max(req.num_cached_tokens, 0),
+                        cached if cached > 0 else 0,
                         len(req.output_token_ids),
                     )
                 )
@@ -216,17 +226,15 @@ class OutputProcessor:
                 return self._final(req, tokens[: i + 1], "".join(texts), lps)
         return self._delta(req, list(tokens), "".join(texts), logprobs)
 
-    @staticmethod
-    def _detokenize(stops: list[StopChecker], tokens: list[int]) -> list[str | None]:
+    def _detokenize(self, stops: list[StopChecker], tokens: list[int]) -> list[str | None]:
         """Each row's detokenized text (None where the token ends the request as a stop id:
-        that token is never detokenized), in one batched call (models/detokenizer.py)."""
-        rows = [
-            i
-            for i, (s, t) in enumerate(zip(stops, tokens))
-            if t not in s.stop_ids or s.num_output_tokens < s.min_tokens  # not s.ends_on(t)
-        ]
-        if len(rows) == len(tokens):  # the common step: no row ends on a stop id
+        that token is never detokenized), in one pass (models/detokenizer.py)."""
+        hits = self._stop_id_union.intersection(tokens)  # host time (#20): usually empty
+        if not hits:  # the common step: no row ends on a stop id
             return detokenize_step([s.detokenizer for s in stops], tokens)
+        rows = [
+            i for i, (s, t) in enumerate(zip(stops, tokens)) if t not in hits or not s.ends_on(t)
+        ]
         texts: list[str | None] = [None] * len(tokens)
         decoded = detokenize_step([stops[i].detokenizer for i in rows], [tokens[i] for i in rows])
         for i, text in zip(rows, decoded):
