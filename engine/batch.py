@@ -241,7 +241,10 @@ class BatchBuilder:
     """Per-slot state that outlives a step, and the step's arrays gathered from it.
 
     `fit_shape(needed) -> BatchShape` picks the compiled shape a batch is padded to
-    (engine/shapes.py), so this module decides no bucket itself."""
+    (engine/shapes.py), so this module decides no bucket itself. `take_slot(request)`,
+    when set, is called by `build` for a scheduled request without a slot (the engine
+    assigns it, binds its adapter, resets its penalty row); without it such a request is
+    a KeyError."""
 
     def __init__(
         self,
@@ -258,6 +261,7 @@ class BatchBuilder:
         self.prefill_chunk_size = prefill_chunk_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.fit_shape = fit_shape
+        self.take_slot: Callable[[Request], object] | None = None
         self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
         self.num_pages = [0] * S  # [S] filled entries of each row (a list: read per row)
         self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
@@ -349,13 +353,21 @@ class BatchBuilder:
         extend = flat.extend
         for s in scheduled:
             req = s.request
-            slot = slot_of[req.request_id]
+            slot = slot_of.get(req.request_id)
+            if slot is None:  # host time (#20): slot work only for new requests, here
+                slot = self._new_slot(req)
             if len(req.page_ids) != num_pages[slot]:
                 self._sync_pages(slot, req.page_ids)
-            extend(
-                (slot, s.start, s.num_new_tokens, s.output_index, s.samples, req.num_known_tokens)
-            )
+            # known tokens = req.num_known_tokens, without the property call (host time)
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            extend((slot, s.start, s.num_new_tokens, s.output_index, s.samples, known))
         return np.array(flat, np.int32).reshape(-1, 6)
+
+    def _new_slot(self, req: Request) -> int:
+        if self.take_slot is None:
+            raise KeyError(req.request_id)
+        self.take_slot(req)
+        return self.slot_of[req.request_id]
 
     def _fill_decode(self, b: StepBatch, slots, starts, tokens) -> None:
         nd, ps, P = len(slots), self.page_size, b.page_table_d.shape[1]

@@ -154,6 +154,7 @@ class EngineCore:
             eos_token_ids=self.tokenizer.eos_token_ids,
             fit_shape=self.shapes.fit,
         )
+        self.builder.take_slot = self._take_slot  # build() takes a new request's slot
         self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
             self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
@@ -288,10 +289,6 @@ class EngineCore:
         if plan.is_empty:
             self.timings.schedule_s += time.perf_counter() - t0
             return None
-        slot_of = self.builder.slot_of  # host2 (#20): slot work only for new requests
-        for s in plan.scheduled:
-            if s.request.request_id not in slot_of:
-                self._take_slot(s.request)
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
