@@ -1,8 +1,9 @@
 """Streaming text out of a generation: token ids in, complete UTF-8 text deltas out.
 
-`IncrementalDetokenizer` serves one request; `detokenize_step` advances every request of an
-engine step at once. Host time (issue 20): at 256 running requests the step's detokenization
-was the largest single host cost, so the common token costs no tokenizer call at all:
+`IncrementalDetokenizer` serves one request; `detokenize_next(d, token)` is its `add_token`
+with the common token's fast path, `detokenize_step` the same over a step's rows. Host time
+(issue 20): at 256 running requests the step's detokenization was the largest single host
+cost, so the common token costs no tokenizer call at all:
 
   - the window of the text emitted last is usually one token, and its text comes from the
     tokenizer's memo (`Tokenizer.decode_token`);
@@ -10,7 +11,8 @@ was the largest single host cost, so the common token costs no tokenizer call at
     is a pure function of (a, b, skip_special_tokens): `decode([a, b])` minus `decode([a])`,
     or "held" when the text ends mid-character. `Tokenizer.pair_deltas(skip)` memoizes it
     (exact: decode is a pure function of the ids; bounded, cleared when full), and
-    `detokenize_step` reads it inline for such rows. Other rows take `add_token`.
+    `detokenize_next` (one token of one request, what the engine calls per row) reads it
+    for such rows. Other rows take `add_token`.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class IncrementalDetokenizer:
         )
 
     def _add_pair_token(self, token_id: int) -> str:
-        """`add_token` for a one-token window with nothing held (what detokenize_step checked),
+        """`add_token` for a one-token window with nothing held (what detokenize_next checked),
         filling the pair memo on a miss."""
         ids, memo = self.token_ids, self.pair_memo
         key = (ids[-1] << 32) | token_id
@@ -119,30 +121,28 @@ class IncrementalDetokenizer:
         return text
 
 
+def detokenize_next(d, token_id: int) -> str:
+    """`d.add_token(token_id)`, same result; an IncrementalDetokenizer whose window is one
+    emitted token with nothing held gets its delta from the pair memo (module docstring)
+    without a tokenizer call. Called once per generated token (engine/outputs.py)."""
+    memo = d.pair_memo if d.__class__ is IncrementalDetokenizer else None
+    if memo is None:
+        return d.add_token(token_id)
+    ids, read = d.token_ids, d._read_offset
+    if read != len(ids) or d._prefix_offset != read - 1:  # not a one-token window
+        return d.add_token(token_id)
+    token_id = int(token_id)
+    delta = memo.get((ids[-1] << 32) | token_id, _MISS)
+    if delta is _MISS:
+        return d._add_pair_token(token_id)
+    ids.append(token_id)
+    if delta is None:  # held back (or nothing new): the offsets stay
+        return ""
+    d._prefix_offset, d._read_offset, d._prefix_text = read, read + 1, None  # d._emit
+    return delta
+
+
 def detokenize_step(detokenizers: Sequence, token_ids: Sequence[int]) -> list[str]:
-    """`[d.add_token(t) for d, t in zip(detokenizers, token_ids)]`, same results; an
-    IncrementalDetokenizer whose window is one emitted token and nothing held gets its delta
-    from the pair memo (module docstring) without a tokenizer call."""
-    texts: list[str] = []
-    append = texts.append
-    for d, t in zip(detokenizers, token_ids):
-        memo = d.pair_memo if d.__class__ is IncrementalDetokenizer else None
-        if memo is None:
-            append(d.add_token(t))
-            continue
-        ids, read = d.token_ids, d._read_offset
-        if read != len(ids) or d._prefix_offset != read - 1:  # not a one-token window
-            append(d.add_token(t))
-            continue
-        t = int(t)
-        delta = memo.get((ids[-1] << 32) | t, _MISS)
-        if delta is _MISS:
-            append(d._add_pair_token(t))
-        elif delta is None:  # held back (or nothing new): the offsets stay
-            ids.append(t)
-            append("")
-        else:  # d._emit, inlined: the common path of every generated token
-            ids.append(t)
-            d._prefix_offset, d._read_offset, d._prefix_text = read, read + 1, None
-            append(delta)
-    return texts
+    """`[d.add_token(t) for d, t in zip(detokenizers, token_ids)]`, same results
+    (`detokenize_next` for each)."""
+    return [detokenize_next(d, t) for d, t in zip(detokenizers, token_ids)]
