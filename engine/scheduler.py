@@ -238,11 +238,13 @@ class Scheduler:
         self, now_s: float, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> int:
         # Decodes first, then the most important; victims come from the not yet scheduled.
-        order = collections.deque(self._running_in_order())
+        order = self._running_in_order()
         page_size = self.pool.page_size
         append = scheduled.append
-        while order and budget > 0:
-            request = order.popleft()
+        i = 0  # order[i:] are not scheduled yet (a list and an index: no deque per step)
+        while i < len(order) and budget > 0:
+            request = order[i]
+            i += 1
             start, pending = request.num_computed_tokens, request.num_pending_outputs
             num_outputs = len(request.output_token_ids)
             if (  # host time (#20): a plain decode with room in its pages, inlined
@@ -264,12 +266,12 @@ class Scheduler:
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids = []
                     continue
-                victim = max([request, *order], key=self._rank)
+                victim = max([request, *order[i:]], key=self._rank)
                 self._preempt(victim, now_s)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-                order.remove(victim)
+                del order[order.index(victim, i)]
             else:
                 append(self._scheduled(request, num_new, now_s))
                 budget -= num_new
