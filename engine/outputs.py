@@ -180,7 +180,7 @@ class OutputProcessor:
             stop = stops_of[req.request_id]
             lp = logprobs.get(req.request_id) if logprobs else None
             n = stop.num_output_tokens + 1
-            if stop.plain and n < stop.max_tokens and token not in stop.stop_ids and lp is None:
+            if n < stop.continues_below and token not in stop.stop_ids and lp is None:
                 stop.num_output_tokens = n
                 cached = req.num_cached_tokens
                 # NOTE: positional: RequestOutput's field order (about 2x cheaper than
