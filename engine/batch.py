@@ -265,10 +265,19 @@ class BatchBuilder:
         self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
         self.num_pages = [0] * S  # [S] filled entries of each row (a list: read per row)
         self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
-        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py)
-        self.needs_full = np.zeros(S, bool)
-        self.needs_penalties = np.zeros(S, bool)
-        self.needs_logprobs = np.zeros(S, bool)
+        # host time (#20): the float fields are the rows of one [F, S] array, in the order
+        # of a batch's float buffer, so a step gathers and stores them in one operation
+        self._floats = np.stack([self.sampling[f] for f in _FLOAT_FIELDS])  # [F, S]
+        for i, f in enumerate(_FLOAT_FIELDS):
+            self.sampling[f] = self._floats[i]  # a view: _fill_row writes through it
+        # the others but `step` (each step's output index, set from the plan)
+        self._int_sampling = [
+            (f, v) for f, v in self.sampling.items() if f not in _FLOAT_FIELDS and f != "step"
+        ]
+        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py), the
+        # rows of one [3, S] array (one gather per step)
+        self._needs = np.zeros((3, S), bool)
+        self.needs_full, self.needs_penalties, self.needs_logprobs = self._needs
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(S - 1, -1, -1))
 
@@ -335,14 +344,15 @@ class BatchBuilder:
         sampler_rows[d] = np.arange(len(d))
         sampler_rows[p] = Sd + np.arange(len(p))
         self._fill_sampling(batch, sampler_rows, slots, out_index, samples)
+        full_sampler, penalties, logprobs = self._needs[:, slots].any(axis=1).tolist()
         return BuiltStep(
             batch,
             shape,
             sampler_rows,
             slots,
-            full_sampler=bool(self.needs_full[slots].any()),
-            penalties=bool(self.needs_penalties[slots].any()),
-            logprobs=bool(self.needs_logprobs[slots].any()),
+            full_sampler=full_sampler,
+            penalties=penalties,
+            logprobs=logprobs,
         )
 
     def _plan_columns(self, scheduled) -> np.ndarray:
@@ -407,9 +417,13 @@ class BatchBuilder:
         b.sample_mask[rows] = samples
         b.slot_ids[rows] = slots
         t = b.sampling
-        for name, per_slot in self.sampling.items():
+        for name, per_slot in self._int_sampling:
             getattr(t, name)[rows] = per_slot[slots]
         t.step[rows] = out_index
+        # NOTE: a batch made by StepBatch.zeros views one float buffer holding the float
+        # fields one after another ([F, R], _layout): all of them in one store
+        floats = t.temperature.base.reshape(len(_FLOAT_FIELDS), -1)  # [F, Sd + Sp]
+        floats[:, rows] = self._floats[:, slots]
 
 
 def _chunk_token_ids(s) -> list[int]:
