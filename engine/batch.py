@@ -100,14 +100,10 @@ class StepBatch:
         Its arrays are views into the two flat buffers of `pack()`, so filling them fills
         the buffers and a step sends two arrays to the device, not 25."""
         ints_layout, floats_layout = _layout(shape)
-        ints = np.zeros(_layout_size(ints_layout), np.int32)
-        floats = np.zeros(_layout_size(floats_layout), np.float32)
+        template_ints, template_floats = _padding_buffers(shape)
+        ints, floats = template_ints.copy(), template_floats.copy()  # host time (#20)
         v = {**_views(ints, ints_layout, np), **_views(floats, floats_layout, np)}
         v["key_data"] = v["key_data"].view(np.uint32)
-        v["token_slots"][:] = -1
-        v["stop_ids"][:] = -1
-        v["top_p"][:] = 1.0
-        v["repetition_penalty"][:] = 1.0
         return cls._from_views(v)
 
     @classmethod
@@ -188,6 +184,22 @@ def _layout(shape: BatchShape) -> tuple[list, list]:
         ("stop_ids", (R, MAX_MIN_TOKENS_STOP_IDS)),
     ]
     return ints, [(f, (R,)) for f in _FLOAT_FIELDS]
+
+
+@functools.lru_cache(maxsize=1024)
+def _padding_buffers(shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
+    """The (int32, float32) buffers of an all-padding batch of `shape`: zeros, but
+    token_slots and stop_ids -1, top_p and repetition_penalty 1 (read-only: copy them)."""
+    ints_layout, floats_layout = _layout(shape)
+    ints = np.zeros(_layout_size(ints_layout), np.int32)
+    floats = np.zeros(_layout_size(floats_layout), np.float32)
+    v = {**_views(ints, ints_layout, np), **_views(floats, floats_layout, np)}
+    v["token_slots"][:] = -1
+    v["stop_ids"][:] = -1
+    v["top_p"][:] = 1.0
+    v["repetition_penalty"][:] = 1.0
+    ints.flags.writeable = floats.flags.writeable = False
+    return ints, floats
 
 
 def _layout_size(layout) -> int:
