@@ -177,8 +177,9 @@ class OutputProcessor:
         outputs = []
         append = outputs.append
         for req, token in zip(received, tokens):
-            stop = stops_of[req.request_id]
-            lp = logprobs.get(req.request_id) if logprobs else None
+            rid = req.request_id
+            stop = stops_of[rid]
+            lp = logprobs.get(rid) if logprobs else None
             n = stop.num_output_tokens + 1
             if n < stop.continues_below and token not in stop.stop_ids and lp is None:
                 stop.num_output_tokens = n
@@ -187,7 +188,7 @@ class OutputProcessor:
                 # keywords for the hundreds built per step)
                 append(
                     RequestOutput(
-                        req.request_id,
+                        rid,
                         [token],
                         detokenize_next(stop.detokenizer, token),
                         req.token_times_s[-1:],
