@@ -97,8 +97,8 @@ _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 class StepTimings:
     """Host seconds spent in each phase of `EngineCore.step`, summed over steps."""
 
-    schedule_s: float = 0.0  # scheduler.schedule + slot bookkeeping
-    build_s: float = 0.0  # BatchBuilder.build
+    schedule_s: float = 0.0  # scheduler.schedule + finished/preempted bookkeeping
+    build_s: float = 0.0  # BatchBuilder.build (new requests take their slots there)
     dispatch_s: float = 0.0  # the jitted call (returns once the step is enqueued)
     wait_s: float = 0.0  # device_get of the packed result: blocked on the device
     update_s: float = 0.0  # unpack + scheduler.update_after_step
