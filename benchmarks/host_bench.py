@@ -14,9 +14,9 @@ running sequences n:
   - engine, synchronous (`async_scheduling=False`, the "before") and overlapped (the
     default, "after"): n requests decoding (ignore_eos, long max_tokens), steps/s over a
     window of steady-state decode steps, and the host ms per step by phase (the engine's
-    own `timings`): schedule / build / dispatch / wait / update / detokenize / stop (stop =
-    stop checks and the RequestOutput deltas; detokenize is the OutputProcessor's own
-    `detokenize_s`, the step's batched detokenization).
+    own `timings`): schedule / build / dispatch / wait / update / outputs (outputs = stop
+    checks, detokenization and the RequestOutput deltas, one pass per step since host3;
+    `python -m benchmarks.host_loop --profile=256` splits it by function).
 Each engine runs twice untimed first (compiles; the first runs of a new engine are slower),
 then `--repeats` rounds of sync / device loop / overlap interleaved, best round of each
 kept. The ratio engine / device loop is measured in the same run; the load average is
@@ -48,7 +48,7 @@ from engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 8
 MODES = ("sync", "overlap")
-PHASES = ("schedule", "build", "dispatch", "wait", "update", "detokenize", "stop")
+PHASES = ("schedule", "build", "dispatch", "wait", "update", "outputs")
 
 
 def load_avg() -> list[float]:
@@ -84,7 +84,6 @@ def _run_engine(
     prefill_steps = -(-n * PROMPT_TOKENS // engine.sched_config.max_num_batched_tokens)
     for _ in range(prefill_steps + 3):  # every request admitted, prefilled, decoding
         engine.step()
-    detok_before_s = engine.outputs.detokenize_s
     if capture is not None:
         orig = engine.builder.build
         engine.builder.build = lambda *args: capture.append(orig(*args)) or capture[-1]
@@ -102,7 +101,6 @@ def _run_engine(
         engine.step()
     done = after.num_steps - before.num_steps
     ms = lambda name: 1e3 * (getattr(after, name) - getattr(before, name)) / done  # noqa: E731
-    detok_ms = 1e3 * (engine.outputs.detokenize_s - detok_before_s) / done
     return {
         "steps_per_s": steps / wall_s,
         "wall_ms_per_step": 1e3 * wall_s / steps,
@@ -115,8 +113,7 @@ def _run_engine(
             "dispatch": ms("dispatch_s"),
             "wait": ms("wait_s"),
             "update": ms("update_s"),
-            "detokenize": detok_ms,
-            "stop": ms("outputs_s") - detok_ms,
+            "outputs": ms("outputs_s"),
         },
     }
 

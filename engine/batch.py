@@ -100,14 +100,10 @@ class StepBatch:
         Its arrays are views into the two flat buffers of `pack()`, so filling them fills
         the buffers and a step sends two arrays to the device, not 25."""
         ints_layout, floats_layout = _layout(shape)
-        ints = np.zeros(_layout_size(ints_layout), np.int32)
-        floats = np.zeros(_layout_size(floats_layout), np.float32)
+        template_ints, template_floats = _padding_buffers(shape)
+        ints, floats = template_ints.copy(), template_floats.copy()  # host time (#20)
         v = {**_views(ints, ints_layout, np), **_views(floats, floats_layout, np)}
         v["key_data"] = v["key_data"].view(np.uint32)
-        v["token_slots"][:] = -1
-        v["stop_ids"][:] = -1
-        v["top_p"][:] = 1.0
-        v["repetition_penalty"][:] = 1.0
         return cls._from_views(v)
 
     @classmethod
@@ -190,6 +186,22 @@ def _layout(shape: BatchShape) -> tuple[list, list]:
     return ints, [(f, (R,)) for f in _FLOAT_FIELDS]
 
 
+@functools.lru_cache(maxsize=1024)
+def _padding_buffers(shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
+    """The (int32, float32) buffers of an all-padding batch of `shape`: zeros, but
+    token_slots and stop_ids -1, top_p and repetition_penalty 1 (read-only: copy them)."""
+    ints_layout, floats_layout = _layout(shape)
+    ints = np.zeros(_layout_size(ints_layout), np.int32)
+    floats = np.zeros(_layout_size(floats_layout), np.float32)
+    v = {**_views(ints, ints_layout, np), **_views(floats, floats_layout, np)}
+    v["token_slots"][:] = -1
+    v["stop_ids"][:] = -1
+    v["top_p"][:] = 1.0
+    v["repetition_penalty"][:] = 1.0
+    ints.flags.writeable = floats.flags.writeable = False
+    return ints, floats
+
+
 def _layout_size(layout) -> int:
     return sum(math.prod(s) for _, s in layout)
 
@@ -241,7 +253,10 @@ class BatchBuilder:
     """Per-slot state that outlives a step, and the step's arrays gathered from it.
 
     `fit_shape(needed) -> BatchShape` picks the compiled shape a batch is padded to
-    (engine/shapes.py), so this module decides no bucket itself."""
+    (engine/shapes.py), so this module decides no bucket itself. `take_slot(request)`,
+    when set, is called by `build` for a scheduled request without a slot (the engine
+    assigns it, binds its adapter, resets its penalty row); without it such a request is
+    a KeyError."""
 
     def __init__(
         self,
@@ -258,13 +273,23 @@ class BatchBuilder:
         self.prefill_chunk_size = prefill_chunk_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.fit_shape = fit_shape
+        self.take_slot: Callable[[Request], object] | None = None
         self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
         self.num_pages = [0] * S  # [S] filled entries of each row (a list: read per row)
         self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
-        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py)
-        self.needs_full = np.zeros(S, bool)
-        self.needs_penalties = np.zeros(S, bool)
-        self.needs_logprobs = np.zeros(S, bool)
+        # host time (#20): the float fields are the rows of one [F, S] array, in the order
+        # of a batch's float buffer, so a step gathers and stores them in one operation
+        self._floats = np.stack([self.sampling[f] for f in _FLOAT_FIELDS])  # [F, S]
+        for i, f in enumerate(_FLOAT_FIELDS):
+            self.sampling[f] = self._floats[i]  # a view: _fill_row writes through it
+        # the others but `step` (each step's output index, set from the plan)
+        self._int_sampling = [
+            (f, v) for f, v in self.sampling.items() if f not in _FLOAT_FIELDS and f != "step"
+        ]
+        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py), the
+        # rows of one [3, S] array (one gather per step)
+        self._needs = np.zeros((3, S), bool)
+        self.needs_full, self.needs_penalties, self.needs_logprobs = self._needs
         self.slot_of: dict[str, int] = {}
         self._free_slots = list(range(S - 1, -1, -1))
 
@@ -331,14 +356,15 @@ class BatchBuilder:
         sampler_rows[d] = np.arange(len(d))
         sampler_rows[p] = Sd + np.arange(len(p))
         self._fill_sampling(batch, sampler_rows, slots, out_index, samples)
+        full_sampler, penalties, logprobs = self._needs[:, slots].any(axis=1).tolist()
         return BuiltStep(
             batch,
             shape,
             sampler_rows,
             slots,
-            full_sampler=bool(self.needs_full[slots].any()),
-            penalties=bool(self.needs_penalties[slots].any()),
-            logprobs=bool(self.needs_logprobs[slots].any()),
+            full_sampler=full_sampler,
+            penalties=penalties,
+            logprobs=logprobs,
         )
 
     def _plan_columns(self, scheduled) -> np.ndarray:
@@ -349,13 +375,21 @@ class BatchBuilder:
         extend = flat.extend
         for s in scheduled:
             req = s.request
-            slot = slot_of[req.request_id]
+            slot = slot_of.get(req.request_id)
+            if slot is None:  # host time (#20): slot work only for new requests, here
+                slot = self._new_slot(req)
             if len(req.page_ids) != num_pages[slot]:
                 self._sync_pages(slot, req.page_ids)
-            extend(
-                (slot, s.start, s.num_new_tokens, s.output_index, s.samples, req.num_known_tokens)
-            )
+            # known tokens = req.num_known_tokens, without the property call (host time)
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            extend((slot, s.start, s.num_new_tokens, s.output_index, s.samples, known))
         return np.array(flat, np.int32).reshape(-1, 6)
+
+    def _new_slot(self, req: Request) -> int:
+        if self.take_slot is None:
+            raise KeyError(req.request_id)
+        self.take_slot(req)
+        return self.slot_of[req.request_id]
 
     def _fill_decode(self, b: StepBatch, slots, starts, tokens) -> None:
         nd, ps, P = len(slots), self.page_size, b.page_table_d.shape[1]
@@ -395,9 +429,13 @@ class BatchBuilder:
         b.sample_mask[rows] = samples
         b.slot_ids[rows] = slots
         t = b.sampling
-        for name, per_slot in self.sampling.items():
+        for name, per_slot in self._int_sampling:
             getattr(t, name)[rows] = per_slot[slots]
         t.step[rows] = out_index
+        # NOTE: a batch made by StepBatch.zeros views one float buffer holding the float
+        # fields one after another ([F, R], _layout): all of them in one store
+        floats = t.temperature.base.reshape(len(_FLOAT_FIELDS), -1)  # [F, Sd + Sp]
+        floats[:, rows] = self._floats[:, slots]
 
 
 def _chunk_token_ids(s) -> list[int]:

@@ -97,8 +97,8 @@ _reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 class StepTimings:
     """Host seconds spent in each phase of `EngineCore.step`, summed over steps."""
 
-    schedule_s: float = 0.0  # scheduler.schedule + slot bookkeeping
-    build_s: float = 0.0  # BatchBuilder.build
+    schedule_s: float = 0.0  # scheduler.schedule + finished/preempted bookkeeping
+    build_s: float = 0.0  # BatchBuilder.build (new requests take their slots there)
     dispatch_s: float = 0.0  # the jitted call (returns once the step is enqueued)
     wait_s: float = 0.0  # device_get of the packed result: blocked on the device
     update_s: float = 0.0  # unpack + scheduler.update_after_step
@@ -154,6 +154,7 @@ class EngineCore:
             eos_token_ids=self.tokenizer.eos_token_ids,
             fit_shape=self.shapes.fit,
         )
+        self.builder.take_slot = self._take_slot  # build() takes a new request's slot
         self.params, kv_sharding = cast_params(model.params, config.dtype), None
         if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
             self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
@@ -288,10 +289,6 @@ class EngineCore:
         if plan.is_empty:
             self.timings.schedule_s += time.perf_counter() - t0
             return None
-        slot_of = self.builder.slot_of  # host2 (#20): slot work only for new requests
-        for s in plan.scheduled:
-            if s.request.request_id not in slot_of:
-                self._take_slot(s.request)
         t1 = time.perf_counter()
         built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
@@ -332,22 +329,17 @@ class EngineCore:
         now = time.monotonic()
         if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
             self._fail_nonfinite(step.plan, tokens, now, outputs)
-        # host2 (#20): finished requests' tokens are left in; update_after_step skips them
-        sampled = {
-            s.request.request_id: t
-            for s, t in zip(step.plan.scheduled, tokens.tolist())
-            if s.samples
-        }
+        # host2 (#20): finished requests' tokens are left in; receive_tokens skips them
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
-        received = self.scheduler.update_after_step(step.plan, sampled, now)
+        received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
         logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
             self._logprobs(step.plan, result, step.built.sampler_rows)
             if step.built.logprobs
             else None
         )
-        outputs += self.outputs.emit(received, now, logprobs)
+        outputs += self.outputs.emit(received, now, logprobs, got)
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2

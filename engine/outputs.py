@@ -18,17 +18,18 @@ A device step is anything that maps a SchedulerOutput to {request_id: sampled to
 the jitted model step in EngineCore, a hand-checkable rule in MockEngine. `on_finished(id)`
 tells the owner that a request has left (EngineCore frees its sampler slot and seed).
 
-Per step (`emit`), every row's token is detokenized in one batched pass
-(models/detokenizer.py `detokenize_step`); a row that only continues (no stop string, no
-grammar, not a stop id, below max_tokens: `StopChecker.continues`) gets its delta built
-directly, the others go through `StopChecker.add_token` and, when they end, `_final`.
+Per step (`emit`), one pass over the rows that received a token: a row that only
+continues (no stop string, no grammar, not a stop id, below max_tokens, no logprobs:
+`StopChecker.continues`, inlined) gets its text from `detokenize_next` (models/
+detokenizer.py: the common token from a memo, no tokenizer call) and its delta built
+directly; the others go through `StopChecker.add_token` and, when they end, `_final`.
+Host time (issue 20): at 256 running requests every per-row layer here was measurable.
 
 Plain Python, no JAX: the mock engine (and the serving tests) import it without a device.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from configs.engine_config import CacheSharingPolicy
@@ -44,7 +45,7 @@ from engine.page_pool import cache_salt_for
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_checker import StopChecker
-from models.detokenizer import detokenize_step
+from models.detokenizer import detokenize_next
 
 
 def request_metrics(req: Request) -> RequestMetrics:
@@ -86,7 +87,6 @@ class OutputProcessor:
         self.cache_sharing = cache_sharing
         self._on_finished = on_finished
         self._stops: dict[str, StopChecker] = {}
-        self.detokenize_s = 0.0  # host seconds in the step's detokenization (host_bench)
 
     # ---- requests in ------------------------------------------------------------------------
     def add_request(
@@ -164,38 +164,44 @@ class OutputProcessor:
         received: list[Request],
         now_s: float,
         logprobs: dict[str, TokenLogprob] | None = None,
+        tokens: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Stop checks and deltas for the requests that just received a token (what
-        `scheduler.update_after_step` returned; `commit` = the two together)."""
-        # ---- host time (#20): the step's detokenization batched; a row that only
-        # continues (StopChecker.continues) gets its delta without the per-row layers ----
+        `scheduler.update_after_step` returned; `commit` = the two together). `tokens`:
+        their new tokens, when the caller has them (`scheduler.receive_tokens`)."""
+        # ---- host time (#20): one pass; a row that only continues (StopChecker.continues,
+        # inlined) gets its text (detokenize_next) and delta without the per-row layers
         stops_of = self._stops
-        stops = [stops_of[req.request_id] for req in received]
-        tokens = [req.output_token_ids[-1] for req in received]
-        t0 = time.perf_counter()
-        texts = self._detokenize(stops, tokens)
-        self.detokenize_s += time.perf_counter() - t0
+        if tokens is None:
+            tokens = [req.output_token_ids[-1] for req in received]
         outputs = []
         append = outputs.append
-        for req, stop, token, text in zip(received, stops, tokens, texts):
-            lp = logprobs.get(req.request_id) if logprobs else None
-            if lp is None and stop.continues(token):
+        for req, token in zip(received, tokens):
+            rid = req.request_id
+            stop = stops_of[rid]
+            lp = logprobs.get(rid) if logprobs else None
+            n = stop.num_output_tokens + 1
+            if n < stop.continues_below and token not in stop.stop_ids and lp is None:
+                stop.num_output_tokens = n
+                cached = req.num_cached_tokens
                 # NOTE: positional: RequestOutput's field order (about 2x cheaper than
                 # keywords for the hundreds built per step)
                 append(
                     RequestOutput(
-                        req.request_id,
+                        rid,
                         [token],
-                        text,
+                        detokenize_next(stop.detokenizer, token),
                         req.token_times_s[-1:],
                         False,
                         None,
                         len(req.prompt_token_ids),
-                        max(req.num_cached_tokens, 0),
+                        cached if cached > 0 else 0,
                         len(req.output_token_ids),
                     )
                 )
             else:
+                # a token that ends the request as a stop id is never detokenized
+                text = None if stop.ends_on(token) else detokenize_next(stop.detokenizer, token)
                 append(self._on_token(req, stop, token, text, lp, now_s))
         return outputs
 
@@ -215,23 +221,6 @@ class OutputProcessor:
                 lps = None if logprobs is None else logprobs[: i + 1]
                 return self._final(req, tokens[: i + 1], "".join(texts), lps)
         return self._delta(req, list(tokens), "".join(texts), logprobs)
-
-    @staticmethod
-    def _detokenize(stops: list[StopChecker], tokens: list[int]) -> list[str | None]:
-        """Each row's detokenized text (None where the token ends the request as a stop id:
-        that token is never detokenized), in one batched call (models/detokenizer.py)."""
-        rows = [
-            i
-            for i, (s, t) in enumerate(zip(stops, tokens))
-            if t not in s.stop_ids or s.num_output_tokens < s.min_tokens  # not s.ends_on(t)
-        ]
-        if len(rows) == len(tokens):  # the common step: no row ends on a stop id
-            return detokenize_step([s.detokenizer for s in stops], tokens)
-        texts: list[str | None] = [None] * len(tokens)
-        decoded = detokenize_step([stops[i].detokenizer for i in rows], [tokens[i] for i in rows])
-        for i, text in zip(rows, decoded):
-            texts[i] = text
-        return texts
 
     def _on_token(
         self, req: Request, stop: StopChecker, token: int, text, lp, now_s: float

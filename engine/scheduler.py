@@ -116,6 +116,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # admission order (_waiting_key), kept sorted
         self.running: list[Request] = []
+        # `running` by rank, or None after `running` changed (_running_in_order)
+        self._ranked: list[Request] | None = None
         self._pending_aborts: list[Request] = []  # objects, not ids: an id may be reused
         self._with_deadline: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -196,11 +198,27 @@ class Scheduler:
         the requests that received a token, for the engine's stop checks. A request
         preempted since this plan (waiting again) still receives its token: it was sampled
         from its whole context before the preemption."""
-        received = []
+        finished = RequestStatus.FINISHED
+        tokens = [
+            sampled_token_ids[s.request.request_id]
+            if s.samples and s.request.status is not finished
+            else 0
+            for s in output.scheduled
+        ]
+        return self.receive_tokens(output, tokens, now_s)[0]
+
+    def receive_tokens(
+        self, output: SchedulerOutput, tokens: list[int], now_s: float
+    ) -> tuple[list[Request], list[int]]:
+        """`update_after_step` with the tokens as a list aligned with `output.scheduled`
+        (the value of a row that does not sample is ignored): the engine's form, without a
+        dict per step (host time, #20). Returns the requests that received a token and
+        their tokens."""
+        received, got = [], []
         # host time (#20): properties read once per row; no prefix-cache call when off
         caching = self.pool.enable_prefix_caching
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
-        for s in output.scheduled:
+        for s, token in zip(output.scheduled, tokens):
             request = s.request
             if s.samples:
                 request.num_pending_outputs -= 1
@@ -211,28 +229,35 @@ class Scheduler:
                 self.pool.cache_full_pages(request)
             if s.samples:
                 assert len(request.output_token_ids) == s.output_index, request.request_id
-                request.append_output_token(sampled_token_ids[request.request_id], now_s)
+                request.append_output_token(token, now_s)
                 received.append(request)
-        return received
+                got.append(token)
+        return received, got
 
     def _schedule_running(
         self, now_s: float, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> int:
         # Decodes first, then the most important; victims come from the not yet scheduled.
-        # (The key is _rank's tuple flattened, computed inline: one call per running request.)
-        rate = self.config.priority_aging_per_s
-        order = collections.deque(
-            sorted(
-                (r for r in self.running if not r.max_outputs_reached),
-                key=lambda r: (
-                    r.num_tokens - r.num_computed_tokens > 1,
-                    rate * r.arrival_s - r.priority,
-                    r.arrival_s,
-                ),
-            )
-        )
-        while order and budget > 0:
-            request = order.popleft()
+        order = self._running_in_order()
+        page_size = self.pool.page_size
+        append = scheduled.append
+        i = 0  # order[i:] are not scheduled yet (a list and an index: no deque per step)
+        while i < len(order) and budget > 0:
+            request = order[i]
+            i += 1
+            start, pending = request.num_computed_tokens, request.num_pending_outputs
+            num_outputs = len(request.output_token_ids)
+            if (  # host time (#20): a plain decode with room in its pages, inlined
+                len(request.prompt_token_ids) + num_outputs + pending - start == 1
+                and start < len(request.page_ids) * page_size
+                and not request.spec_token_ids
+                and request.first_scheduled_s is not None
+            ):  # = _scheduled(request, 1, now_s) with _grow_pages True at no cost
+                request.num_computed_tokens = start + 1
+                request.num_pending_outputs = pending + 1
+                append(ScheduledRequest(request, 1, start, True, num_outputs + pending))
+                budget -= 1
+                continue
             num_new = min(request.num_remaining_tokens, self.config.prefill_chunk_size, budget)
             if request.spec_token_ids:  # host time (#20): the call only with drafts
                 num_new += self._spec_tokens_fitting(request, num_new, budget)
@@ -241,16 +266,40 @@ class Scheduler:
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids = []
                     continue
-                victim = max([request, *order], key=self._rank)
+                victim = max([request, *order[i:]], key=self._rank)
                 self._preempt(victim, now_s)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-                order.remove(victim)
+                del order[order.index(victim, i)]
             else:
-                scheduled.append(self._scheduled(request, num_new, now_s))
+                append(self._scheduled(request, num_new, now_s))
                 budget -= num_new
         return budget
+
+    def _running_in_order(self) -> list[Request]:
+        """The running requests with outputs left to schedule, decodes (one token left to
+        compute) first, each group by rank (_rank: effective priority, then arrival), ties
+        in running order: `sorted` by (not a decode, *_rank) as one stable sort would give.
+        Host time (#20): the rank order is kept between steps (`_ranked`, rebuilt only
+        when `running` changes), so a step only splits it into decodes and the rest."""
+        ranked = self._ranked
+        if ranked is None:
+            rate = self.config.priority_aging_per_s
+            ranked = self._ranked = sorted(
+                self.running, key=lambda r: (rate * r.arrival_s - r.priority, r.arrival_s)
+            )
+        decodes, others = [], []
+        for r in ranked:
+            num_outputs = len(r.output_token_ids) + r.num_pending_outputs
+            if num_outputs >= r.sampling.max_tokens:  # r.max_outputs_reached, inlined
+                continue
+            if len(r.prompt_token_ids) + num_outputs - r.num_computed_tokens > 1:
+                others.append(r)
+            else:
+                decodes.append(r)
+        decodes += others
+        return decodes
 
     def _admit_waiting(self, now_s: float, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -274,6 +323,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.waiting.pop(0)
             self.running.append(request)
+            self._ranked = None
             scheduled.append(self._scheduled(request, num_new, now_s))
             budget -= num_new
 
@@ -334,6 +384,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, now_s: float) -> None:
         self.running.remove(request)
+        self._ranked = None
         request.spec_token_ids = []
         self._release(request, now_s)
         request.status = RequestStatus.WAITING
@@ -365,6 +416,7 @@ class Scheduler:
             self.on_finish(request, reason)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._ranked = None
         else:
             self.waiting.remove(request)
         if request.page_ids:
@@ -397,6 +449,7 @@ class Scheduler:
         request.first_scheduled_s = now_s
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._ranked = None
         return request
 
     # ---- stats ----------------------------------------------------------------------------

@@ -59,11 +59,12 @@ class StopChecker:
         self.stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             self.stop_ids |= set(eos_token_ids)
-        # host time (#20): what engine/outputs.py's per-step fast path reads. `plain`: no
-        # stop string and no grammar, so a token that is not a stop id and stays below
-        # max_tokens only counts (add_token's first and last rules decide everything).
-        self.plain = not sampling_params.stop and grammar_done is None
-        self.max_tokens = sampling_params.max_tokens
+        # host time (#20): what engine/outputs.py's per-step fast path reads. A plain
+        # request (no stop string, no grammar) whose next token is not a stop id and whose
+        # output count stays below `continues_below` (max_tokens; 0 when not plain or
+        # finished) only counts it: add_token's first and last rules decide everything.
+        plain = not sampling_params.stop and grammar_done is None
+        self.continues_below = sampling_params.max_tokens if plain else 0
         self.min_tokens = sampling_params.min_tokens
         self._held = ""  # text that may be the start of a stop string
         self.num_output_tokens = 0
@@ -106,7 +107,7 @@ class StopChecker:
         as is: a plain request, a token that is not a stop id, below max_tokens. Then the
         token is counted and True returned; False changes nothing (call add_token)."""
         n = self.num_output_tokens + 1
-        if self.plain and n < self.max_tokens and token_id not in self.stop_ids:
+        if n < self.continues_below and token_id not in self.stop_ids:
             self.num_output_tokens = n
             return True
         return False
@@ -118,7 +119,7 @@ class StopChecker:
 
     def _finish(self, reason: FinishReason, text: str) -> StopResult:
         self.finish_reason = reason
-        self.plain = False  # continues() no longer applies: add_token raises
+        self.continues_below = 0  # continues() no longer applies: add_token raises
         self._held = ""
         return StopResult(text, reason)
 

@@ -1,18 +1,28 @@
 """Streaming text out of a generation: token ids in, complete UTF-8 text deltas out.
 
-`IncrementalDetokenizer` serves one request; `detokenize_step` advances every request of an
-engine step at once: the windows of all of them go to the tokenizer's `decode_batch` per
-(tokenizer, skip_special_tokens) group (at 256 running requests the Python layers around
-each request's one or two `decode` calls were most of the detokenizer's host time).
-The window of the text emitted last is usually one token: its text comes from the
-tokenizer's memo (`Tokenizer.decode_token`, exact: decode is a pure function of the ids),
-so a generated token costs one `decode` call, not two.
+`IncrementalDetokenizer` serves one request; `detokenize_next(d, token)` is its `add_token`
+with the common token's fast path, `detokenize_step` the same over a step's rows. Host time
+(issue 20): at 256 running requests the step's detokenization was the largest single host
+cost, so the common token costs no tokenizer call at all:
+
+  - the window of the text emitted last is usually one token, and its text comes from the
+    tokenizer's memo (`Tokenizer.decode_token`);
+  - when that window is one token `a` and nothing is held back, the new token `b`'s delta
+    is a pure function of (a, b, skip_special_tokens): `decode([a, b])` minus `decode([a])`,
+    or "held" when the text ends mid-character. `Tokenizer.pair_deltas(skip)` memoizes it
+    (exact: decode is a pure function of the ids; bounded, cleared when full), and
+    `detokenize_next` (one token of one request, what the engine calls per row) reads it
+    for such rows. Other rows take `add_token`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+_MISS = object()
+# Entries of one pair-delta memo before it is cleared (~100 bytes each: ~13 MB at most).
+PAIR_MEMO_MAX_ENTRIES = 1 << 17
 
 
 class _Decoder(Protocol):
@@ -47,15 +57,16 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         # decode of a one-token window, memoized by the tokenizer when it can (host time)
         self._decode_token = getattr(tokenizer, "decode_token", None)
-        # detokenize_step decodes detokenizers of one key together; None: one by one
-        self.batch_key = (
-            (id(tokenizer), skip_special_tokens) if hasattr(tokenizer, "decode_batch") else None
+        # (a << 32 | b) -> delta of b after a one-token window a, None = held (module doc);
+        # None when the tokenizer keeps no such memo (every token takes add_token)
+        pair_deltas = getattr(tokenizer, "pair_deltas", None)
+        self.pair_memo: dict | None = (
+            None if pair_deltas is None else pair_deltas(skip_special_tokens)
         )
         self.token_ids: list[int] = list(prompt_ids or ())
         self._prefix_offset = max(len(self.token_ids) - self._PROMPT_CONTEXT_TOKENS, 0)
         self._read_offset = len(self.token_ids)
-        # decode(token_ids[prefix_offset:read_offset]); None = not decoded yet (after an
-        # emit it is decoded with the next token's window, in the same batch).
+        # decode(token_ids[prefix_offset:read_offset]); None = not decoded yet
         self._prefix_text: str | None = None
 
     def add_token(self, token_id: int) -> str:
@@ -63,7 +74,10 @@ class IncrementalDetokenizer:
         self.token_ids.append(int(token_id))
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        return self._accept(self._decode(self._prefix_offset, len(self.token_ids)))
+        text = self._decode(self._prefix_offset, len(self.token_ids))
+        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+            return ""
+        return self._emit(text)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         return "".join(self.add_token(t) for t in token_ids)
@@ -76,12 +90,6 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self.token_ids))
         return self._emit(text) if len(text) > len(self._prefix_text) else ""
-
-    def _accept(self, text: str) -> str:
-        """The delta of the window's text `text` (the last token already appended)."""
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
-            return ""
-        return self._emit(text)
 
     def _emit(self, text: str) -> str:
         delta = text[len(self._prefix_text) :]
@@ -98,69 +106,43 @@ class IncrementalDetokenizer:
             self.token_ids[start:stop], skip_special_tokens=self._skip_special
         )
 
+    def _add_pair_token(self, token_id: int) -> str:
+        """`add_token` for a one-token window with nothing held (what detokenize_next checked),
+        filling the pair memo on a miss."""
+        ids, memo = self.token_ids, self.pair_memo
+        key = (ids[-1] << 32) | token_id
+        before = self._prefix_offset, self._read_offset
+        text = self.add_token(token_id)
+        # held, or nothing new (text no longer than the prefix's): the offsets did not move
+        delta = text if (self._prefix_offset, self._read_offset) != before else None
+        if len(memo) >= PAIR_MEMO_MAX_ENTRIES:
+            memo.clear()
+        memo[key] = delta
+        return text
+
+
+def detokenize_next(d, token_id: int) -> str:
+    """`d.add_token(token_id)`, same result; an IncrementalDetokenizer whose window is one
+    emitted token with nothing held gets its delta from the pair memo (module docstring)
+    without a tokenizer call. Called once per generated token (engine/outputs.py)."""
+    memo = d.pair_memo if d.__class__ is IncrementalDetokenizer else None
+    if memo is None:
+        return d.add_token(token_id)
+    ids, read = d.token_ids, d._read_offset
+    if read != len(ids) or d._prefix_offset != read - 1:  # not a one-token window
+        return d.add_token(token_id)
+    token_id = int(token_id)
+    delta = memo.get((ids[-1] << 32) | token_id, _MISS)
+    if delta is _MISS:
+        return d._add_pair_token(token_id)
+    ids.append(token_id)
+    if delta is None:  # held back (or nothing new): the offsets stay
+        return ""
+    d._prefix_offset, d._read_offset, d._prefix_text = read, read + 1, None  # d._emit
+    return delta
+
 
 def detokenize_step(detokenizers: Sequence, token_ids: Sequence[int]) -> list[str]:
-    """`[d.add_token(t) for d, t in zip(detokenizers, token_ids)]`, same results, with the
-    IncrementalDetokenizers' windows decoded in one `decode_batch` call per (tokenizer,
-    skip_special_tokens) group. Other detokenizers (any object with add_token) run one by
-    one; so do all when a tokenizer has no decode_batch."""
-    texts: list[str] = [""] * len(detokenizers)
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for i, d in enumerate(detokenizers):
-        key = getattr(d, "batch_key", None)
-        if key is None:
-            texts[i] = d.add_token(token_ids[i])
-        elif key in groups:
-            groups[key].append(i)
-        else:
-            groups[key] = [i]
-    for rows in groups.values():
-        _decode_group([detokenizers[i] for i in rows], [token_ids[i] for i in rows], rows, texts)
-    return texts
-
-
-def _decode_group(detoks: list[IncrementalDetokenizer], token_ids, rows, texts) -> None:
-    """One decode_batch over each detokenizer's window. A stale prefix window (the text
-    emitted last) is decoded first: one token (the common case) from the tokenizer's memo,
-    longer ones with the windows."""
-    first = detoks[0]
-    windows, stale = [], []
-    for d, t in zip(detoks, token_ids):
-        ids = d.token_ids
-        ids.append(int(t))
-        if d._prefix_text is None:
-            start, stop = d._prefix_offset, d._read_offset
-            if stop - start == 1 and d._decode_token is not None:
-                d._prefix_text = d._decode_token(ids[start], d._skip_special)
-            elif start >= stop:
-                d._prefix_text = ""
-            else:
-                stale.append(d)
-                windows.append(ids[start:stop])
-        windows.append(ids[d._prefix_offset :])
-    decoded = first._tokenizer.decode_batch(windows, first._skip_special)
-    if stale:  # rare: a prefix window of several tokens (after a held character)
-        decoded = _take_stale_prefixes(detoks, stale, decoded)
-    for d, i, text in zip(detoks, rows, decoded):
-        # d._accept(text), inlined: the common path of every generated token
-        prefix = d._prefix_text
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            texts[i] = ""
-            continue
-        texts[i] = text[len(prefix) :]
-        d._prefix_offset, d._read_offset = d._read_offset, len(d.token_ids)
-        d._prefix_text = None
-
-
-def _take_stale_prefixes(detoks, stale, decoded: list[str]) -> list[str]:
-    """`decoded` holds each stale detokenizer's prefix text right before its window's text
-    (the order `_decode_group` appended them): set the prefixes, return the windows'."""
-    stale_ids = {id(d) for d in stale}
-    out, k = [], 0
-    for d in detoks:
-        if id(d) in stale_ids:
-            d._prefix_text = decoded[k]
-            k += 1
-        out.append(decoded[k])
-        k += 1
-    return out
+    """`[d.add_token(t) for d, t in zip(detokenizers, token_ids)]`, same results
+    (`detokenize_next` for each)."""
+    return [detokenize_next(d, t) for d, t in zip(detokenizers, token_ids)]

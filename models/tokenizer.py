@@ -71,6 +71,8 @@ class Tokenizer:
         self.add_bos = bos_token_id is not None and bool(probe) and probe[0] == bos_token_id
         self.sha256 = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
         self._token_texts: dict[int, str] = {}  # decode_token's memo, at most 2 x vocab
+        # pair_deltas' memos, by skip_special_tokens (models/detokenizer.py fills them)
+        self._pair_deltas: dict[bool, dict[int, str | None]] = {False: {}, True: {}}
 
     # --- construction -----------------------------------------------------------------------
 
@@ -138,16 +140,6 @@ class Tokenizer:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD). Same default as transformers."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(
-        self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = False
-    ) -> list[str]:
-        """`[decode(ids) for ids in batch]` for lists of ids, without decode's copy.
-        NOTE: a loop of `backend.decode`, not `backend.decode_batch`: for an engine step's
-        hundreds of 1-3 token windows the Rust batch (its thread pool) was 1.5-2x slower
-        on this 2-core machine (measured)."""
-        decode, skip = self.backend.decode, skip_special_tokens
-        return [decode(ids, skip) for ids in batch]  # positional: cheaper per call
-
     def decode_token(self, token_id: int, skip_special_tokens: bool = False) -> str:
         """`decode([token_id])`, memoized (host time, issue 20): the detokenizer's window of
         the token it emitted last is one token, decoded again for every generated token."""
@@ -156,6 +148,13 @@ class Tokenizer:
         if text is None:
             text = self._token_texts[key] = self.backend.decode([token_id], skip_special_tokens)
         return text
+
+    def pair_deltas(self, skip_special_tokens: bool) -> dict[int, str | None]:
+        """The detokenizer's memo of the delta token b adds after a one-token window a,
+        keyed `a << 32 | b` (host time, issue 20; models/detokenizer.py fills and bounds it):
+        shared by every request of this tokenizer, exact because decode is a pure function
+        of the ids."""
+        return self._pair_deltas[bool(skip_special_tokens)]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

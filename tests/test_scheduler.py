@@ -599,3 +599,48 @@ def test_outputs_are_the_same_with_cache_on_or_off_and_a_tiny_or_large_pool(
     assert cached == reference and uncached == reference and overlapped == reference
     event(f"hits > 0: {stats['prefix_cache_hit_tokens'] > 0}")
     event(f"preemptions > 0: {stats['num_preemptions'] > 0}")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rate=st.sampled_from([0.0, 0.5]),
+    rows=st.lists(
+        st.tuples(
+            st.integers(-1, 1),  # priority
+            st.integers(0, 2),  # arrival_s (ties on purpose)
+            st.integers(1, 3),  # tokens left to compute (1: a decode)
+            st.integers(0, 2),  # outputs known + pending below (0: none left) max_tokens
+        ),
+        max_size=12,
+    ),
+)
+def test_running_order_is_the_one_stable_sort(rate, rows):
+    """_running_in_order (the rank order kept between steps, split into decodes and the
+    rest) is the order of the one sort it replaces (host time, #20): decodes first, then
+    effective priority, then arrival, ties in running order; requests with no output left
+    to schedule left out; and it stays right after `running` changes."""
+    s = _sched(priority_aging_per_s=rate, max_num_seqs=16)
+    for i, (prio, arrival, left, room) in enumerate(rows):
+        outputs = [5] * (3 - room)
+        r = _req(f"r{i}", 4, 3, priority=prio, arrival_s=float(arrival), output_token_ids=outputs)
+        r.num_computed_tokens = r.num_tokens - left
+        r.status = RequestStatus.RUNNING
+        s.requests[r.request_id] = r
+        s.running.append(r)
+    s._ranked = None  # the test filled `running` itself
+
+    def reference():
+        live = [r for r in s.running if not r.max_outputs_reached]
+        key = lambda r: (  # noqa: E731
+            r.num_tokens - r.num_computed_tokens > 1,
+            rate * r.arrival_s - r.priority,
+            r.arrival_s,
+        )
+        return sorted(live, key=key)
+
+    assert s._running_in_order() == reference()
+    if s.running:  # a request leaves and one arrives: the kept order is rebuilt
+        s._finish(s.running[len(s.running) // 2], "stop", 0.0)
+        s.add_request(_req("new", 4, priority=0, arrival_s=1.0))
+        s.schedule(0.0)  # admits "new" (a prefill) among the running
+        assert s._running_in_order() == reference()
