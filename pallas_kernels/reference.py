@@ -236,8 +236,8 @@ def decode_paged_attention_reference(
     gathered as [S, K, N, hd] both dots batch over (S, K) and the output reshapes to
     [S, H, hd] with no transposed copy (attend_padded's head-major order needs one for q
     and one for the output). Same products, same results; in the 64-way SmolLM2 decode step
-    the attention's op time drops by ~15% (benchmarks/RESULTS.md, "64-way decode, part
-    2")."""
+    the attention's profiled op time drops from ~43 to ~35 ms per step (benchmarks/
+    RESULTS.md, "64-way decode, part 2")."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[1]
     group = num_heads // num_kv_heads
