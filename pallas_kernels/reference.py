@@ -235,9 +235,10 @@ def decode_paged_attention_reference(
     Sequence-major throughout: q [S, H, hd] already is [S, K, G, hd], so with the pages
     gathered as [S, K, N, hd] both dots batch over (S, K) and the output reshapes to
     [S, H, hd] with no transposed copy (attend_padded's head-major order needs one for q
-    and one for the output). Same products, same results; in the 64-way SmolLM2 decode step
-    the attention's profiled op time drops from ~43 to ~35 ms per step (benchmarks/
-    RESULTS.md, "64-way decode, part 2")."""
+    and one for the output). Same products, same results. In the 64-way SmolLM2 decode step
+    the attention's profiled op time drops from ~43 to ~35 ms, but the step's process CPU
+    time moved < 1% (XLA's workers spin in the gaps; benchmarks/RESULTS.md, "64-way decode,
+    part 2"): kept because it is the simpler layout, not for speed."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[1]
     group = num_heads // num_kv_heads
