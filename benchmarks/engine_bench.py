@@ -36,8 +36,12 @@ How each figure is measured:
 - The same ratios in process CPU time (`*_cpu` keys, "CPU time" lines): the peaks' matvec and
   matmul are also timed in CPU seconds and each step's CPU time is recorded, so a floor is
   "FLOPs (bytes) at the peak's rate per CPU-second". On a shared machine the wall-clock
-  peaks, measured once at the start, and the steps, measured minutes later, see different
-  loads (ratios above 1 happen); CPU time is what other processes disturb least.
+  peaks and the steps see different loads (ratios above 1 happen); CPU time is what other
+  processes disturb least, but not nothing: the matmul's FLOP per CPU-second itself drifts
+  ~15% within minutes (its spin-waits grow when a core is shared).
+- Peaks are measured twice, before and after the timed concurrency runs (`peaks_before`,
+  `peaks_after`), and the floors use their mean (`peaks`): one measurement at the start put
+  +-10% on every ratio (benchmarks/RESULTS.md, "64-way decode, part 2").
 Load average is printed with every section: other processes share this CPU.
 """
 
@@ -98,6 +102,12 @@ def measure_peaks(matvec_bytes: int = 128 << 20, matmul_n: int = 2048, iters: in
         "matmul_gflop_per_cpu_s": 2 * matmul_n**3 / max(cpu_mm, 1e-9) / 1e9,
         "load": load_avg(),
     }
+
+
+def bracketed_peaks(before: dict, after: dict) -> dict:
+    """The peaks the floors use: the mean of two measurements that bracket the timed runs."""
+    keys = ("bandwidth_gb_s", "matmul_gflop_s", "bandwidth_gb_per_cpu_s", "matmul_gflop_per_cpu_s")
+    return {**{k: (before[k] + after[k]) / 2 for k in keys}, "load": after["load"]}
 
 
 # ---------------------------------------------------------------- workloads
@@ -553,21 +563,15 @@ def run(args) -> dict:
     model = load_model(args.model)
     cfg = model.config
     conc = [int(c) for c in args.concurrency.split(",")]
-    peaks = measure_peaks(
-        **({"matvec_bytes": 4 << 20, "matmul_n": 256, "iters": 2} if args.smoke else {})
-    )
+    peak_sizes = {"matvec_bytes": 4 << 20, "matmul_n": 256, "iters": 2} if args.smoke else {}
+    peaks_before = measure_peaks(**peak_sizes)
     print(
-        f"peaks: {peaks['bandwidth_gb_s']:.1f} GB/s matrix-vector read, "
-        f"{peaks['matmul_gflop_s']:.0f} GFLOP/s f32 matmul (load {peaks['load']:.1f})",
+        f"peaks: {peaks_before['bandwidth_gb_s']:.1f} GB/s matrix-vector read, "
+        f"{peaks_before['matmul_gflop_s']:.0f} GFLOP/s f32 matmul (load "
+        f"{peaks_before['load']:.1f})",
         flush=True,
     )
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
-    floors = Floors(
-        weight_bytes,
-        kv_bytes_per_token(cfg, "float32"),
-        peaks["bandwidth_gb_s"] * 1e9,
-        peaks["matmul_gflop_s"] * 1e9,
-    )
     max_len = args.prompt_len + max(args.output_len, args.mixed_max_output) + args.mixed_max_prompt
     engine = make_engine(
         model,
@@ -575,24 +579,38 @@ def run(args) -> dict:
         max_len,
         max(conc) * (args.prompt_len + args.output_len + 16),
     )
-    results = {
-        "model": cfg.name,
-        "peaks": peaks,
-        "weight_bytes": weight_bytes,
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "concurrency": [],
-    }
+    runs = []
     for c in conc:
         w = uniform_workload(c, args.prompt_len, args.output_len, cfg.vocab_size, seed=c)
         res = warm_and_run(engine, w, warm=not args.no_warm)
-        row = concurrency_row(cfg, floors, c, res, cpu_floors(floors, peaks))
-        results["concurrency"].append(row)
+        runs.append((c, res, load_avg()))
+        step_ms = 1e3 * statistics.median(s.wall_s for s in res.decode_steps())
         print(
-            f"  concurrency {c}: {row['tokens_per_s']:.1f} tok/s, step "
-            f"{row['step_ms']:.1f} ms (load {row['load']:.1f})",
+            f"  concurrency {c}: {res.tokens_per_s:.1f} tok/s, step {step_ms:.1f} ms "
+            f"(load {runs[-1][2]:.1f})",
             flush=True,
         )
+    peaks_after = measure_peaks(**peak_sizes)
+    peaks = bracketed_peaks(peaks_before, peaks_after)
+    floors = Floors(
+        weight_bytes,
+        kv_bytes_per_token(cfg, "float32"),
+        peaks["bandwidth_gb_s"] * 1e9,
+        peaks["matmul_gflop_s"] * 1e9,
+    )
+    results = {
+        "model": cfg.name,
+        "peaks": peaks,
+        "peaks_before": peaks_before,
+        "peaks_after": peaks_after,
+        "weight_bytes": weight_bytes,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "concurrency": [  # each row with the load at the end of its own run
+            {**concurrency_row(cfg, floors, c, res, cpu_floors(floors, peaks)), "load": load}
+            for c, res, load in runs
+        ],
+    }
     results["prefill"] = prefill_row(
         model, floors, args.prefill_len, warm=not args.no_warm, cpu=cpu_floors(floors, peaks)
     )
@@ -707,6 +725,13 @@ def format_table(r: dict) -> str:
         f"{peaks['bandwidth_gb_per_cpu_s']:.1f} GB, {peaks['matmul_gflop_per_cpu_s']:.0f} GFLOP; "
         f"weights {r['weight_bytes'] / 1e6:.0f} MB"
     )
+    if "peaks_before" in r:
+        b, a = r["peaks_before"], r["peaks_after"]
+        peak_line += (
+            f" (mean of before / after the concurrency runs: {b['matmul_gflop_per_cpu_s']:.0f} / "
+            f"{a['matmul_gflop_per_cpu_s']:.0f} GFLOP per CPU-second, load {b['load']:.1f} / "
+            f"{a['load']:.1f})"
+        )
     lines = [title, peak_line, "", TABLE_HEADER, "|---:" * 9 + "|---|---:|---:|"]
     for x in r["concurrency"]:
         parts = (

@@ -60,29 +60,42 @@ def write_kv_reference(
     return k_pages, v_pages, k_scales, v_scales
 
 
-def _gather_pages(pages, scales, page_table, layer):
-    """Keys or values of every sequence, [K, S, N, hd] float32 with N = P * page_size.
+def _gather_pages(pages, scales, page_table, layer, *, seq_major: bool = False):
+    """Keys or values of every sequence, float32: [K, S, N, hd] (head-major) or, with
+    `seq_major`, [S, K, N, hd]; N = P * page_size.
 
-    ONE gather of (layer, page) pairs whose output is already head-major: the dots below
-    then batch over (K, S) with no transposed copy of the gathered pages."""
+    ONE gather of (layer, page) pairs whose output is already in the order the dots batch
+    over ((K, S) or (S, K)), so no transposed copy of the gathered pages is made."""
     num_kv_heads, page_size, head_dim = pages.shape[1], pages.shape[3], pages.shape[4]
     layer_ids = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page_table.shape)
     idx = jnp.stack([layer_ids, page_table], axis=-1)  # [S, P, 2]
+    head_dim_at = 1 if seq_major else 0  # where the K slice dimension lands in the output
 
-    def gather(x, slice_tail):  # x [L, K, num_pages, ...] -> [K, S, P, ...]
+    def gather(x, slice_tail):  # x [L, K, num_pages, ...] -> [K, S, P, ...] or [S, K, P, ...]
         dims = jax.lax.GatherDimensionNumbers(
-            offset_dims=(0, *range(3, 3 + len(slice_tail))),
+            offset_dims=(head_dim_at, *range(3, 3 + len(slice_tail))),
             collapsed_slice_dims=(0, 2),
             start_index_map=(0, 2),
         )
         sizes = (1, num_kv_heads, 1, *slice_tail)
         return jax.lax.gather(x, idx, dims, sizes, mode="promise_in_bounds")
 
-    x = gather(pages, (page_size, head_dim)).astype(jnp.float32)  # [K, S, P, ps, hd]
+    x = gather(pages, (page_size, head_dim)).astype(jnp.float32)  # [., ., P, ps, hd]
     if scales is not None:
-        x = x * gather(scales, (page_size,))[..., None]  # [K, S, P, ps, 1]
-    k, s, p = x.shape[:3]
-    return x.reshape(k, s, p * page_size, head_dim)
+        x = x * gather(scales, (page_size,))[..., None]  # [., ., P, ps, 1]
+    a, b, p = x.shape[:3]
+    return x.reshape(a, b, p * page_size, head_dim)
+
+
+def _softmax_rows(scores, mask):
+    """Softmax over the last axis where `mask` holds (broadcast against scores); rows with
+    no allowed position give zeros."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    return probs / jnp.where(denom > 0, denom, 1.0)
 
 
 def attend_padded(
@@ -105,10 +118,8 @@ def attend_padded(
     (rows with q_valid False give zeros) over each sequence's pages. Returns [S, Qm, H, hd]
     float32.
 
-    Both products are batched dots over (K, S), decode (Qm = 1) included: in the engine's
-    64-way SmolLM2 decode step they cost ~8% less step CPU time (median of six alternating
-    runs) than an elementwise multiply-reduce for Qm = 1 (benchmarks/RESULTS.md, "64-way
-    decode: where the step's CPU time goes")."""
+    Both products are batched dots over (K, S). Decode (one query per sequence) has its own
+    sequence-major version below, `decode_paged_attention_reference`."""
     num_seqs, qm, num_heads, head_dim = qs.shape
     num_kv_heads = k_pages.shape[1]
     group = num_heads // num_kv_heads
@@ -130,12 +141,7 @@ def attend_padded(
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask &= q_valid[:, :, None]
     mask = mask[None, :, :, None]  # [1, S, Qm, 1, N]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)  # [K, S, Qm, G, N]
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    probs = _softmax_rows(scores, mask)  # [K, S, Qm, G, N]
     out = jnp.einsum("ksqgn,ksnd->ksqgd", probs, values)  # [K, S, Qm, G, hd]
     return out.transpose(1, 2, 0, 3, 4).reshape(num_seqs, qm, num_heads, head_dim)
 
@@ -224,21 +230,30 @@ def decode_paged_attention_reference(
     k_scales=None,
     v_scales=None,
 ):
-    q_pos = (kv_lens - 1)[:, None]  # [S, 1]
-    q_valid = (kv_lens > 0)[:, None]  # [S, 1]
-    out = attend_padded(
-        q[:, None],
-        q_pos,
-        q_valid,
-        k_pages,
-        v_pages,
-        kv_lens,
-        page_table,
-        layer,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scales=k_scales,
-        v_scales=v_scales,
-    )
-    return out[:, 0].astype(q.dtype)
+    """One query per sequence, q [S, H, hd] at position kv_lens - 1 (kv_lens 0: zeros).
+
+    Sequence-major throughout: q [S, H, hd] already is [S, K, G, hd], so with the pages
+    gathered as [S, K, N, hd] both dots batch over (S, K) and the output reshapes to
+    [S, H, hd] with no transposed copy (attend_padded's head-major order needs one for q
+    and one for the output). Same products, same results. In the 64-way SmolLM2 decode step
+    the attention's profiled op time drops from ~43 to ~35 ms, but the step's process CPU
+    time moved < 1% (XLA's workers spin in the gaps; benchmarks/RESULTS.md, "64-way decode,
+    part 2"): kept because it is the simpler layout, not for speed."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[1]
+    group = num_heads // num_kv_heads
+    keys = _gather_pages(k_pages, k_scales, page_table, layer, seq_major=True)  # [S, K, N, hd]
+    values = _gather_pages(v_pages, v_scales, page_table, layer, seq_major=True)
+    kv_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)  # [N]
+    # causal for the one query at kv_lens - 1 is exactly "in the cache"
+    mask = kv_pos[None, :] < kv_lens[:, None]  # [S, N]
+    values = jnp.where(mask[:, None, :, None], values, 0.0)  # unwritten slots may hold NaN
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > (kv_lens - 1)[:, None] - sliding_window
+    qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("skgd,sknd->skgn", qg, keys) * sm_scale  # [S, K, G, N]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    probs = _softmax_rows(scores, mask[:, None, None, :])  # [S, K, G, N]
+    out = jnp.einsum("skgn,sknd->skgd", probs, values)  # [S, K, G, hd]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

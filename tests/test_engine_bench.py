@@ -46,6 +46,9 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
         "prefill_compute_floor/step>=0.6 (CPU time)",
     ):
         assert math.isfinite(r["targets"][key]) and r["targets"][key] > 0, key
+    before, after = r["peaks_before"]["matmul_gflop_s"], r["peaks_after"]["matmul_gflop_s"]
+    assert r["peaks"]["matmul_gflop_s"] == pytest.approx((before + after) / 2)
+    assert "mean of before / after the concurrency runs" in table
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
 
 
