@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from configs.errors import InvalidRequestError, PagedJaxError
 
-__all__ = ["DuplicateRequestError", "EngineStepError", "InvalidRequestError", "PagedJaxError"]
+__all__ = [
+    "DuplicateRequestError",
+    "EngineStepError",
+    "InvalidRequestError",
+    "PagedJaxError",
+    "WarmupCancelled",
+]
 
 
 class DuplicateRequestError(InvalidRequestError):
@@ -16,3 +22,9 @@ class DuplicateRequestError(InvalidRequestError):
 
 class EngineStepError(PagedJaxError):
     """A device step failed; only the requests in that step are failed."""
+
+
+class WarmupCancelled(PagedJaxError):
+    """Warm-up's `stop()` returned True (engine/warmup.py): the programs not yet started
+    were not built. Here, not in engine/warmup.py, so the serving layer catches it without
+    importing jax (the router imports serving.server)."""

@@ -39,6 +39,7 @@ import numpy as np
 
 from engine import compilation_cache
 from engine.batch import BatchShape, StepBatch
+from engine.errors import WarmupCancelled
 from engine.sampling import FULL_FLAGS, GREEDY_FLAGS
 from engine.shapes import reachable_shapes, sampler_variants  # noqa: F401  (re-exported)
 
@@ -46,10 +47,6 @@ log = logging.getLogger(__name__)
 
 SAMPLER_VARIANTS = ("greedy", "full")
 dummy_batch = StepBatch.zeros  # an all-padding batch of a shape
-
-
-class WarmupCancelled(Exception):
-    """`warmup`'s `stop()` returned True: the programs not yet started were not built."""
 
 
 def _never() -> bool:

@@ -30,7 +30,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.warmup import WarmupCancelled
+from engine.errors import WarmupCancelled
 from serving import convert, kv_transfer_service
 from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
