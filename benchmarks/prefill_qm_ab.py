@@ -53,8 +53,9 @@ def _runner(params, cfg, case: Case):
     ]
 
     def run():
+        kv, counts, last = state
         kv, counts, last, packed = step_module.engine_step(
-            params, *state[:2], state[1], state[2], batch, cfg=cfg, shape=shape,
+            params, kv, counts, counts, last, batch, cfg=cfg, shape=shape,
             flags=GREEDY_FLAGS, use_penalties=False,
         )  # fmt: skip
         state[:] = [kv, counts, last]
@@ -93,13 +94,16 @@ def stub_share(params, cfg, prefill, tp: int, chunk: int, iters: int) -> float:
     case = Case((), prefill, prefill_bucket=tp, chunk_size=chunk)
     original = step_module.paged_attention_fn
     cpu = {}
-    for name, fn in (("stub", lambda *a, **k: _stub_attention), ("step", original)):
-        step_module.paged_attention_fn = fn
+    try:
+        for name, fn in (("stub", lambda *a, **k: _stub_attention), ("step", original)):
+            step_module.paged_attention_fn = fn
+            step_module.engine_step.clear_cache()  # the attention is bound at trace time
+            run, _ = _runner(params, cfg, case)
+            jax.block_until_ready(run())  # compile
+            cpu[name] = statistics.median(_cpu_wall_ms(run)[0] for _ in range(iters))
+    finally:
+        step_module.paged_attention_fn = original
         step_module.engine_step.clear_cache()
-        run, _ = _runner(params, cfg, case)
-        jax.block_until_ready(run())  # compile
-        cpu[name] = statistics.median(_cpu_wall_ms(run)[0] for _ in range(iters))
-    step_module.paged_attention_fn = original
     return 1 - cpu["stub"] / cpu["step"]
 
 
