@@ -3,6 +3,7 @@
     python -m benchmarks.host_bench                    # 1, 64, 256 running sequences
     python -m benchmarks.host_bench --smoke            # seconds (tests/test_host_bench.py)
     python -m benchmarks.host_bench --out=host.json
+    python -m benchmarks.host_bench --device_cores=1    # XLA on core 0, the host on the rest
 
 The `tiny` model config makes a decode step about a millisecond on this CPU, the order of an
 accelerator's step for a real model, so the host's share is visible. For each number of
@@ -22,6 +23,12 @@ then `--repeats` rounds of sync / device loop / overlap interleaved, best round 
 kept. The ratio engine / device loop is measured in the same run; the load average is
 printed with every row (other processes share this CPU, and on CPU the "device" is XLA's
 threads on the same cores as the host).
+
+`--device_cores=1` emulates an accelerator: XLA's CPU threads get core 0 and the host thread
+the other core(s) (`dedicate_device_cores`), so the "device" no longer loses cores to the
+host's Python, as a GPU or TPU would not. Both the device loop and the engines then run on
+that split. Without it (the default) XLA and the host share every core, and the host's CPU
+slows the very device step it overlaps with.
 
 Projection: with overlap a step costs max(host, device) instead of host + device, so for a
 device step of `--project_step_ms` (an 8B model at batch 64 on an H200: 16 GB of weights at
@@ -215,14 +222,41 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (best kept)")
     ap.add_argument("--project_step_ms", type=float, default=3.3)
     ap.add_argument("--out", default=None, help="write the results as JSON")
+    ap.add_argument(
+        "--device_cores",
+        type=int,
+        default=0,
+        help="accelerator emulation: XLA's threads on the first N cores, the host on the rest "
+        "(0: off, XLA and the host share every core)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.num_seqs, args.steps, args.repeats = "1,4", 6, 1
     return args
 
 
+def dedicate_device_cores(num_cores: int) -> dict:
+    """Give XLA's CPU runtime the first `num_cores` cores and this (the host) thread the rest,
+    so the "device" no longer competes with the host for cores, as an accelerator would not.
+    XLA sizes its thread pool from the affinity mask when the CPU client starts, and its
+    threads keep the mask they were created with; so pin this thread, start the client and
+    run one program (its threads start), then move this thread to the other cores. Must run
+    before anything touches a JAX backend (raises otherwise: the pool would be sized already)."""
+    all_cores = sorted(os.sched_getaffinity(0))
+    if not 0 < num_cores < len(all_cores):
+        raise ValueError(f"--device_cores={num_cores}: must be 1..{len(all_cores) - 1} here")
+    if jax._src.xla_bridge.backends_are_initialized():
+        raise RuntimeError("dedicate_device_cores: a JAX backend already started")
+    device, host = set(all_cores[:num_cores]), set(all_cores[num_cores:])
+    os.sched_setaffinity(0, device)
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(jax.numpy.zeros(8)))
+    os.sched_setaffinity(0, host)
+    return {"device_cores": sorted(device), "host_cores": sorted(host)}
+
+
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cores = dedicate_device_cores(args.device_cores) if args.device_cores else None
     from models.registry import load_model
 
     model = load_model("tiny")
@@ -232,7 +266,13 @@ def main(argv=None) -> dict:
         row["projection"] = projection(row, args.project_step_ms)
         rows.append(row)
         print(f"[{n} seqs] {json.dumps(row)}", file=sys.stderr, flush=True)
-    result = {"rows": rows, "project_step_ms": args.project_step_ms, "jax": jax.__version__}
+    result = {
+        "rows": rows,
+        "project_step_ms": args.project_step_ms,
+        "jax": jax.__version__,
+        "cores": cores or "shared (XLA and the host on every core)",
+    }
+    print(f"cores: {result['cores']}")
     print(format_table(result))
     if args.out:
         with open(args.out, "w") as f:

@@ -3,7 +3,11 @@ produced and written as JSON. No timing assertions (the figures depend on the lo
 
 import json
 import math
+import os
+import subprocess
+import sys
 
+import jax
 import pytest
 
 from benchmarks import host_bench
@@ -40,3 +44,28 @@ def test_projection_arithmetic():
     assert p["sync"]["engine_over_device"] == 3.0 / 5.0
     assert p["overlap"]["engine_over_device"] == 1.0
     assert host_bench.projection(row, step_ms=1.0)["overlap"]["engine_over_device"] == 0.5
+
+
+@pytest.mark.compile
+@pytest.mark.subprocess
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_device_cores_splits_xla_from_the_host(tmp_path):
+    """--device_cores=1: XLA's threads stay on core 0 and the host thread moves to the rest
+    (a fresh process: the split must happen before a JAX backend starts)."""
+    out = tmp_path / "host.json"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_bench", "--smoke", "--num_seqs=4",
+         "--device_cores=1", f"--out={out}"],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    r = json.loads(out.read_text())
+    cores = sorted(os.sched_getaffinity(0))
+    assert r["cores"] == {"device_cores": cores[:1], "host_cores": cores[1:]}
+    assert r["rows"][0]["overlap"]["steps_per_s"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_device_cores_refuses_a_started_backend():
+    jax.devices()
+    with pytest.raises(RuntimeError, match="already started"):
+        host_bench.dedicate_device_cores(1)
