@@ -20,7 +20,7 @@ tells the owner that a request has left (EngineCore frees its sampler slot and s
 
 Per step (`emit`), one pass over the rows that received a token: a row that only
 continues (no stop string, no grammar, not a stop id, below max_tokens, no logprobs:
-`StopChecker.continues`, inlined) gets its text from `detokenize_next` (models/
+`StopChecker.continues`) gets its text from `detokenize_next` (models/
 detokenizer.py: the common token from a memo, no tokenizer call) and its delta built
 directly; the others go through `StopChecker.add_token` and, when they end, `_final`.
 Host time (issue 20): at 256 running requests every per-row layer here was measurable.
@@ -169,8 +169,8 @@ class OutputProcessor:
         """Stop checks and deltas for the requests that just received a token (what
         `scheduler.update_after_step` returned; `commit` = the two together). `tokens`:
         their new tokens, when the caller has them (`scheduler.receive_tokens`)."""
-        # ---- host time (#20): one pass; a row that only continues (StopChecker.continues,
-        # inlined) gets its text (detokenize_next) and delta without the per-row layers
+        # ---- host time (#20): one pass; a row that only continues (StopChecker.continues)
+        # gets its text (detokenize_next) and delta without the per-row layers
         stops_of = self._stops
         if tokens is None:
             tokens = [req.output_token_ids[-1] for req in received]
@@ -180,9 +180,7 @@ class OutputProcessor:
             rid = req.request_id
             stop = stops_of[rid]
             lp = logprobs.get(rid) if logprobs else None
-            n = stop.num_output_tokens + 1
-            if n < stop.continues_below and token not in stop.stop_ids and lp is None:
-                stop.num_output_tokens = n
+            if lp is None and stop.continues(token):
                 cached = req.num_cached_tokens
                 # NOTE: positional: RequestOutput's field order (about 2x cheaper than
                 # keywords for the hundreds built per step)

@@ -49,10 +49,6 @@ SAMPLER_VARIANTS = ("greedy", "full")
 dummy_batch = StepBatch.zeros  # an all-padding batch of a shape
 
 
-def _never() -> bool:
-    return False
-
-
 def warmup(
     engine,
     shapes: list[BatchShape] | None = None,
@@ -61,7 +57,7 @@ def warmup(
     max_shapes: int | None = None,
     execute: bool = False,
     workers: int | None = None,
-    stop=_never,
+    stop=None,
 ) -> float:
     """Builds the step for `shapes` (default: the engine's whole ShapeSet, or its
     `max_shapes` cheapest) in each variant of `sampling` a shape can run (a shape with a
@@ -126,7 +122,7 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _build_all(engine, programs: list, workers: int | None, stop=_never) -> None:
+def _build_all(engine, programs: list, workers: int | None, stop=None) -> None:
     """`engine.compile_step` for each (shape, flags, use_penalties, bitmask), `workers` at a time,
     cheapest first (the order of `programs`); the first error is raised. At most `workers`
     programs are submitted at once, so a `stop()` leaves only those to finish."""
@@ -152,7 +148,7 @@ def _build_all(engine, programs: list, workers: int | None, stop=_never) -> None
 
 
 def _check(stop) -> None:
-    if stop():
+    if stop is not None and stop():
         raise WarmupCancelled("warm-up stopped before every program was built")
 
 

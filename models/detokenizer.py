@@ -1,7 +1,7 @@
 """Streaming text out of a generation: token ids in, complete UTF-8 text deltas out.
 
 `IncrementalDetokenizer` serves one request; `detokenize_next(d, token)` is its `add_token`
-with the common token's fast path, `detokenize_step` the same over a step's rows. Host time
+with the common token's fast path. Host time
 (issue 20): at 256 running requests the step's detokenization was the largest single host
 cost, so the common token costs no tokenizer call at all:
 
@@ -140,9 +140,3 @@ def detokenize_next(d, token_id: int) -> str:
         return ""
     d._prefix_offset, d._read_offset, d._prefix_text = read, read + 1, None  # d._emit
     return delta
-
-
-def detokenize_step(detokenizers: Sequence, token_ids: Sequence[int]) -> list[str]:
-    """`[d.add_token(t) for d, t in zip(detokenizers, token_ids)]`, same results
-    (`detokenize_next` for each)."""
-    return [detokenize_next(d, t) for d, t in zip(detokenizers, token_ids)]

@@ -95,7 +95,7 @@ def engine_warmup(engine, max_shapes: int):
 def _warmup_with_progress(engine, num_reports: int = 8, stop=None) -> None:
     """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
     line after each, and a last one with the program count (engine/warmup.py lists them).
-    `stop()` True: raises engine.warmup.WarmupCancelled (a shutdown during warm-up)."""
+    `stop()` True: raises engine.errors.WarmupCancelled (a shutdown during warm-up)."""
     from engine import compiles
     from engine.warmup import step_programs, warmup
 
@@ -109,7 +109,7 @@ def _warmup_with_progress(engine, num_reports: int = 8, stop=None) -> None:
     warmup_log.setLevel(logging.ERROR)
     try:
         for start in range(0, len(shapes), chunk):
-            warmup(engine, shapes[start : start + chunk], **({"stop": stop} if stop else {}))
+            warmup(engine, shapes[start : start + chunk], stop=stop)
             done = min(start + chunk, len(shapes))
             elapsed_s = time.perf_counter() - t0
             shared.progress(

@@ -1,4 +1,4 @@
-"""The engine step's batched detokenization (models/detokenizer.py `detokenize_step`) and the
+"""The engine step's per-row detokenization (models/detokenizer.py `detokenize_next`) and the
 StopChecker's split entry (`ends_on`, `add_token(token, text)`) give exactly what the
 one-request-at-a-time path gives (issue 20: host time per step)."""
 
@@ -12,12 +12,18 @@ from hypothesis import strategies as st
 
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopChecker
-from models.detokenizer import IncrementalDetokenizer, detokenize_step
+from models.detokenizer import IncrementalDetokenizer, detokenize_next
 from models.registry import tiny_tokenizer
 
 TOK = tiny_tokenizer()  # ids 0-2 special, 3-258 the bytes: UTF-8 characters cut across tokens
 EOS = TOK.eos_token_ids[0]
 CUT = [3 + b for b in "é€😀".encode()]  # pieces of multi-byte characters
+
+
+def detokenize_step(detokenizers, token_ids) -> list[str]:
+    """A step's rows as engine/outputs.py detokenizes them: `detokenize_next` for each."""
+    return [detokenize_next(d, t) for d, t in zip(detokenizers, token_ids)]
+
 
 token_ids = st.sampled_from(CUT) | st.integers(0, 258)
 

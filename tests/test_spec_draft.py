@@ -22,6 +22,7 @@ from tests.test_spec_engine import (  # noqa: F401
     GREEDY,
     OPTS,
     PROMPTS,
+    WORKLOAD_REQUEST,
     assert_idle,
     check_same,
     drive_random_workload,
@@ -87,20 +88,13 @@ def test_other_draft_keeps_greedy_output(tiny_model, other_draft, reference):  #
     assert_idle(llm)
 
 
-_REQUEST = st.tuples(
-    st.integers(0, len(PROMPTS) - 1),  # which prompt
-    st.integers(0, 6),  # arrival step
-    st.one_of(st.none(), st.integers(0, 8)),  # abort this many steps after arrival
-)
-
-
 @settings(
     max_examples=4,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(requests=st.lists(_REQUEST, min_size=3, max_size=8))
+@given(requests=st.lists(WORKLOAD_REQUEST, min_size=3, max_size=8))
 def test_random_workload_tiny_pool_returns_every_page(
     tiny_model,
     other_draft,

@@ -192,7 +192,7 @@ def drive_random_workload(core, requests, plain) -> dict[str, str]:
 
 
 # ---- randomized: preemptions (tiny pool), cancellations, every page back ---------------------
-_REQUEST = st.tuples(
+WORKLOAD_REQUEST = st.tuples(
     st.integers(0, len(PROMPTS) - 1),  # which prompt
     st.integers(0, 6),  # arrival step
     st.one_of(st.none(), st.integers(0, 8)),  # abort this many steps after arrival
@@ -205,7 +205,9 @@ _REQUEST = st.tuples(
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(requests=st.lists(_REQUEST, min_size=3, max_size=8), corrupt=st.sampled_from([0.0, 0.4]))
+@given(
+    requests=st.lists(WORKLOAD_REQUEST, min_size=3, max_size=8), corrupt=st.sampled_from([0.0, 0.4])
+)
 def test_random_workload_tiny_pool_returns_every_page(tiny_model, reference, requests, corrupt):
     plain = reference[0]
     # 15 usable pages of 8 tokens for up to 8 requests of up to ~47 tokens: preemptions.

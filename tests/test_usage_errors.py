@@ -174,7 +174,9 @@ def test_server_prints_warmup_progress(monkeypatch, capsys):
     from serving import engine_build
 
     compiled, marked = [], []
-    monkeypatch.setattr(engine.warmup, "warmup", lambda eng, shapes: compiled.append(shapes))
+    monkeypatch.setattr(
+        engine.warmup, "warmup", lambda eng, shapes, stop=None: compiled.append(shapes)
+    )
     shapes = [BatchShape(n, 0, 0, 4, 1) for n in range(1, 11)]  # decode-only: 2 programs each
     eng = types.SimpleNamespace(
         shapes=types.SimpleNamespace(shapes=shapes),
