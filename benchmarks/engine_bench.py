@@ -10,14 +10,26 @@ How each figure is measured:
 - Peaks: a jitted f32 matrix-vector product over a 128 MB matrix (read bandwidth) and a
   2048^3 f32 matmul (FLOP/s), median of warm runs, measured in this run.
 - Concurrency c: c requests (prompt `--prompt_len` tokens, `--output_len` tokens with
-  ignore_eos) submitted together to one EngineCore (prefix cache off). Every workload runs
-  twice on the same engine and only the second run is timed, so no compile is timed
-  (`compiles` in the table counts step compilations during the timed run: should be 0).
+  ignore_eos) submitted together to one EngineCore (prefix cache off). Its step programs are
+  built ahead of time (engine.warmup), then the workload runs twice on the same engine and
+  only the second run is timed: no compile is timed (`compiles` in the table counts step
+  compilations during the timed run: should be 0), and neither is a program's first
+  execution, which on XLA:CPU costs 0.3-0.7 s more per SmolLM2 prefill program (the
+  prefill line prints that first run's tokens/s too).
   `tok/s` = output tokens / wall time of the run (prefill included); `decode tok/s` = decode
   tokens / summed wall time of the decode-only steps.
 - Floors of a decode step (median over decode-only steps): memory = (weight bytes + the K/V
   bytes of every attended position) / measured bandwidth; compute = sum over the step's
   tokens of `ModelConfig.flops_per_token(context)` / measured matmul FLOP/s.
+- Paired floors (the `paired` ratios, the headline targets): the same two peak kernels run
+  once just before every timed step (`PeakProbe`, outside the run's time), and each step's
+  floor uses the peaks measured next to it; the ratio is the median over steps. This
+  machine's own speed drifts: the 2048^3 matmul ran at 194-445 GFLOP/s on an idle machine
+  within minutes (2026-12-02), so peaks measured minutes apart from a step put +-25% on it.
+- Ceiling (c > 1): the model's forward over c rows with attention stubbed out and no
+  sampling (`step_profile.weights_only_fn`, each run paired with the peaks like the steps):
+  the step's compute floor over its time is what the decode step would reach if attention,
+  the KV write, sampling and the host cost nothing.
 - Static vs continuous: one mixed-length workload; static = add a batch of N, step it to
   completion, then the next N; continuous = all requests given to an engine that runs at most
   N at once. Ratio = continuous tokens/s over static tokens/s.
@@ -61,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.step_profile import weights_only_fn
 from configs.engine_config import EngineConfig
 from configs.kv_memory import kv_bytes_per_token
 from engine import compiles
@@ -84,22 +97,43 @@ def _median_time(fn, iters: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+class PeakProbe:
+    """The two peak kernels, built once: an f32 matrix-vector product over a `matvec_bytes`
+    matrix (read bandwidth) and an f32 `matmul_n`^3 matmul (FLOP/s)."""
+
+    def __init__(self, matvec_bytes: int = 128 << 20, matmul_n: int = 2048):
+        cols = 4096
+        rows = matvec_bytes // (4 * cols)
+        self.matvec_bytes, self.matmul_flop = rows * cols * 4, 2 * matmul_n**3
+        a = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)  # [rows, cols]
+        x = jnp.ones((cols,), jnp.float32)
+        m = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.float32)
+        matvec, matmul = jax.jit(lambda a, x: a @ x), jax.jit(lambda a, b: a @ b)
+        self.matvec = lambda: matvec(a, x).block_until_ready()
+        self.matmul = lambda: matmul(m, m).block_until_ready()
+        self.matvec(), self.matmul()  # compile
+
+    def rates(self) -> tuple[float, float, float]:
+        """One run of each: (read B/s, FLOP/s, seconds spent). Paired with the engine step
+        that follows it (`Instrument(probe=...)`), so both see the same machine state."""
+        t0 = time.perf_counter()
+        self.matvec()
+        t1 = time.perf_counter()
+        self.matmul()
+        t2 = time.perf_counter()
+        return self.matvec_bytes / (t1 - t0), self.matmul_flop / (t2 - t1), t2 - t0
+
+
 def measure_peaks(matvec_bytes: int = 128 << 20, matmul_n: int = 2048, iters: int = 10) -> dict:
     """Read bandwidth of an f32 matrix-vector product and f32 matmul FLOP/s (this CPU, now)."""
-    cols = 4096
-    rows = matvec_bytes // (4 * cols)
-    a = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)  # [rows, cols]
-    x = jnp.ones((cols,), jnp.float32)
-    matvec = jax.jit(lambda a, x: a @ x)
-    t_mv, cpu_mv = _median_time(lambda: matvec(a, x).block_until_ready(), iters)
-    m = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.float32)
-    matmul = jax.jit(lambda a, b: a @ b)
-    t_mm, cpu_mm = _median_time(lambda: matmul(m, m).block_until_ready(), max(3, iters // 2))
+    probe = PeakProbe(matvec_bytes, matmul_n)
+    t_mv, cpu_mv = _median_time(probe.matvec, iters)
+    t_mm, cpu_mm = _median_time(probe.matmul, max(3, iters // 2))
     return {
-        "bandwidth_gb_s": rows * cols * 4 / t_mv / 1e9,
-        "matmul_gflop_s": 2 * matmul_n**3 / t_mm / 1e9,
-        "bandwidth_gb_per_cpu_s": rows * cols * 4 / max(cpu_mv, 1e-9) / 1e9,
-        "matmul_gflop_per_cpu_s": 2 * matmul_n**3 / max(cpu_mm, 1e-9) / 1e9,
+        "bandwidth_gb_s": probe.matvec_bytes / t_mv / 1e9,
+        "matmul_gflop_s": probe.matmul_flop / t_mm / 1e9,
+        "bandwidth_gb_per_cpu_s": probe.matvec_bytes / max(cpu_mv, 1e-9) / 1e9,
+        "matmul_gflop_per_cpu_s": probe.matmul_flop / max(cpu_mm, 1e-9) / 1e9,
         "load": load_avg(),
     }
 
@@ -156,6 +190,9 @@ class StepRecord:
     contexts: list[int]  # per token computed: its position + 1 (positions it attends)
     compiled: bool = False  # the step compiled a program (its time is left out of tok/s)
     cpu_s: float = 0.0  # process CPU time of the whole step (host + device threads)
+    # the peaks measured just before this step (PeakProbe.rates), 0: not paired
+    probe_b_s: float = 0.0
+    probe_flop_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -164,6 +201,7 @@ class RunResult:
     output_tokens: int
     steps: list[StepRecord]
     compiles: int
+    first_run: RunResult | None = None  # the untimed first run after warm-up (warm_and_run)
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,8 +219,9 @@ class Instrument:
     The engine runs synchronously here (`make_engine`), so a step's device time is its
     dispatch + wait."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, probe: PeakProbe | None = None):
+        self.engine, self.probe = engine, probe
+        self.probe_s = 0.0  # time spent in the probe (left out of the run's wall time)
         self.cur: dict = {}
         builder = engine.builder
         orig_build = builder.build
@@ -201,6 +240,10 @@ class Instrument:
 
     def step(self) -> tuple[list, StepRecord | None]:
         self.cur = {}
+        probe_b_s = probe_flop_s = 0.0
+        if self.probe is not None and self.engine.has_unfinished():
+            probe_b_s, probe_flop_s, spent_s = self.probe.rates()
+            self.probe_s += spent_s
         t = self.engine.timings
         before = dataclasses.replace(t)
         compiled_before = compiles.count()
@@ -222,6 +265,8 @@ class Instrument:
             c["contexts"],
             compiles.count() > compiled_before,
             cpu,
+            probe_b_s,
+            probe_flop_s,
         )
 
 
@@ -237,15 +282,18 @@ def _requests(workload: Workload) -> list[EngineRequest]:
     ]
 
 
-def run_workload(engine, workload: Workload, static_batch: int | None = None) -> RunResult:
-    """Continuous (all requests at once) or static batches of `static_batch`."""
+def run_workload(
+    engine, workload: Workload, static_batch: int | None = None, probe: PeakProbe | None = None
+) -> RunResult:
+    """Continuous (all requests at once) or static batches of `static_batch`; with `probe`,
+    the peaks are measured before every step (StepRecord.probe_*), outside the run's time."""
     reqs = _requests(workload)
     groups = (
         [reqs]
         if static_batch is None
         else [reqs[i : i + static_batch] for i in range(0, len(reqs), static_batch)]
     )
-    inst = Instrument(engine)
+    inst = Instrument(engine, probe)
     steps, produced = [], 0
     before = compiles.count()
     t0 = time.perf_counter()
@@ -262,7 +310,7 @@ def run_workload(engine, workload: Workload, static_batch: int | None = None) ->
         inst.close()
     # NOTE: a step that compiled (a shape the warm-up missed) is counted in `compiles` and
     # its time left out, so tok/s measures the engine, not XLA's compiler.
-    wall = time.perf_counter() - t0 - sum(s.wall_s for s in steps if s.compiled)
+    wall = time.perf_counter() - t0 - sum(s.wall_s for s in steps if s.compiled) - inst.probe_s
     if produced != workload.output_tokens:
         raise RuntimeError(f"produced {produced} tokens, expected {workload.output_tokens}")
     return RunResult(wall, produced, steps, compiles.count() - before)
@@ -297,15 +345,27 @@ def reached_shapes(engine, workload: Workload, static_batch: int | None = None) 
 
 
 def warm_and_run(
-    engine, workload: Workload, static_batch: int | None = None, warm: bool = True
+    engine,
+    workload: Workload,
+    static_batch: int | None = None,
+    warm: bool = True,
+    probe: PeakProbe | None = None,
 ) -> RunResult:
-    """Compiles every shape the run reaches (engine.warmup over the dry run's shapes), then
-    times the run."""
-    if warm:
-        from engine.warmup import warmup
+    """Compiles every shape the run reaches (engine.warmup over the dry run's shapes), runs
+    the workload once untimed, then times a second run.
 
-        warmup(engine, reached_shapes(engine, workload, static_batch), sampling=("greedy",))
-    return run_workload(engine, workload, static_batch)
+    The untimed run is needed because an ahead-of-time built program is slower on its first
+    execution: XLA:CPU sets up its library calls (the YNN dot fusions) then, 0.3-0.7 s per
+    SmolLM2 prefill program on this CPU (benchmarks/RESULTS.md, 2026-12-02). That run is
+    kept as `first_run`. `probe`: pair the timed run's steps with peak measurements."""
+    if not warm:
+        return run_workload(engine, workload, static_batch, probe)
+    from engine.warmup import warmup
+
+    warmup(engine, reached_shapes(engine, workload, static_batch), sampling=("greedy",))
+    first = run_workload(engine, workload, static_batch)
+    res = run_workload(engine, workload, static_batch, probe)
+    return dataclasses.replace(res, first_run=first)
 
 
 # ---------------------------------------------------------------- floors
@@ -363,7 +423,65 @@ def cpu_ratios(cfg, cpu: Floors, steps: list[StepRecord]) -> dict:
     }
 
 
-def concurrency_row(cfg, floors: Floors, c: int, res: RunResult, cpu: Floors | None = None) -> dict:
+def weights_only(model, num_tokens: int, probe: PeakProbe, iters: int = 10) -> list[tuple]:
+    """(wall s, CPU s, the matmul FLOP/s measured just before) of `iters` warm runs of the
+    forward over `num_tokens` rows without attention or sampling (the ceiling)."""
+    fn = weights_only_fn(model, num_tokens)
+    fn()  # compile
+    runs = []
+    for _ in range(iters):
+        flop_s = probe.rates()[1]
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        runs.append((time.perf_counter() - t0, time.process_time() - c0, flop_s))
+    return runs
+
+
+def paired_ratios(cfg, floors: Floors, steps: list[StepRecord]) -> dict:
+    """Each step's floors at the peaks measured just before it (StepRecord.probe_*), over
+    its wall time; the medians. The machine's own speed drifts (the 2048^3 matmul ran at
+    194-445 GFLOP/s on an idle machine within minutes, 2026-12-02), so a floor measured
+    next to each step is the steadier reference."""
+    paired = [s for s in steps if s.probe_flop_s]
+    if not paired:
+        return {}
+
+    def at(s: StepRecord) -> Floors:
+        return dataclasses.replace(floors, bandwidth_b_s=s.probe_b_s, flop_s=s.probe_flop_s)
+
+    return {
+        "memory_floor_over_step_paired": statistics.median(
+            at(s).memory_s(s) / s.wall_s for s in paired
+        ),
+        "compute_floor_over_step_paired": statistics.median(
+            at(s).compute_s(cfg, s) / s.wall_s for s in paired
+        ),
+        "paired_bandwidth_gb_s": statistics.median(s.probe_b_s for s in paired) / 1e9,
+        "paired_matmul_gflop_s": statistics.median(s.probe_flop_s for s in paired) / 1e9,
+    }
+
+
+def ceiling_ratios(cfg, steps: list[StepRecord], runs: list[tuple]) -> dict:
+    """The median decode step's FLOPs at each ceiling run's paired FLOP/s, over its time."""
+    flops = statistics.median(sum(cfg.flops_per_token(c) for c in s.contexts) for s in steps)
+    return {
+        "weights_only_ms": 1e3 * statistics.median(r[0] for r in runs),
+        "weights_only_cpu_ms": 1e3 * statistics.median(r[1] for r in runs),
+        "compute_floor_over_weights_only": statistics.median(flops / f / t for t, _, f in runs),
+    }
+
+
+def concurrency_row(
+    cfg,
+    floors: Floors,
+    c: int,
+    res: RunResult,
+    cpu: Floors | None = None,
+    ceiling: list[tuple] | None = None,
+) -> dict:
+    """`ceiling`: `weights_only` runs over c rows; the compute floor over them is the ratio
+    the step would reach if everything but the weight matmuls, norms and LM head cost
+    nothing (paired with its own peak measurements, like the steps)."""
     dec = res.decode_steps()
     step_s = statistics.median(s.wall_s for s in dec)
     mem_s = statistics.median(floors.memory_s(s) for s in dec)
@@ -383,6 +501,8 @@ def concurrency_row(cfg, floors: Floors, c: int, res: RunResult, cpu: Floors | N
         "wall_s": res.wall_s,
         **host_stats(res.steps),
         **(cpu_ratios(cfg, cpu, dec) if cpu else {}),
+        **paired_ratios(cfg, floors, dec),
+        **(ceiling_ratios(cfg, dec, ceiling) if ceiling else {}),
         "load": load_avg(),
     }
 
@@ -438,16 +558,25 @@ def hf_generate(model, workload: Workload, batch: int) -> dict:
 # ---------------------------------------------------------------- prefill and llama.cpp
 
 
+def prefill_steps(res: RunResult) -> list[StepRecord]:
+    return [s for s in res.steps if s.num_prefill_tokens and not s.compiled] or res.steps
+
+
 def prefill_row(
-    model, floors: Floors, prompt_len: int, warm: bool = True, cpu: Floors | None = None
+    model,
+    floors: Floors,
+    prompt_len: int,
+    warm: bool = True,
+    cpu: Floors | None = None,
+    probe: PeakProbe | None = None,
 ) -> dict:
     """One request of `prompt_len` tokens and one output token: the prefill steps (chunks of
     `prefill_chunk_size`) against the compute floor of the tokens they computed."""
     cfg = model.config
     engine = make_engine(model, 1, prompt_len + 16, prompt_len + 32)
     w = uniform_workload(1, prompt_len, 1, cfg.vocab_size, seed=prompt_len)
-    res = warm_and_run(engine, w, warm=warm)
-    steps = [s for s in res.steps if s.num_prefill_tokens and not s.compiled] or res.steps
+    res = warm_and_run(engine, w, warm=warm, probe=probe)
+    steps = prefill_steps(res)
     wall_s = sum(s.wall_s for s in steps)
     floor_s = sum(floors.compute_s(cfg, s) for s in steps)
     return {
@@ -455,6 +584,10 @@ def prefill_row(
         "steps": len(steps),
         "wall_s": wall_s,
         "tokens_per_s": prompt_len / wall_s,
+        # the same prefill on its programs' first execution (see warm_and_run)
+        "first_run_tokens_per_s": prompt_len / sum(s.wall_s for s in prefill_steps(res.first_run))
+        if res.first_run
+        else None,
         "compute_floor_s": floor_s,
         "compute_floor_over_step": floor_s / wall_s,
         **(
@@ -464,6 +597,17 @@ def prefill_row(
                 / max(sum(s.cpu_s for s in steps), 1e-9),
             }
             if cpu
+            else {}
+        ),
+        **(
+            {
+                "compute_floor_over_step_paired": sum(
+                    dataclasses.replace(floors, flop_s=s.probe_flop_s).compute_s(cfg, s)
+                    for s in steps
+                )
+                / wall_s
+            }
+            if all(s.probe_flop_s for s in steps)
             else {}
         ),
         "compiles": res.compiles,
@@ -565,6 +709,7 @@ def run(args) -> dict:
     conc = [int(c) for c in args.concurrency.split(",")]
     peak_sizes = {"matvec_bytes": 4 << 20, "matmul_n": 256, "iters": 2} if args.smoke else {}
     peaks_before = measure_peaks(**peak_sizes)
+    probe = PeakProbe(**{k: v for k, v in peak_sizes.items() if k != "iters"})
     print(
         f"peaks: {peaks_before['bandwidth_gb_s']:.1f} GB/s matrix-vector read, "
         f"{peaks_before['matmul_gflop_s']:.0f} GFLOP/s f32 matmul (load "
@@ -582,7 +727,7 @@ def run(args) -> dict:
     runs = []
     for c in conc:
         w = uniform_workload(c, args.prompt_len, args.output_len, cfg.vocab_size, seed=c)
-        res = warm_and_run(engine, w, warm=not args.no_warm)
+        res = warm_and_run(engine, w, warm=not args.no_warm, probe=probe)
         runs.append((c, res, load_avg()))
         step_ms = 1e3 * statistics.median(s.wall_s for s in res.decode_steps())
         print(
@@ -590,6 +735,7 @@ def run(args) -> dict:
             f"(load {runs[-1][2]:.1f})",
             flush=True,
         )
+    ceilings = {c: weights_only(model, c, probe) for c in conc if c > 1}
     peaks_after = measure_peaks(**peak_sizes)
     peaks = bracketed_peaks(peaks_before, peaks_after)
     floors = Floors(
@@ -607,12 +753,20 @@ def run(args) -> dict:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "concurrency": [  # each row with the load at the end of its own run
-            {**concurrency_row(cfg, floors, c, res, cpu_floors(floors, peaks)), "load": load}
+            {
+                **concurrency_row(cfg, floors, c, res, cpu_floors(floors, peaks), ceilings.get(c)),
+                "load": load,
+            }
             for c, res, load in runs
         ],
     }
     results["prefill"] = prefill_row(
-        model, floors, args.prefill_len, warm=not args.no_warm, cpu=cpu_floors(floors, peaks)
+        model,
+        floors,
+        args.prefill_len,
+        warm=not args.no_warm,
+        cpu=cpu_floors(floors, peaks),
+        probe=probe,
     )
     print(
         f"  prefill {args.prefill_len} tokens: {results['prefill']['tokens_per_s']:.0f} tok/s "
@@ -684,7 +838,15 @@ def targets(r: dict) -> dict:
     if "static_vs_continuous" in r:
         t["continuous_over_static>=2"] = r["static_vs_continuous"]["continuous_over_static"]
     t["max_host_fraction<0.05"] = max(row["host_fraction"] for row in r["concurrency"])
-    # issue 21: fractions of this run's floors (1.0 = at the floor)
+    # issue 21: fractions of this run's floors (1.0 = at the floor); paired first
+    if 1 in by_c and "memory_floor_over_step_paired" in by_c[1]:
+        t["batch1_memory_floor/step>=0.8 (paired)"] = by_c[1]["memory_floor_over_step_paired"]
+    if 64 in by_c and "compute_floor_over_step_paired" in by_c[64]:
+        t["c64_compute_floor/step>=0.6 (paired)"] = by_c[64]["compute_floor_over_step_paired"]
+    if "compute_floor_over_step_paired" in r.get("prefill", {}):
+        t["prefill_compute_floor/step>=0.6 (paired)"] = r["prefill"][
+            "compute_floor_over_step_paired"
+        ]
     if 1 in by_c:
         t["batch1_memory_floor/step>=0.8"] = 1 / by_c[1]["step_over_memory_floor"]
     if 64 in by_c:
@@ -696,6 +858,10 @@ def targets(r: dict) -> dict:
         t["batch1_memory_floor/step>=0.8 (CPU time)"] = by_c[1]["memory_floor_over_step_cpu"]
     if 64 in by_c and "compute_floor_over_step_cpu" in by_c[64]:
         t["c64_compute_floor/step>=0.6 (CPU time)"] = by_c[64]["compute_floor_over_step_cpu"]
+    if 64 in by_c and "compute_floor_over_weights_only" in by_c[64]:  # not a target: its ceiling
+        t["c64 ceiling: compute_floor/weights-only forward"] = by_c[64][
+            "compute_floor_over_weights_only"
+        ]
     if "compute_floor_over_step_cpu" in r.get("prefill", {}):
         t["prefill_compute_floor/step>=0.6 (CPU time)"] = r["prefill"][
             "compute_floor_over_step_cpu"
@@ -756,6 +922,21 @@ def format_table(r: dict) -> str:
                 f"floor/step {x['memory_floor_over_step_cpu']:.2f}, compute floor/step "
                 f"{x['compute_floor_over_step_cpu']:.2f}"
             )
+        if "compute_floor_over_step_paired" in x:
+            lines.append(
+                f"paired floors, c={x['concurrency']}: peaks before each step (median "
+                f"{x['paired_bandwidth_gb_s']:.1f} GB/s, "
+                f"{x['paired_matmul_gflop_s']:.0f} GFLOP/s): "
+                f"memory floor/step {x['memory_floor_over_step_paired']:.2f}, compute floor/step "
+                f"{x['compute_floor_over_step_paired']:.2f}"
+            )
+        if "weights_only_ms" in x:
+            lines.append(
+                f"ceiling, c={x['concurrency']}: the forward over {x['concurrency']} rows without "
+                f"attention or sampling takes {x['weights_only_ms']:.1f} ms "
+                f"({x['weights_only_cpu_ms']:.1f} ms CPU) = "
+                f"{x['compute_floor_over_weights_only']:.2f} of the compute floor (paired)"
+            )
     if "static_vs_continuous" in r:
         s = r["static_vs_continuous"]
         lines += [
@@ -778,6 +959,15 @@ def format_table(r: dict) -> str:
             f"prefill {x['prompt_len']} tokens: {x['tokens_per_s']:.0f} tok/s in {x['steps']} "
             f"steps, {x['compute_floor_over_step']:.2f} of the compute floor (load {x['load']:.1f})"
         )
+        if "compute_floor_over_step_paired" in x:
+            lines.append(
+                f"  paired floors: {x['compute_floor_over_step_paired']:.2f} of the compute floor"
+            )
+        if x.get("first_run_tokens_per_s"):
+            lines.append(
+                f"  the same prefill on its programs' first execution after warm-up: "
+                f"{x['first_run_tokens_per_s']:.0f} tok/s"
+            )
         if "compute_floor_over_step_cpu" in x:
             lines.append(
                 f"CPU time, prefill: {1e3 * x['cpu_s']:.0f} ms CPU, compute floor/step "

@@ -168,6 +168,17 @@ def _stub_attention(q, k, v, layer, cache):
     return q, cache
 
 
+def weights_only_fn(model, num_tokens: int, layer_loop: str = "auto"):
+    """A zero-argument call of the model's forward over `num_tokens` rows with attention
+    replaced by `q` and no sampling: the weight matmuls, norms and LM head alone, i.e. what
+    a step of that many tokens would cost if attention, the KV write, sampling and the host
+    cost nothing (engine_bench's "ceiling"). Compiled by its first call."""
+    cfg, params = model.config, layer_layout(model.params, layer_loop)
+    ids = jnp.arange(num_tokens, dtype=jnp.int32) % cfg.vocab_size
+    fwd = jax.jit(lambda p, t: forward(p, cfg, t, t, None, _stub_attention)[0])
+    return lambda: jax.block_until_ready(fwd(params, ids))
+
+
 def profile_case(
     model, case: Case, iters: int, variants: list[str], layer_loop: str, flop_per_cpu_s=None
 ) -> dict:

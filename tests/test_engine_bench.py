@@ -31,6 +31,16 @@ def test_smoke_run_prints_every_row_and_writes_json(tmp_path, capsys):
         assert f"CPU time, c={row['concurrency']}: step" in table
         assert row["memory_floor_ms"] > 0 and row["steps"] >= 4  # 1 prefill + 3 decodes
         assert f"| {row['concurrency']} |" in table
+    for row in r["concurrency"]:  # every timed step is paired with its own peaks
+        assert row["compute_floor_over_step_paired"] > 0, row
+        assert row["memory_floor_over_step_paired"] > 0 and row["paired_matmul_gflop_s"] > 0
+        assert f"paired floors, c={row['concurrency']}: peaks before each step" in table
+    assert r["targets"]["batch1_memory_floor/step>=0.8 (paired)"] > 0
+    assert r["targets"]["prefill_compute_floor/step>=0.6 (paired)"] > 0
+    ceiling = r["concurrency"][1]  # c=2: the weights-only forward over 2 rows
+    assert ceiling["weights_only_ms"] > 0 and ceiling["compute_floor_over_weights_only"] > 0
+    assert "ceiling, c=2: the forward over 2 rows" in table
+    assert "weights_only_ms" not in r["concurrency"][0]  # c=1 is the memory-floor row
     mixed = r["static_vs_continuous"]
     assert mixed["continuous_over_static"] > 0 and mixed["output_tokens"] > 0
     assert "continuous" in table and "static" in table and "targets (measured value):" in table
@@ -122,6 +132,29 @@ def test_reached_shapes_dry_run_finds_the_run_shapes():
     assert any(s.num_prefill_tokens > 0 for s in shapes)  # the prompts' prefill
     assert any(s.num_decode >= 3 and s.num_prefill_tokens == 0 for s in shapes)  # decodes
     assert not engine.has_unfinished() and "run_step" not in vars(engine)
+
+
+@pytest.mark.compile
+def test_warm_and_run_times_a_second_run_and_keeps_the_first():
+    """An ahead-of-time built program is slower on its first execution (XLA:CPU sets up its
+    library calls then), so the timed run is the second one after warm-up; the first is
+    kept. Both produce every token and neither compiles."""
+    from models.registry import load_model
+
+    model = load_model("tiny")
+    engine = engine_bench.make_engine(model, max_num_seqs=4, max_model_len=64, num_tokens=256)
+    w = engine_bench.uniform_workload(3, prompt_len=12, output_len=3, vocab=512, seed=2)
+    res = engine_bench.warm_and_run(engine, w)
+    assert res.first_run is not None and res.first_run.first_run is None
+    for run in (res, res.first_run):
+        assert run.output_tokens == w.output_tokens and run.compiles == 0
+        assert any(s.num_prefill_tokens for s in run.steps)
+    row = engine_bench.prefill_row(model, _floors(), 40)
+    assert row["first_run_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
+
+
+def _floors():
+    return engine_bench.Floors(weight_bytes=1, kv_bytes_per_token=1, bandwidth_b_s=1, flop_s=1)
 
 
 def test_cpu_floors_use_the_peaks_per_cpu_second():
