@@ -15,9 +15,20 @@ verify steps (engine/spec_decode.py's own shape set) and KV transfer gather/scat
 Each program is built ahead of time (`jit.lower(...).compile()` with the engine's own
 arguments, which fills the cache a call uses) without running it, so warm-up costs only
 compile (or persistent-cache load) time, on `default_workers()` threads at once (XLA
-compiles without the interpreter lock); `execute=True` runs each step once on an
-all-padding batch instead (what a multi-host leader needs: its followers build their
-programs when it announces the steps). `stop` (a zero-argument callable) is checked before
+compiles without the interpreter lock). `execute=True` then also runs each program once on
+an all-padding batch, cheapest first:
+- an ahead-of-time built program is slower on its FIRST execution: XLA:CPU sets up its
+  library calls (the YNN dot fusions) then, 0.3-0.7 s per SmolLM2 prefill program and
+  ~0.2 s per 64-row decode program on this 2-core CPU; a server that does not execute pays
+  that once per program, on the first real step that uses it (a stall for every running
+  request, like a compile's, only shorter);
+- running costs each shape's own step time on padding: with the server's defaults (48
+  programs, 32 sequences, 8,192-token context, scan layers) a second start's warm-up takes
+  70.7 s instead of 10.3 s and the server is ready at 88 s instead of 29 s
+  (benchmarks/RESULTS.md, 2026-12-02). So it is off by default (`--warmup_execute` on the
+  server);
+- it is also what a multi-host leader needs: its followers build their programs when it
+  announces the steps. `stop` (a zero-argument callable) is checked before
 each program: once it returns True, warm-up raises `WarmupCancelled` after the programs
 already building finish (an XLA compile cannot be interrupted), so a server told to shut
 down while warming exits within one program's compile time instead of the whole set's.
@@ -73,6 +84,7 @@ def warmup(
     programs = step_programs(engine, shapes, sampling)
     with compilation_cache.warmup_guard():  # a crash while loading sets the cache aside
         _warm_penalty_state(engine)
+        _build_all(engine, programs, workers, stop)
         if execute:
             for shape, flags, use_penalties, bitmask in programs:
                 _check(stop)
@@ -80,8 +92,6 @@ def warmup(
                     StepBatch.zeros(shape), shape, flags, use_penalties, bitmask
                 )
                 jax.block_until_ready(packed)
-        else:
-            _build_all(engine, programs, workers, stop)
         # ---- speculative decoding: its verify (and draft) programs (engine/spec_decode.py)
         if getattr(engine, "spec", None) is not None:
             _check(stop)
@@ -91,8 +101,9 @@ def warmup(
     warmup_s = time.perf_counter() - t0
     engine.mark_warm(warmup_s)
     log.warning(
-        "warm-up built %d step programs + 1 penalty reset (%d shapes of %d) in %.1fs",
+        "warm-up built %d step programs%s + 1 penalty reset (%d shapes of %d) in %.1fs",
         len(programs),
+        " and ran each once" if execute else "",
         len(shapes),
         len(engine.shapes),
         warmup_s,

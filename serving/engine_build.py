@@ -53,6 +53,7 @@ def build_engine(
     mesh = options.pop("mesh", None)
     loras = options.pop("lora", {})  # name -> PEFT directory, loaded below
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
+    warmup_execute = options.pop("warmup_execute", False)
     if warmup_max_shapes:  # the warmed set is the set: every batch is padded to one of them
         options.setdefault("max_step_shapes", warmup_max_shapes)
     config = EngineConfig(model=model, max_model_len=max_model_len, **options)
@@ -70,16 +71,17 @@ def build_engine(
             ref = replica.load_adapter(name, path)
         shared.progress(f"LoRA adapter {name} = {ref.content_hash[:19]} (rank {ref.rank})")
     shared.progress(f"loaded {loaded.identity.name} in {time.perf_counter() - t0:.1f}s")
-    warm = engine_warmup(core, warmup_max_shapes)
+    warm = engine_warmup(core, warmup_max_shapes, execute=warmup_execute)
     if warm is not None:
         warm()
     return core
 
 
-def engine_warmup(engine, max_shapes: int):
+def engine_warmup(engine, max_shapes: int, *, execute: bool = False):
     """A callable building every step program of `engine`'s shape set (engine/shapes.py;
     its size is EngineConfig.max_step_shapes, which the server sets from
     --warmup_max_shapes), or None: nothing to do (the mock engine, or max_shapes 0).
+    `execute` (--warmup_execute): also run each program once (engine/warmup.py says why).
     PagedJaxServer runs it on the engine thread."""
     replicas = getattr(engine, "replicas", [engine])
     if not max_shapes or not hasattr(replicas[0], "run_step"):
@@ -87,12 +89,12 @@ def engine_warmup(engine, max_shapes: int):
 
     def run(stop=None) -> None:
         for replica in replicas:
-            _warmup_with_progress(replica, stop=stop)
+            _warmup_with_progress(replica, stop=stop, execute=execute)
 
     return run
 
 
-def _warmup_with_progress(engine, num_reports: int = 8, stop=None) -> None:
+def _warmup_with_progress(engine, num_reports: int = 8, stop=None, execute: bool = False) -> None:
     """Builds the engine's whole shape set (engine/shapes.py) in a few chunks, printing a
     line after each, and a last one with the program count (engine/warmup.py lists them).
     `stop()` True: raises engine.errors.WarmupCancelled (a shutdown during warm-up)."""
@@ -109,12 +111,11 @@ def _warmup_with_progress(engine, num_reports: int = 8, stop=None) -> None:
     warmup_log.setLevel(logging.ERROR)
     try:
         for start in range(0, len(shapes), chunk):
-            warmup(engine, shapes[start : start + chunk], stop=stop)
+            warmup(engine, shapes[start : start + chunk], stop=stop, execute=execute)
             done = min(start + chunk, len(shapes))
             elapsed_s = time.perf_counter() - t0
-            shared.progress(
-                f"warm-up: {done}/{len(shapes)} step shapes compiled ({elapsed_s:.0f}s)"
-            )
+            what = "compiled and run once" if execute else "compiled"
+            shared.progress(f"warm-up: {done}/{len(shapes)} step shapes {what} ({elapsed_s:.0f}s)")
     finally:
         warmup_log.setLevel(level)
     warmup_s = time.perf_counter() - t0

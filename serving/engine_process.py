@@ -21,7 +21,7 @@ lock and the OS shares the cores between the two processes.
     ("step",)                                ("ok", (outputs, has_unfinished))
                                              | ("step_error", message, request_ids | None)
     ("stats",)                               ("ok", dict)
-    ("warmup", max_shapes)                   ("ok", None)
+    ("warmup", max_shapes, execute)          ("ok", None)
     ("call", method, args)                   ("ok", result)   (test hooks, e.g. fail_next_steps)
     ("close",)                               the child exits
 
@@ -116,6 +116,7 @@ class ProcessEngine:
         self._lost: set[str] = set()  # held by a child that died, not yet reported by step()
         self._death = ""  # why the last child died
         self._warm_shapes: int | None = None  # warm-up to repeat after a restart
+        self._warm_execute = False
         self._closed = False
         self._lock = threading.Lock()
 
@@ -178,12 +179,13 @@ class ProcessEngine:
         return self._call_retrying(("stats",))[1]
 
     # ---- the rest ---------------------------------------------------------------------------
-    def warmup(self, max_shapes: int) -> None:
-        """Compile the engine's step shapes in the child (serving.engine_build.engine_warmup)."""
-        self._warm_shapes = max_shapes
+    def warmup(self, max_shapes: int, execute: bool = False) -> None:
+        """Compile the engine's step shapes in the child (serving.engine_build.engine_warmup);
+        `execute`: and run each once."""
+        self._warm_shapes, self._warm_execute = max_shapes, execute
         # NOTE: no reply timeout: 90-120 SmolLM2 step programs took over 30 min on this
         # loaded CPU; a child that dies meanwhile still ends the wait (EOF).
-        self._call(("warmup", max_shapes), timeout_s=None)
+        self._call(("warmup", max_shapes, execute), timeout_s=None)
 
     def call(self, method: str, *args):
         """Call a method of the child's engine (test hooks such as fail_next_steps)."""
@@ -289,7 +291,7 @@ class ProcessEngine:
         self._spawn()
         if self._warm_shapes:
             try:
-                self._conn.send(("warmup", self._warm_shapes))
+                self._conn.send(("warmup", self._warm_shapes, self._warm_execute))
                 self._recv(None)
             except (OSError, EOFError) as e:
                 self._kill()
@@ -358,7 +360,7 @@ def _handle(engine, message: tuple, engine_warmup) -> tuple | None:
         if kind == "stats":
             return ("ok", dict(engine.stats()))
         if kind == "warmup":
-            run = engine_warmup(engine, message[1])
+            run = engine_warmup(engine, message[1], execute=message[2])
             if run is not None:
                 run()
             return ("ok", None)

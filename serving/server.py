@@ -307,13 +307,14 @@ def build_serving_engine(
     """(engine, warm-up callable or None) for the server: the engine built here, or in a
     child process (`in_process=False`, then warmed there, with its own compilation cache
     set up from `compilation_cache_dir`). `options` as build_engine's, plus
-    warmup_max_shapes."""
+    warmup_max_shapes and warmup_execute."""
     options = dict(options)
     max_shapes = options.pop("warmup_max_shapes", 0)
+    execute = options.pop("warmup_execute", False)
     shapes = {"max_step_shapes": max_shapes} if max_shapes else {}
     if in_process:
         engine = build_engine(model, {**options, **shapes}, **build_kwargs)
-        return engine, engine_warmup(engine, max_shapes)
+        return engine, engine_warmup(engine, max_shapes, execute=execute)
     from serving.engine_process import ProcessEngine
 
     engine = ProcessEngine.start(
@@ -325,7 +326,7 @@ def build_serving_engine(
     if not max_shapes or model == "mock":
         return engine, None
     # NOTE: `stop` is not forwarded: the child's warm-up ends when close() kills the child.
-    return engine, lambda stop: engine.warmup(max_shapes)
+    return engine, lambda stop: engine.warmup(max_shapes, execute=execute)
 
 
 # -- end overload (#17) ------------------------------------------------------------------------
@@ -409,6 +410,13 @@ def define_flags() -> None:
         32,
         "step shapes the engine pads every batch to and compiles before serving (0: none;"
         " 32: 48 step programs for the default config, engine/shapes.py)",
+    )
+    flags.DEFINE_bool(
+        "warmup_execute",
+        False,
+        "also run each warmed step program once before serving: no first-execution set-up"
+        " (0.2-0.7 s per SmolLM2 program on CPU) on a first real step, for a longer start"
+        " (a second start ready in ~88 s instead of ~29 s on 2 CPU cores; engine/warmup.py)",
     )
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "longest prompt accepted (tokens)")
@@ -553,6 +561,13 @@ def _check_file(flag: str, path: str | None) -> None:
         raise shared.UsageError(flag, path, f"not a valid tenants file: {e!r}") from None
 
 
+def warmup_options() -> dict:
+    return {
+        "warmup_max_shapes": FLAGS.warmup_max_shapes,
+        "warmup_execute": FLAGS.warmup_execute,
+    }
+
+
 def engine_options_from_flags() -> dict:
     return {
         "page_size": FLAGS.page_size,
@@ -641,7 +656,7 @@ def main(argv) -> None:
     build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)
     engine, warmup = build_serving_engine(
         FLAGS.model,
-        {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+        {**options, **warmup_options()},
         in_process=not FLAGS.engine_process,
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         **build_kwargs,
@@ -665,7 +680,7 @@ def main(argv) -> None:
     def rebuild():
         engine, warm = build_serving_engine(
             FLAGS.model,
-            {**options, "warmup_max_shapes": FLAGS.warmup_max_shapes},
+            {**options, **warmup_options()},
             in_process=not FLAGS.engine_process,
             compilation_cache_dir=FLAGS.compilation_cache_dir,
             **build_kwargs,

@@ -43,6 +43,21 @@ def test_a_server_on_a_process_engine_answers_as_in_process():
         os.kill(pid, 0)
 
 
+def test_warmup_with_execute_reaches_the_child():
+    """--warmup_execute travels in the warm-up message; the mock has no programs to warm,
+    so this checks the message the child parses and the state a restart sends again."""
+    engine = _mock()
+    try:
+        engine.warmup(4, execute=True)
+        assert (engine._warm_shapes, engine._warm_execute) == (4, True)
+        engine.add_request(EngineRequest("a", [65], SamplingParams(max_tokens=2)))
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats()["kv_pages_used"] == 0
+    finally:
+        engine.close()
+
+
 def test_an_invalid_request_is_refused_in_the_child_and_named_in_the_parent():
     engine = _mock()
     try:

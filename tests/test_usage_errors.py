@@ -166,28 +166,34 @@ def test_planner_needs_the_plan_command():
     assert_usage_error(run(PLANNER), "expected the command 'plan'")
 
 
-def test_server_prints_warmup_progress(monkeypatch, capsys):
+@pytest.mark.parametrize("execute", [False, True])
+def test_server_prints_warmup_progress(monkeypatch, capsys, execute):
     import types
 
     import engine.warmup
     from engine.batch import BatchShape
     from serving import engine_build
 
-    compiled, marked = [], []
-    monkeypatch.setattr(
-        engine.warmup, "warmup", lambda eng, shapes, stop=None: compiled.append(shapes)
-    )
+    compiled, marked, executed = [], [], []
+
+    def fake_warmup(eng, shapes, stop=None, execute=False):
+        compiled.append(shapes)
+        executed.append(execute)
+
+    monkeypatch.setattr(engine.warmup, "warmup", fake_warmup)
     shapes = [BatchShape(n, 0, 0, 4, 1) for n in range(1, 11)]  # decode-only: 2 programs each
     eng = types.SimpleNamespace(
         shapes=types.SimpleNamespace(shapes=shapes),
         mark_warm=marked.append,
         full_program=lambda shape: (True, None),
     )
-    engine_build._warmup_with_progress(eng, num_reports=4)
+    engine_build._warmup_with_progress(eng, num_reports=4, execute=execute)
     assert compiled == [shapes[0:3], shapes[3:6], shapes[6:9], shapes[9:]]
+    assert executed == [execute] * 4  # --warmup_execute reaches every warm-up call
     lines = capsys.readouterr().err.splitlines()
+    done = "compiled and run once" if execute else "compiled"
     assert [ln.split(" (")[0] for ln in lines] == [
-        *(f"warm-up: {n}/10 step shapes compiled" for n in (3, 6, 9, 10)),
+        *(f"warm-up: {n}/10 step shapes {done}" for n in (3, 6, 9, 10)),
         "warm-up: 20 step programs",
     ]
     assert len(marked) == 1 and marked[0] >= 0

@@ -124,3 +124,36 @@ def test_a_stopped_warmup_builds_no_program_after_the_ones_in_flight(workers):
     with pytest.raises(WarmupCancelled):
         _build_all(engine, [(i,) for i in range(40)], workers, stop=lambda: engine.started >= 3)
     assert 3 <= engine.started <= 3 + workers
+
+
+@pytest.mark.compile
+def test_an_executed_warmup_runs_each_program_once_and_changes_no_output(tiny_model):
+    """`execute=True` (--warmup_execute) runs every built program once on an all-padding
+    batch (no compile beyond the build), and the engine then produces exactly the tokens of
+    an engine that was only built: the padding runs leave no state behind (KV, penalty
+    counts, last tokens)."""
+    built = EngineCore(tiny_model, EngineConfig(**CONFIG))
+    warmup(built)
+    executed = EngineCore(tiny_model, EngineConfig(**CONFIG))
+    runs = []
+    run_step = executed.run_step
+    executed.run_step = lambda *a: runs.append(a[1]) or run_step(*a)
+    before = compiles.count()
+    warmup(executed, execute=True)
+    del executed.run_step
+    assert compiles.count() == before  # same programs as `built`'s: all in jit's cache
+    assert len(runs) == len(step_programs(executed, executed.shapes.shapes))
+    assert set(runs) == set(executed.shapes.shapes)
+    rng = np.random.default_rng(5)
+    prompts = [[1] + rng.integers(3, 400, int(rng.integers(2, 30))).tolist() for _ in range(8)]
+    outputs = []
+    for core in (built, executed):
+        for i, prompt in enumerate(prompts):
+            params = _params(np.random.default_rng(100 + i), i)  # the same for both engines
+            core.add_request(EngineRequest(f"x{i}", prompt, params))
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(prompts)
