@@ -97,7 +97,9 @@ class LLM:
         (`max_step_shapes`, engine/shapes.py; 48 programs for 32 shapes), several minutes
         on a 2-core CPU the first time, seconds once they are in the cache. NOTE: the
         default stays False because a notebook's first cell runs a handful of shapes, not
-        the whole set; a later shape costs one compile stall in that call, not an error."""
+        the whole set; a later shape costs one compile stall in that call, not an error.
+        Built programs are not run: on XLA:CPU each one's first execution still sets up its
+        dot calls (0.2-0.7 s); `engine.warmup.warmup(engine, execute=True)` runs them too."""
         from engine.compilation_cache import enable as enable_compilation_cache
         from models.registry import load_model
         from models.source import check_model_source
