@@ -68,12 +68,11 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
+from engine.penalty_state import PenaltyState, _reset_counts_jit  # noqa: F401 (warmup.py)
 from engine.request import Request
 from engine.sampling import (
     FULL_FLAGS,
     SampleResult,
-    init_counts,
-    reset_slot_counts,
     resolve_seed,
     uses_penalties,
 )
@@ -88,8 +87,6 @@ from models.registry import engine_model
 
 log = logging.getLogger(__name__)
 NONFINITE_ERROR = "model produced non-finite logits"
-
-_reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 
 
 @dataclasses.dataclass
@@ -127,7 +124,7 @@ class _Launched:
     dispatched_at: float = 0.0
 
 
-class EngineCore(StepPrograms):
+class EngineCore(StepPrograms, PenaltyState):
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
@@ -366,32 +363,6 @@ class EngineCore(StepPrograms):
             self.adapters.bind(slot, req.request_id)
         if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
-
-    def init_penalty_state(self) -> None:
-        """Allocate the [max_num_seqs, V] token counts (on first use, or at warm-up)."""
-        if not self._penalties_ready:
-            counts, mask = init_counts(self.sched_config.max_num_seqs, self.cfg.vocab_size)
-            self._counts, self._prompt_mask = self._place(counts), self._place(mask)
-            self._penalties_ready = True
-
-    def _reset_penalty_row(self, slot: int, req: Request) -> None:
-        """Counts of a request taking a slot. Token lists are padded to max_model_len, so
-        one program serves every request (nothing compiles per prompt length)."""
-        self.init_penalty_state()
-        width = self.sched_config.max_model_len
-        prompt = np.zeros(width, np.int32)
-        prompt[: req.num_prompt_tokens] = req.prompt_token_ids
-        outs = np.zeros(width, np.int32)
-        outs[: req.num_output_tokens] = req.output_token_ids
-        self._counts, self._prompt_mask = _reset_counts_jit(
-            self._counts,
-            self._prompt_mask,
-            np.int32(slot),
-            prompt,
-            np.int32(req.num_prompt_tokens),
-            outs,
-            np.int32(req.num_output_tokens),
-        )
 
     # ---- outputs ----------------------------------------------------------------------------
     def _forget(self, request_id: str) -> None:
