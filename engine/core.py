@@ -61,10 +61,9 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
-from engine.adapters import AdapterManager, UnknownAdapterError
 from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
-from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
-from engine.errors import InvalidRequestError
+from engine.batch import BatchBuilder, BuiltStep
+from engine.engine_adapters import EngineAdapters
 from engine.kv_cache import PagedKVCache
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
@@ -82,7 +81,7 @@ from engine.spec_decode import SpecDecoder
 from engine.step import NONFINITE_TOKEN
 from engine.step_programs import StepPrograms, structured_bitmask
 from engine.structured_matcher import StructuredRequests
-from models.llama import LayerWeights, cast_params, layer_layout
+from models.llama import cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ class _Launched:
     dispatched_at: float = 0.0
 
 
-class EngineCore(StepPrograms, PenaltyState):
+class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
@@ -371,48 +370,6 @@ class EngineCore(StepPrograms, PenaltyState):
         self.structured.remove(request_id)
         self.builder.release(request_id)
         self._release_adapter(request_id)
-
-    # ---- LoRA adapters (engine/adapters.py) -----------------------------------------------
-    def _adapter_manager(self, model, device_or_sharding):
-        if not self.config.max_loras:
-            return None
-        return AdapterManager(
-            model.config,
-            self.cfg,
-            max_loras=self.config.max_loras,
-            max_lora_rank=self.config.max_lora_rank,
-            max_num_seqs=self.sched_config.max_num_seqs,
-            dtype=self.params.embed.dtype,
-            mesh=self.mesh,
-            device=None if self.mesh is not None else device_or_sharding,
-            unrolled=not isinstance(self.params.layers, LayerWeights),
-        )
-
-    def load_adapter(self, name: str, path: str):
-        """Installs a PEFT LoRA adapter under `name` (between steps; safe while requests
-        run). Returns its AdapterRef. Needs EngineConfig(max_loras >= 1)."""
-        if self.adapters is None:
-            raise InvalidRequestError("max_loras", 0, ">= 1 to load LoRA adapters")
-        return self.adapters.load(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        if self.adapters is None:
-            raise UnknownAdapterError(name, [])
-        self.adapters.unload(name)
-
-    def _acquire_adapter(self, er: EngineRequest):
-        if er.adapter is None:
-            return None
-        if self.adapters is None:
-            raise UnknownAdapterError(er.adapter, [])
-        return self.adapters.acquire(er.request_id, er.adapter)
-
-    def _release_adapter(self, request_id: str) -> None:
-        if self.adapters is not None:
-            self.adapters.release(request_id)
-
-    def _lora_inputs(self, batch: StepBatch | None, shape: BatchShape):
-        return None if self.adapters is None else self.adapters.inputs(batch, shape)
 
     @staticmethod
     def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
