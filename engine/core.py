@@ -61,20 +61,16 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
-from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
+from engine.api_types import EngineRequest, RequestOutput
 from engine.batch import BatchBuilder, BuiltStep
 from engine.engine_adapters import EngineAdapters
 from engine.kv_cache import PagedKVCache
+from engine.logprobs import step_logprobs
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
 from engine.penalty_state import PenaltyState, _reset_counts_jit  # noqa: F401 (warmup.py)
 from engine.request import Request
-from engine.sampling import (
-    FULL_FLAGS,
-    SampleResult,
-    resolve_seed,
-    uses_penalties,
-)
+from engine.sampling import FULL_FLAGS, SampleResult, resolve_seed, uses_penalties
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet, sampler_variants
 from engine.spec_decode import SpecDecoder
@@ -124,6 +120,9 @@ class _Launched:
 
 
 class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
+    """The step loop. Mixins: the step programs it dispatches (engine/step_programs.py),
+    the penalty token counts (engine/penalty_state.py), LoRA (engine/engine_adapters.py)."""
+
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
@@ -330,7 +329,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
         logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
-            self._logprobs(step.plan, result, step.built.sampler_rows)
+            step_logprobs(step.plan, result, step.built.sampler_rows)
             if step.built.logprobs
             else None
         )
@@ -356,6 +355,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.num_failed_steps += 1
         outputs += self.outputs.fail(plan, e, time.monotonic())
 
+    # ---- a request's slot in the persistent batch (engine/batch.py) ---------------------
     def _take_slot(self, req: Request) -> None:
         slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
         if self.adapters is not None:
@@ -363,32 +363,12 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
-    # ---- outputs ----------------------------------------------------------------------------
     def _forget(self, request_id: str) -> None:
         """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
         self._seeds.pop(request_id, None)
         self.structured.remove(request_id)
         self.builder.release(request_id)
         self._release_adapter(request_id)
-
-    @staticmethod
-    def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
-        """The sampled tokens' logprobs, for the requests that asked for them. `rows[i]` is
-        the sampler row of plan.scheduled[i]."""
-        out = {}
-        for s, r in zip(plan.scheduled, rows):
-            n = s.request.sampling.logprobs
-            if n is None or not s.samples:
-                continue
-            r = int(r)
-            top = [
-                (int(i), float(lp))
-                for i, lp in zip(result.top_ids[r][:n], result.top_logprobs[r][:n])
-            ]
-            out[s.request.request_id] = TokenLogprob(
-                int(result.tokens[r]), float(result.logprobs[r]), top
-            )
-        return out
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
