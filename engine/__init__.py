@@ -5,7 +5,8 @@ engine.request / page_pool / scheduler   host side, plain Python (no device)
 engine.outputs                           host half of a step: stop checks, output deltas
 engine.batch                             plan -> fixed-shape arrays (the boundary)
 engine.step / kv_cache / sampling        device side, pure jitted functions
-engine.core.EngineCore                   the step loop (serving drives it)
+engine.core.EngineCore                   the step loop (serving drives it); its device
+  programs, penalty counts and LoRA side: engine.step_programs / penalty_state / engine_adapters
 engine.factory / replicas / distributed  engine creation: one device, mesh, data, hosts
 engine.llm.LLM                           the notebook API
 """

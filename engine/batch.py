@@ -286,7 +286,7 @@ class BatchBuilder:
         self._int_sampling = [
             (f, v) for f, v in self.sampling.items() if f not in _FLOAT_FIELDS and f != "step"
         ]
-        # [S] per-slot needs that pick the compiled sampler variant (engine/core.py), the
+        # [S] per-slot needs that pick the compiled sampler variant (engine/step_programs.py), the
         # rows of one [3, S] array (one gather per step)
         self._needs = np.zeros((3, S), bool)
         self.needs_full, self.needs_penalties, self.needs_logprobs = self._needs

@@ -61,36 +61,27 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine import compiles, sharding
-from engine.adapters import AdapterManager, UnknownAdapterError
-from engine.api_types import EngineRequest, RequestOutput, TokenLogprob
-from engine.batch import BatchBuilder, BatchShape, BuiltStep, StepBatch
-from engine.errors import InvalidRequestError
+from engine.api_types import EngineRequest, RequestOutput
+from engine.batch import BatchBuilder, BuiltStep
+from engine.engine_adapters import EngineAdapters
 from engine.kv_cache import PagedKVCache
+from engine.logprobs import step_logprobs
 from engine.outputs import OutputProcessor
 from engine.page_pool import PagePool, model_keys_of
+from engine.penalty_state import PenaltyState, _reset_counts_jit  # noqa: F401 (warmup.py)
 from engine.request import Request
-from engine.sampling import (
-    FULL_FLAGS,
-    GREEDY_FLAGS,
-    SampleResult,
-    SamplingFlags,
-    init_counts,
-    reset_slot_counts,
-    resolve_seed,
-    uses_penalties,
-)
+from engine.sampling import FULL_FLAGS, SampleResult, resolve_seed, uses_penalties
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.shapes import ShapeSet, sampler_variants
 from engine.spec_decode import SpecDecoder
-from engine.step import NONFINITE_TOKEN, engine_step
-from engine.structured_matcher import StructuredRequests, bitmask_width
-from models.llama import LayerWeights, cast_params, layer_layout
+from engine.step import NONFINITE_TOKEN
+from engine.step_programs import StepPrograms, structured_bitmask
+from engine.structured_matcher import StructuredRequests
+from models.llama import cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
 NONFINITE_ERROR = "model produced non-finite logits"
-
-_reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 
 
 @dataclasses.dataclass
@@ -128,7 +119,10 @@ class _Launched:
     dispatched_at: float = 0.0
 
 
-class EngineCore:
+class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
+    """The step loop. Mixins: the step programs it dispatches (engine/step_programs.py),
+    the penalty token counts (engine/penalty_state.py), LoRA (engine/engine_adapters.py)."""
+
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
         it is float; its identity then names the quantization and the KV dtype)."""
@@ -296,7 +290,7 @@ class EngineCore:
             # NOTE: two sampler programs per shape, what warm-up builds (engine/shapes.py
             # sampler_variants); flags never change a row's token.
             flags, use_penalties, bitmask = self._sampler_program(
-                built, self._token_bitmask(plan, built)
+                built, structured_bitmask(self.structured, plan, built)
             )
             # NOTE: no speculation while constrained requests run (step() checks), so a
             # step with a bitmask never takes the speculative path.
@@ -335,7 +329,7 @@ class EngineCore:
         received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
         logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
-            self._logprobs(step.plan, result, step.built.sampler_rows)
+            step_logprobs(step.plan, result, step.built.sampler_rows)
             if step.built.logprobs
             else None
         )
@@ -361,148 +355,7 @@ class EngineCore:
         self.num_failed_steps += 1
         outputs += self.outputs.fail(plan, e, time.monotonic())
 
-    def _check_compiles(self, shape: BatchShape, flags: SamplingFlags) -> None:
-        """Logs each program built after warm-up once, with the step that built it (what
-        the server's pagedjax_compiles_after_warmup_total counts)."""
-        if self._compiles_at_warmup is None:
-            return
-        after = compiles.count() - self._compiles_at_warmup
-        if after > self._logged_compiles:
-            log.warning(
-                "%d program(s) compiled after warm-up (step shape %s, %s sampler)",
-                after - self._logged_compiles,
-                shape,
-                "greedy" if flags.all_greedy else "full",
-            )
-            self._logged_compiles = after
-
-    # ---- shapes (#21.3): which of a shape's two programs a step runs --------------------
-    def _sampler_program(self, built: BuiltStep, bitmask: np.ndarray | None) -> tuple:
-        """(flags, use_penalties, token_bitmask) of a step: "greedy" (argmax only) when the
-        shape is decode-only and every row is greedy, unconstrained, without logprobs or
-        penalties; else "full", which always applies penalties (neutral for rows without)
-        and a token bitmask (all tokens allowed when no row is constrained), so one program
-        per shape serves every other request (engine/shapes.py sampler_variants)."""
-        greedy_ok = "greedy" in sampler_variants(built.shape) or self.mesh is not None
-        if greedy_ok and not (built.full_sampler or built.penalties or bitmask is not None):
-            return GREEDY_FLAGS, False, None
-        use_penalties, all_allowed = self.full_program(built.shape)
-        return (
-            FULL_FLAGS,
-            use_penalties or built.penalties,
-            all_allowed if bitmask is None else bitmask,
-        )
-
-    def full_program(self, shape: BatchShape) -> tuple[bool, np.ndarray | None]:
-        """(use_penalties, token_bitmask) of the "full" program an unconstrained step runs.
-        NOTE: with a mesh the sampler programs stay as they were before the shape set was
-        made small (greedy on every shape, penalties and the bitmask variants of their own,
-        compiled on first use, token counts allocated on first use): the sharded step's
-        full sampler crashed XLA:CPU's compiler on a greedy workload (an
-        optimization_barrier cast check, tests/test_multihost.py); not investigated."""
-        if self.mesh is not None:
-            return False, None
-        return True, self.all_allowed(shape)
-
-    def all_allowed(self, shape: BatchShape) -> np.ndarray:
-        """[Sd + Sp, ceil(V/32)] int32 all ones: the full program's bitmask when no row is
-        constrained (numpy, like structured output's own masks: one jit signature)."""
-        rows = shape.num_decode + shape.num_prefill_seqs
-        mask = self._all_allowed.get(rows)
-        if mask is None:
-            mask = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
-            mask.flags.writeable = False
-            self._all_allowed[rows] = mask
-        return mask
-
-    # ---- end shapes ----
-
-    def _token_bitmask(self, plan: SchedulerOutput, built: BuiltStep) -> np.ndarray | None:
-        """[Sd + Sp, ceil(V/32)] int32 allowed tokens of the sampler rows (structured output),
-        or None when no sampling row of the step is constrained."""
-        if not self.structured.active:  # the common step: no per-row pass
-            return None
-        rows = [
-            (int(r), s.request.request_id)
-            for s, r in zip(plan.scheduled, built.sampler_rows)
-            if s.samples and s.request.request_id in self.structured
-        ]
-        if not rows:
-            return None
-        ids: list[str | None] = [None] * (built.shape.num_decode + built.shape.num_prefill_seqs)
-        for r, rid in rows:
-            ids[r] = rid
-        return self.structured.bitmask(ids, len(ids))
-
-    # ---- device ---------------------------------------------------------------------------
-    def run_step(
-        self,
-        batch: StepBatch,
-        shape: BatchShape,
-        flags: SamplingFlags,
-        use_penalties,
-        token_bitmask: np.ndarray | None = None,
-    ):
-        """Dispatch one device step (also used by warm-up); returns the packed results on
-        device without waiting for them. `token_bitmask`: structured output's allowed
-        tokens per sampler row (None: the unconstrained program)."""
-        # ---- speculative decoding: a draft model's cache follows every step (spec_draft.py)
-        if self.spec is not None and self.spec.draft is not None:
-            self.spec.draft.fill(batch, shape, self._last_tokens)
-        # ---- end speculative decoding
-        self.kv, self._counts, self._last_tokens, packed = engine_step(
-            self.params,
-            self.kv,
-            self._counts,
-            self._prompt_mask,
-            self._last_tokens,
-            batch.pack() if isinstance(batch, StepBatch) else batch,
-            **self._static_args(shape, flags, use_penalties),
-            lora=self._lora_inputs(batch if isinstance(batch, StepBatch) else None, shape),
-            # NOTE: passed only when set: an explicit None is another jit cache key than
-            # the default, so warm-up's programs would not be found.
-            **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
-        )
-        return packed
-
-    def compile_step(
-        self,
-        shape: BatchShape,
-        flags: SamplingFlags,
-        use_penalties: bool,
-        token_bitmask: np.ndarray | None = None,
-    ) -> None:
-        """Build the step program of `shape` (compile, or load from the persistent cache)
-        without running it: `jit.lower(...).compile()` fills the cache a call then uses."""
-        engine_step.lower(
-            self.params,
-            self.kv,
-            self._counts,
-            self._prompt_mask,
-            self._last_tokens,
-            StepBatch.zeros(shape).pack(),
-            **self._static_args(shape, flags, use_penalties),
-            lora=self._lora_inputs(None, shape),
-            **({} if token_bitmask is None else {"token_bitmask": token_bitmask}),
-        ).compile()
-
-    def _static_args(self, shape: BatchShape, flags: SamplingFlags, use_penalties: bool) -> dict:
-        return dict(
-            cfg=self.cfg,
-            shape=shape,
-            flags=flags,
-            use_penalties=use_penalties,
-            impl=self.impl,
-            mesh=self.mesh,
-        )
-
-    def mark_warm(self, warmup_s: float) -> None:
-        """Called by engine/warmup.py: programs built from now on are counted as compiles
-        after warm-up."""
-        self.warmup_s = warmup_s
-        self._compiles_at_warmup = compiles.count()
-        self._logged_compiles = 0
-
+    # ---- a request's slot in the persistent batch (engine/batch.py) ---------------------
     def _take_slot(self, req: Request) -> None:
         slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
         if self.adapters is not None:
@@ -510,100 +363,12 @@ class EngineCore:
         if is_new and uses_penalties([req.sampling]):
             self._reset_penalty_row(slot, req)
 
-    def init_penalty_state(self) -> None:
-        """Allocate the [max_num_seqs, V] token counts (on first use, or at warm-up)."""
-        if not self._penalties_ready:
-            counts, mask = init_counts(self.sched_config.max_num_seqs, self.cfg.vocab_size)
-            self._counts, self._prompt_mask = self._place(counts), self._place(mask)
-            self._penalties_ready = True
-
-    def _reset_penalty_row(self, slot: int, req: Request) -> None:
-        """Counts of a request taking a slot. Token lists are padded to max_model_len, so
-        one program serves every request (nothing compiles per prompt length)."""
-        self.init_penalty_state()
-        width = self.sched_config.max_model_len
-        prompt = np.zeros(width, np.int32)
-        prompt[: req.num_prompt_tokens] = req.prompt_token_ids
-        outs = np.zeros(width, np.int32)
-        outs[: req.num_output_tokens] = req.output_token_ids
-        self._counts, self._prompt_mask = _reset_counts_jit(
-            self._counts,
-            self._prompt_mask,
-            np.int32(slot),
-            prompt,
-            np.int32(req.num_prompt_tokens),
-            outs,
-            np.int32(req.num_output_tokens),
-        )
-
-    # ---- outputs ----------------------------------------------------------------------------
     def _forget(self, request_id: str) -> None:
         """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
         self._seeds.pop(request_id, None)
         self.structured.remove(request_id)
         self.builder.release(request_id)
         self._release_adapter(request_id)
-
-    # ---- LoRA adapters (engine/adapters.py) -----------------------------------------------
-    def _adapter_manager(self, model, device_or_sharding):
-        if not self.config.max_loras:
-            return None
-        return AdapterManager(
-            model.config,
-            self.cfg,
-            max_loras=self.config.max_loras,
-            max_lora_rank=self.config.max_lora_rank,
-            max_num_seqs=self.sched_config.max_num_seqs,
-            dtype=self.params.embed.dtype,
-            mesh=self.mesh,
-            device=None if self.mesh is not None else device_or_sharding,
-            unrolled=not isinstance(self.params.layers, LayerWeights),
-        )
-
-    def load_adapter(self, name: str, path: str):
-        """Installs a PEFT LoRA adapter under `name` (between steps; safe while requests
-        run). Returns its AdapterRef. Needs EngineConfig(max_loras >= 1)."""
-        if self.adapters is None:
-            raise InvalidRequestError("max_loras", 0, ">= 1 to load LoRA adapters")
-        return self.adapters.load(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        if self.adapters is None:
-            raise UnknownAdapterError(name, [])
-        self.adapters.unload(name)
-
-    def _acquire_adapter(self, er: EngineRequest):
-        if er.adapter is None:
-            return None
-        if self.adapters is None:
-            raise UnknownAdapterError(er.adapter, [])
-        return self.adapters.acquire(er.request_id, er.adapter)
-
-    def _release_adapter(self, request_id: str) -> None:
-        if self.adapters is not None:
-            self.adapters.release(request_id)
-
-    def _lora_inputs(self, batch: StepBatch | None, shape: BatchShape):
-        return None if self.adapters is None else self.adapters.inputs(batch, shape)
-
-    @staticmethod
-    def _logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str, TokenLogprob]:
-        """The sampled tokens' logprobs, for the requests that asked for them. `rows[i]` is
-        the sampler row of plan.scheduled[i]."""
-        out = {}
-        for s, r in zip(plan.scheduled, rows):
-            n = s.request.sampling.logprobs
-            if n is None or not s.samples:
-                continue
-            r = int(r)
-            top = [
-                (int(i), float(lp))
-                for i, lp in zip(result.top_ids[r][:n], result.top_logprobs[r][:n])
-            ]
-            out[s.request.request_id] = TokenLogprob(
-                int(result.tokens[r]), float(result.logprobs[r]), top
-            )
-        return out
 
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -48,6 +48,7 @@ import numpy as np
 from configs.spec_config import SpeculativeConfig
 from engine.api_types import RequestOutput, TokenLogprob
 from engine.batch import BatchShape, BuiltStep, StepBatch
+from engine.logprobs import step_logprobs
 from engine.sampling import (
     FULL_FLAGS,
     GREEDY_FLAGS,
@@ -410,7 +411,7 @@ class SpecDecoder:
             if s.samples and not s.request.is_finished
         }
         received = core.scheduler.update_after_step(plain, sampled, now)
-        outputs += core.outputs.emit(received, now, core._logprobs(plain, result, plain_rows))
+        outputs += core.outputs.emit(received, now, step_logprobs(plain, result, plain_rows))
         verified = SampleResult.unpack(np.asarray(spec_packed))
         for j, i in enumerate(spec_idx):
             out = self._commit(plan.scheduled[i], j, int(num_acc[j]), verified, now)
