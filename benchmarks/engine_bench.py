@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -241,7 +242,7 @@ class Instrument:
     def step(self) -> tuple[list, StepRecord | None]:
         self.cur = {}
         probe_b_s = probe_flop_s = 0.0
-        if self.probe is not None and self.engine.has_unfinished():
+        if self.probe is not None:
             probe_b_s, probe_flop_s, spent_s = self.probe.rates()
             self.probe_s += spent_s
         t = self.engine.timings
@@ -437,6 +438,11 @@ def weights_only(model, num_tokens: int, probe: PeakProbe, iters: int = 10) -> l
     return runs
 
 
+def floors_at_probe(floors: Floors, step: StepRecord) -> Floors:
+    """`floors` at the peaks measured just before `step` (StepRecord.probe_*)."""
+    return dataclasses.replace(floors, bandwidth_b_s=step.probe_b_s, flop_s=step.probe_flop_s)
+
+
 def paired_ratios(cfg, floors: Floors, steps: list[StepRecord]) -> dict:
     """Each step's floors at the peaks measured just before it (StepRecord.probe_*), over
     its wall time; the medians. The machine's own speed drifts (the 2048^3 matmul ran at
@@ -445,10 +451,7 @@ def paired_ratios(cfg, floors: Floors, steps: list[StepRecord]) -> dict:
     paired = [s for s in steps if s.probe_flop_s]
     if not paired:
         return {}
-
-    def at(s: StepRecord) -> Floors:
-        return dataclasses.replace(floors, bandwidth_b_s=s.probe_b_s, flop_s=s.probe_flop_s)
-
+    at = functools.partial(floors_at_probe, floors)
     return {
         "memory_floor_over_step_paired": statistics.median(
             at(s).memory_s(s) / s.wall_s for s in paired
@@ -602,8 +605,7 @@ def prefill_row(
         **(
             {
                 "compute_floor_over_step_paired": sum(
-                    dataclasses.replace(floors, flop_s=s.probe_flop_s).compute_s(cfg, s)
-                    for s in steps
+                    floors_at_probe(floors, s).compute_s(cfg, s) for s in steps
                 )
                 / wall_s
             }

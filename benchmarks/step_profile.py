@@ -174,9 +174,10 @@ def weights_only_fn(model, num_tokens: int, layer_loop: str = "auto"):
     a step of that many tokens would cost if attention, the KV write, sampling and the host
     cost nothing (engine_bench's "ceiling"). Compiled by its first call."""
     cfg, params = model.config, layer_layout(model.params, layer_loop)
-    ids = jnp.arange(num_tokens, dtype=jnp.int32) % cfg.vocab_size
-    fwd = jax.jit(lambda p, t: forward(p, cfg, t, t, None, _stub_attention)[0])
-    return lambda: jax.block_until_ready(fwd(params, ids))
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    ids = positions % cfg.vocab_size  # [T]
+    fwd = jax.jit(lambda p, t, pos: forward(p, cfg, t, pos, None, _stub_attention)[0])
+    return lambda: jax.block_until_ready(fwd(params, ids, positions))
 
 
 def profile_case(

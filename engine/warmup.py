@@ -28,11 +28,12 @@ an all-padding batch, cheapest first:
   (benchmarks/RESULTS.md, 2026-12-02). So it is off by default (`--warmup_execute` on the
   server);
 - it is also what a multi-host leader needs: its followers build their programs when it
-  announces the steps. `stop` (a zero-argument callable) is checked before
-each program: once it returns True, warm-up raises `WarmupCancelled` after the programs
-already building finish (an XLA compile cannot be interrupted), so a server told to shut
-down while warming exits within one program's compile time instead of the whole set's.
-After `warmup` nothing compiles:
+  announces the steps.
+
+`stop` (a zero-argument callable) is checked before each program: once it returns True,
+warm-up raises `WarmupCancelled` after the programs already building finish (an XLA
+compile cannot be interrupted), so a server told to shut down while warming exits within
+one program's compile time instead of the whole set's. After `warmup` nothing compiles:
 `EngineCore.stats()["compiles_after_warmup"]` stays 0 (tests/test_warmup_shapes.py drives
 a random workload to check it). With JAX's persistent compilation cache
 (engine/compilation_cache.py) a second start loads these programs from disk instead.
