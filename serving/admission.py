@@ -59,11 +59,14 @@ class AdmissionConfig:
     # With a capacity model, a request is admitted only if its estimated completion x this
     # fits its deadline: estimates err, and a timed-out request wasted its whole run.
     deadline_margin: float = 1.2
+    # The deadline of a call that brings none (and whose tenant sets none): serving/deadlines.py
+    default_request_timeout_s: float | None = None
 
     def __post_init__(self):
         assert self.max_queue_requests >= 0, self.max_queue_requests
         assert self.max_model_len >= 2, self.max_model_len
         assert self.aging_s > 0 and self.queue_timeout_s > 0
+        assert self.default_request_timeout_s is None or self.default_request_timeout_s > 0
 
 
 class Rejected(Exception):

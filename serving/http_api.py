@@ -9,7 +9,8 @@ turned into one GenerateCall per choice (n choices x prompts; each its own engin
 so the n choices of a prompt share its prefix-cache pages once computed) and handed to the
 same Generator as gRPC (generation.py): same tenants (`Authorization: Bearer KEY` is gRPC's
 `x-api-key`), budgets, breaker, waiting queue, engine thread, metrics and one outcome per
-engine request.
+engine request. A deadline comes from `x-request-timeout-ms` or the SDK's
+`x-stainless-read-timeout` header (serving/deadlines.py) and bounds the whole response.
 
     uvicorn event loop (one thread, serving/http_server.py)
       | authenticate -> parse -> Generator.submit per choice (refusal: OpenAI error object)
@@ -43,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
-from serving import convert
+from serving import convert, deadlines
 from serving import http_delivery as delivery
 from serving import http_responses as resp
 from serving import http_schemas as schemas
@@ -103,13 +104,14 @@ class HttpApi:
             tenant = self.generator.authenticate(resp.api_key(self.generator.tenants, request)).name
             body = schemas.parse_body(model_cls, await request.body())
             prompts = self._prompts(body, chat)
+            deadline = _deadline(request)
         except Refusal as e:
             e.tenant = tenant
             self.generator.record_refusal(request_id, e, arrival_s)
             return resp.refusal_response(e)
         wake = asyncio.Event()
         try:
-            calls = self._calls(request, body, chat, prompts, request_id, wake)
+            calls = self._calls(request, body, chat, prompts, request_id, wake, deadline)
             choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return resp.refusal_response(e)
@@ -133,7 +135,10 @@ class HttpApi:
             raise invalid(e) from e
         return prompts
 
-    def _calls(self, request, body, chat, prompts, request_id, wake) -> list[GenerateCall]:
+    def _calls(
+        self, request, body, chat, prompts, request_id, wake, deadline
+    ) -> list[GenerateCall]:
+        """One call per choice; `deadline` bounds each one's whole response, streamed or not."""
         loop = asyncio.get_running_loop()
         vocab = self.generator.vocab_size
 
@@ -160,6 +165,8 @@ class HttpApi:
                         priority=schemas.engine_priority(body.priority),
                         stream_listener=listener,
                         success_on_delivery=True,  # overload (#17): http_delivery.py
+                        time_left_s=deadline.timeout_s,
+                        deadline_source=deadline.source,
                     )
                 )
         return calls
@@ -350,6 +357,15 @@ class HttpApi:
             offsets[c.index] += len(text)
         choice["finish_reason"] = finish
         return choice
+
+
+def _deadline(request: Request) -> deadlines.Deadline:
+    """The request's own deadline (headers); the tenant's or server's default is the
+    Generator's (serving/deadlines.py)."""
+    try:
+        return deadlines.from_headers(request.headers)
+    except InvalidRequestError as e:
+        raise invalid(e) from e
 
 
 def _event(chunk: dict) -> str:
