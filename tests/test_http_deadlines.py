@@ -5,6 +5,7 @@ deadline cannot be met is refused with 429 + Retry-After before the engine sees 
 can is served; one that runs past it ends timed_out{deadline} with its pages freed; a client
 that leaves cancels its request within a step."""
 
+import asyncio
 import json
 import logging
 import threading
@@ -249,3 +250,46 @@ def test_non_streaming_client_that_leaves_frees_its_pages_within_a_step(unprobed
     caller.join(30)
     assert "steps" in left
     _abort_within_a_step(server, left["steps"])
+
+
+def test_stream_disconnect_is_seen_under_asgi_spec_2_4(unprobed):
+    """An ASGI 2.4 server tells Starlette nothing until a write fails; the relay still hears
+    http.disconnect at once (http_delivery.DeliveryStreamingResponse), here from a client
+    whose transport accepts every write."""
+    server, engine = unprobed, unprobed.engine
+    body = json.dumps({"model": "mock", "prompt": "abc", "max_tokens": 200, "stream": True})
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def drive() -> int:
+        first_chunk, messages = asyncio.Event(), [{"type": "http.request", "body": body.encode()}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await first_chunk.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                first_chunk.set()
+
+        task = asyncio.ensure_future(server.http_api.app(scope, receive, send))
+        await first_chunk.wait()
+        steps = engine.num_steps
+        await asyncio.wait_for(task, 30)
+        return steps
+
+    _abort_within_a_step(server, asyncio.run(drive()))
