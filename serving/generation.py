@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import grpc
 
+from configs.errors import bounded, echo
 from engine.adapter_refs import loaded_adapters
 from engine.api_types import EngineRequest, RequestOutput
 from engine.errors import InvalidRequestError
@@ -70,6 +71,7 @@ class Refusal(Exception):
         tenant: str = "?",
         param: str | None = None,
     ):
+        details = bounded(details)  # a parser's message may quote a multi-megabyte field
         self.status, self.reason, self.details = status, reason, details
         self.retry_after_ms, self.outcome, self.tenant = retry_after_ms, outcome, tenant
         self.param = param
@@ -240,7 +242,7 @@ class Generator:
                 raise Refusal(
                     grpc.StatusCode.NOT_FOUND,
                     "adapter_not_found",
-                    f"adapter {call.adapter!r} is not loaded (loaded: {sorted(loaded)})",
+                    f"adapter {echo(call.adapter)} is not loaded (loaded: {sorted(loaded)})",
                     param="adapter",
                 )
             return loaded[call.adapter]
@@ -251,14 +253,14 @@ class Generator:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "model_mismatch",
-                f"model {model!r} is not served here (loaded: {self.identity.name!r})",
+                f"model {echo(model)} is not served here (loaded: {self.identity.name!r})",
                 param="model",
             )
         if revision and revision != self.identity.revision:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "model_mismatch",
-                f"revision {revision!r} is pinned but {self.identity.revision!r} is loaded",
+                f"revision {echo(revision)} is pinned but {self.identity.revision!r} is loaded",
                 param="revision",
             )
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import grpc
 
+from configs.errors import bounded
 from engine.api_types import EngineRequest, RequestOutput
 from serving.tenants import Reservation, TenantLimiter, TenantPolicy
 
@@ -185,7 +186,7 @@ class RequestLedger:
                 "outcome": outcome,
                 "reason": reason,
                 "status": status.name,
-                "details": details,
+                "details": bounded(details),
                 "e2e_s": time.monotonic() - arrival_s,
                 **(extra or {}),
             }
@@ -231,7 +232,7 @@ class RequestLedger:
         record.update({k: v for k, v in r.timings.items() if k != "itl_s"})
         record.update(r.log_extra)
         if details:
-            record["details"] = details
+            record["details"] = bounded(details)
         self._log(record)
         return True
 
