@@ -9,6 +9,11 @@ The first of these that is present wins (`timeout_source` in the request log lin
     tenant                     the tenant's `default_request_timeout_s` (--tenants_config)
     server                     --default_request_timeout_s (off by default)
 
+A header's deadline is taken `lead_s(timeout)` = min(0.5 s, 10%) early (the log's
+`timeout_s` is what is left): the client's clock started before the request reached the
+server (a busy event loop holds it in uvicorn for a while), and a request ended by the
+server's deadline must reach the client as a 504 before the client's own timeout fires.
+
 A bad header value is INVALID_ARGUMENT (HTTP 400) naming the header, its value and the limit.
 The resolved timeout becomes the engine request's absolute `deadline_s` (arrival + timeout),
 so an HTTP deadline takes the same path as a gRPC one (generation.py): admission sheds a
@@ -37,6 +42,7 @@ SDK_TIMEOUT_HEADER = "x-stainless-read-timeout"
 GRPC_SOURCE = "grpc-timeout"
 TENANT_SOURCE = "tenant"
 SERVER_SOURCE = "server"
+MAX_LEAD_S, LEAD_FRACTION = 0.5, 0.1  # a header deadline is taken this much early
 MAX_TIMEOUT_S = 86_400.0  # a day: longer is a mistake (or "no deadline", which is: no header)
 
 # header -> (seconds per unit, unit)
@@ -58,8 +64,14 @@ def from_headers(headers: Mapping[str, str]) -> Deadline:
     for name, (scale, unit) in _HEADERS.items():
         raw = headers.get(name)
         if raw is not None:
-            return Deadline(_parse(name, raw, scale, unit), name)
+            timeout_s = _parse(name, raw, scale, unit)
+            return Deadline(timeout_s - lead_s(timeout_s), name)
     return NO_DEADLINE
+
+
+def lead_s(timeout_s: float) -> float:
+    """How much earlier than a client's timeout the server ends its request."""
+    return min(MAX_LEAD_S, LEAD_FRACTION * timeout_s)
 
 
 def _parse(name: str, raw: str, scale: float, unit: str) -> float:
