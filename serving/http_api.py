@@ -62,6 +62,7 @@ from serving.request_state import Terminal
 
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
+_EXPIRED = "deadline passed before the response was complete"
 
 
 class StreamEnded(Exception):
@@ -190,7 +191,8 @@ class HttpApi:
     # ---- relaying deltas -----------------------------------------------------------------------
     async def _deltas(self, choices, wake: asyncio.Event, gone=None) -> AsyncIterator:
         """(choice, text, logprobs, token times) per delta until every choice is done or
-        `gone` is set; raises StreamEnded when a choice ends otherwise."""
+        `gone` is set; raises StreamEnded when a choice ends otherwise or the deadline
+        passes with a choice unfinished."""
         pending = list(choices)
         while pending and not (gone is not None and gone.is_set()):
             wake.clear()  # before draining: a push after the drain sets it again
@@ -206,8 +208,13 @@ class HttpApi:
                 if not is_done(items) and terminal is not None:
                     raise StreamEnded(terminal)
             if not progressed:
+                left_s = _time_left_s(choices)
+                if left_s is not None and left_s <= 0:
+                    # NOTE: as gRPC's runtime ends a call at its deadline whatever the engine
+                    # does (a step compiling a new shape can take longer than the deadline)
+                    raise StreamEnded(Terminal(grpc.StatusCode.DEADLINE_EXCEEDED, _EXPIRED))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), _POLL_S)
+                    await asyncio.wait_for(wake.wait(), min(_POLL_S, left_s or _POLL_S))
 
     def _cancel_unfinished(self, choices, reason: str = "client") -> None:
         for c in choices:
@@ -357,6 +364,12 @@ class HttpApi:
             offsets[c.index] += len(text)
         choice["finish_reason"] = finish
         return choice
+
+
+def _time_left_s(choices) -> float | None:
+    """Seconds until the response's deadline (every choice has the same), None: no deadline."""
+    deadline_s = choices[0].request.engine_request.deadline_s
+    return None if deadline_s is None else deadline_s - time.monotonic()
 
 
 def _deadline(request: Request) -> deadlines.Deadline:

@@ -205,6 +205,28 @@ def test_stream_keeps_the_deadline_for_the_whole_stream(unprobed):
     wait_for(lambda: server.engine.pool.num_used_pages == 0, what="pages freed")
 
 
+def test_deadline_ends_the_response_while_the_engine_is_stuck_in_a_step(unprobed):
+    """As gRPC's runtime does: the response ends at the deadline even when the engine thread
+    is inside a long step (e.g. compiling a new shape), and the request is timed out."""
+    server, engine = unprobed, unprobed.engine
+    finished_steps, step = [], engine.step
+
+    def slow_step():
+        out = step()
+        finished_steps.append(engine.num_steps)
+        return out
+
+    engine.step, engine.step_time_s = slow_step, 3.0  # NOTE: 3 s >> the 0.5 s deadline
+    body = {"model": "mock", "prompt": "abc", "max_tokens": 20}
+    r = httpx.post(_url(server), json=body, headers={REQUEST_TIMEOUT_HEADER: "500"}, timeout=60)
+    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
+    assert finished_steps == []  # answered while the first step still ran
+    assert outcome_counts(server) == {("timed_out", "deadline"): 1}
+    engine.step_time_s = 0.01
+    wait_for(lambda: server.loop.num_active() == 0, what="request gone from the engine")
+    wait_for(lambda: engine.pool.num_used_pages == 0, what="pages freed")
+
+
 # ---- client disconnects -------------------------------------------------------------------------
 def _abort_within_a_step(server, steps_at_disconnect: int) -> None:
     engine = server.engine
