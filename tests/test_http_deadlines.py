@@ -150,7 +150,8 @@ def test_tenant_default_comes_before_the_server_default(requests_log):
     )
     admission = AdmissionConfig(default_request_timeout_s=1.0)
     engine = MockEngine(step_time_s=STEP_S)
-    with running_server(engine, tenants=tenants, admission=admission, http_port=0) as (server, _):
+    config = dict(tenants=tenants, admission=admission, http_port=0, max_inflight=4)
+    with running_server(engine, **config) as (server, _):
         body = {"model": "mock", "prompt": "abc", "max_tokens": 100}  # ~2 s of steps
         anonymous = httpx.post(_url(server), json=body, timeout=60)
         assert anonymous.status_code == 429 and anonymous.json()["error"]["code"] == "deadline"
@@ -163,6 +164,22 @@ def test_tenant_default_comes_before_the_server_default(requests_log):
         (1.0, "server"),
         (60.0, "tenant"),
     ]
+
+
+def test_grpc_takes_the_same_defaults_and_logs_its_own_deadline(requests_log):
+    admission = AdmissionConfig(default_request_timeout_s=1.0)
+    engine = MockEngine(step_time_s=STEP_S)
+    with running_server(engine, admission=admission, max_inflight=4) as (_, client):
+        shed = client.generate("abc", max_tokens=100)  # no deadline: the server's 1 s
+        assert (shed.code, shed.retry_after_ms is not None) == ("RESOURCE_EXHAUSTED", True)
+        served = client.generate("abc", max_tokens=5, timeout_s=30)
+        assert (served.code, served.text) == ("OK", "defgh")
+    lines = _log_lines(requests_log)
+    assert [(x["reason"], x["timeout_source"]) for x in lines] == [
+        ("deadline", "server"),
+        ("", "grpc-timeout"),
+    ]
+    assert lines[0]["timeout_s"] == 1.0 and 29 < lines[1]["timeout_s"] < 31  # gRPC rounds
 
 
 def test_tenants_file_checks_the_default_timeout():
