@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from serving.admission import AdmissionConfig
+from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
+from serving.capacity_model import CapacityModel
 from serving.deadlines import REQUEST_TIMEOUT_HEADER, SDK_TIMEOUT_HEADER
 from serving.mock_engine import MockEngine, expected_continuation
 from serving.tenants import TenantPolicy, TenantRegistry
@@ -187,6 +188,17 @@ def test_tenants_file_checks_the_default_timeout():
         TenantRegistry.from_dict({"tenants": [{"name": "a", "default_request_timeout_s": -1}]})
     registry = TenantRegistry.from_dict({"default": {"default_request_timeout_s": 2.5}})
     assert registry.default.default_request_timeout_s == 2.5
+
+
+def test_a_long_deadline_does_not_lift_the_queue_timeout():
+    """Every SDK call brings a deadline (600 s by default); a wait past the queue timeout is
+    still refused at once, as the queue would drop the request at that timeout anyway."""
+    model = CapacityModel({1: 1.0}, prefill_tokens_per_s=1e6, max_inflight=1)
+    q = WaitingQueue(AdmissionConfig(queue_timeout_s=5.0), clock=lambda: 0.0, capacity=model)
+    q.num_in_engine, q.engine_remaining_tokens = 1, [10]  # 10 s of steps ahead
+    with pytest.raises(Rejected) as e:
+        q.offer(QueuedRequest("r", 20, 1, 0.0, 600.0, prompt_tokens=10, max_tokens=10))
+    assert e.value.reason == "queue_timeout"
 
 
 # ---- expiry: the deadline bounds the whole response ---------------------------------------------
