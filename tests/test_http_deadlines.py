@@ -98,7 +98,9 @@ def test_sdk_timeout_that_can_be_met_is_served(probed, requests_log):
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == bytes(expected_continuation(ord(">"), 5)).decode()
-    lines = _log_lines(requests_log)[-2:]
+    # the stream's success is recorded once [DONE] was handed over, maybe after it was read
+    wait_for(lambda: len(_log_lines(requests_log)) == 2, what="two request log lines")
+    lines = _log_lines(requests_log)
     assert [(x["outcome"], x["timeout_s"], x["timeout_source"]) for x in lines] == [
         ("success", 29.5, SDK_TIMEOUT_HEADER)
     ] * 2
@@ -160,6 +162,7 @@ def test_tenant_default_comes_before_the_server_default(requests_log):
         auth = {"Authorization": "Bearer k-patient"}
         patient = httpx.post(_url(server), json=body, headers=auth, timeout=60)
         assert patient.status_code == 200
+        wait_for(lambda: len(_log_lines(requests_log)) == 2, what="success recorded")
     lines = _log_lines(requests_log)
     assert [(x["timeout_s"], x["timeout_source"]) for x in lines] == [
         (1.0, "server"),
@@ -175,6 +178,7 @@ def test_grpc_takes_the_same_defaults_and_logs_its_own_deadline(requests_log):
         assert (shed.code, shed.retry_after_ms is not None) == ("RESOURCE_EXHAUSTED", True)
         served = client.generate("abc", max_tokens=5, timeout_s=30)
         assert (served.code, served.text) == ("OK", "defgh")
+        wait_for(lambda: len(_log_lines(requests_log)) == 2, what="success recorded")
     lines = _log_lines(requests_log)
     assert [(x["reason"], x["timeout_source"]) for x in lines] == [
         ("deadline", "server"),
