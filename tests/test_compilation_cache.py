@@ -1,4 +1,4 @@
-"""The persistent compilation cache's defaults (engine/compilation_cache.py)."""
+"""The persistent compilation cache's defaults (engine/runner/compilation_cache.py)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import jax
 
-from engine import compilation_cache
+from engine.runner import compilation_cache
 
 
 def test_default_is_on_under_the_cache_dir_and_the_variable_overrides(monkeypatch, tmp_path):
