@@ -1,0 +1,141 @@
+"""The admission model is right, not just safe (issue 34): its predicted finish against the
+finish requests had, on an engine with known step times in virtual time
+(tests/capacity_sim.py: the real WaitingQueue, CapacityModel and MockEngine; no sleeps)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from serving import capacity_calibration as calib
+from serving.admission import AdmissionConfig
+from serving.capacity_calibration import PredictionTracker
+from serving.capacity_model import CapacityModel
+from tests import capacity_sim as sim
+
+NO_LIMITS = AdmissionConfig(max_queue_requests=100_000, queue_timeout_s=1e9)
+
+
+def _p90_error(pairs) -> float:
+    predicted, actual = np.asarray(pairs).T  # [2, n]
+    return float(np.quantile(np.abs(actual - predicted) / actual, 0.9))
+
+
+def _pairs(results):
+    return [(r.predicted_s, r.actual_s) for r in results if r.predicted_s is not None]
+
+
+def test_prediction_error_on_a_mixed_workload():
+    """400 requests in bursts and Poisson spells, prompts 16-400 tokens, max_tokens 16-128,
+    each running to max_tokens: every admitted request's predicted finish (as updated by
+    the requests admitted after it) is within 20% of its actual finish at p90. A constant
+    predictor (the median finish) is off by far more on the same requests, so the bound
+    is not one any prediction would meet."""
+    workload = [dataclasses.replace(a, stop_after=None) for a in sim.mixed_workload(0, 400)]
+    results = sim.run(workload, 16, sim.calibrated_model(16), NO_LIMITS)
+    pairs = _pairs(results)
+    assert len(pairs) == 400
+    assert _p90_error(pairs) <= 0.20
+    actual = np.array([a for _, a in pairs])
+    constant = [(float(np.median(actual)), a) for a in actual]
+    assert _p90_error(constant) > 0.5
+
+
+def test_prediction_error_when_replies_end_at_eos():
+    """The same kind of workload with 70% of the replies ending early at a length the model
+    cannot know (it learns the mean fraction of max_tokens): the other requests' lengths
+    move this one's wait, so the p90 error is larger. NOTE: 15-30% over 8 seeded
+    workloads at 16 and 32 slots; the 20% target holds only when lengths are known."""
+    results = sim.run(sim.mixed_workload(0, 400), 16, sim.calibrated_model(16), NO_LIMITS)
+    pairs = _pairs(results)
+    assert len(pairs) == 400 and _p90_error(pairs) <= 0.30
+    flat = CapacityModel({16: 0.05}, prefill_tokens_per_s=5000.0, max_inflight=16)
+    flat.max_jump = 1.0  # a model that does not learn: one step time for every batch
+    flat.smoothing = 0.0
+    results = sim.run(sim.mixed_workload(0, 400), 16, flat, NO_LIMITS)
+    assert _p90_error(_pairs(results)) > 0.30
+
+
+def _capacity(max_inflight, arrival, n_max=300) -> int:
+    """The known capacity: the largest k such that a burst of the first k requests, all
+    admitted, all finish by the deadline (bisection over runs without a model)."""
+    lo, hi = 0, n_max
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        if all(r.in_time for r in sim.run([arrival] * k, max_inflight, None, NO_LIMITS)):
+            lo = k
+        else:
+            hi = k - 1
+    return lo
+
+
+@pytest.mark.parametrize("max_inflight,prompt,max_tokens", [(32, 40, 64), (64, 40, 64)])
+def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens):
+    """300 requests at once, 15 s deadline. Cold (start-up probe, the configured 1.2
+    margin): every admitted request finishes in time. Warm (the margin is the measured p90
+    of actual / predicted finish from the cold burst): admitted within 10% of the known
+    capacity, and still every admitted one in time. NOTE: when a wave's prompts overflow
+    the step's token budget (16 x 200 tokens in 2048) the model does not see the stagger:
+    the warm burst admitted 37 of a capacity of 42 (12% under), all in time."""
+    arrival = sim.Arrival(0.0, prompt, max_tokens, None, 15.0)
+    capacity = _capacity(max_inflight, arrival)
+    burst = [arrival] * 300
+    model, tracker = sim.calibrated_model(max_inflight), PredictionTracker(min_samples=8)
+    cold = sim.run(burst, max_inflight, model, NO_LIMITS, tracker)
+    cold_admitted = [r for r in cold if r.admitted]
+    assert all(r.in_time for r in cold_admitted)
+    assert {r.reason for r in cold if not r.admitted} == {"deadline"}
+    warm = sim.run(burst, max_inflight, model, NO_LIMITS, tracker)
+    warm_admitted = [r for r in warm if r.admitted]
+    assert all(r.in_time for r in warm_admitted)
+    assert abs(len(warm_admitted) - capacity) <= 0.1 * capacity, (len(warm_admitted), capacity)
+    assert len(warm_admitted) >= len(cold_admitted)
+
+
+def test_calibration_survives_a_restart(tmp_path):
+    model = CapacityModel({1: 0.02, 8: 0.05}, prefill_tokens_per_s=4000.0, max_inflight=8)
+    model.observe_length(30, 100)
+    tracker = PredictionTracker(min_samples=2)
+    for predicted, actual in [(1.0, 1.1), (2.0, 1.9), (1.0, 1.0)]:
+        tracker.observe(predicted, actual)
+    path = str(tmp_path / "capacity" / "k.json")
+    calib.save(path, "k", model, tracker)
+    loaded, ratios = calib.load(path, "k", 8)
+    assert loaded.snapshot() == model.snapshot()
+    assert ratios == tracker.ratios()
+    assert calib.load(path, "another-engine", 8) is None  # a different model or shape
+    assert calib.load(str(tmp_path / "missing.json"), "k", 8) is None
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert calib.load(path, "k", 8) is None  # unreadable: probe instead, never fatal
+    with open(path, "w") as f:
+        json.dump({"format": 1, "key": "k", "step_s_by_concurrency": {}}, f)
+    assert calib.load(path, "k", 8) is None  # malformed
+
+
+def test_calibration_key_names_model_and_engine_shape():
+    class Identity:
+        name, revision, engine_version = "m", "r1", "e"
+
+    stats = {"max_num_seqs": 8, "max_model_len": 512, "kv_capacity_tokens": 4096}
+    key = calib.calibration_key(Identity, stats, 8)
+    assert key == calib.calibration_key(Identity, dict(stats), 8)
+    assert key != calib.calibration_key(Identity, stats, 4)
+    assert key != calib.calibration_key(Identity, {**stats, "max_num_seqs": 16}, 8)
+    assert calib.calibration_path("/x/cache/xla", key) == f"/x/cache/capacity/{key}.json"
+
+
+def test_margin_is_the_measured_quantile():
+    from serving.admission import WaitingQueue
+
+    model = CapacityModel({1: 0.1}, prefill_tokens_per_s=100.0, max_inflight=1)
+    q = WaitingQueue(AdmissionConfig(deadline_margin=1.2), capacity=model)
+    q.tracker = PredictionTracker(min_samples=10)
+    assert q.margin() == 1.2  # nothing measured yet: the configured margin
+    for i in range(10):
+        q.tracker.observe(1.0, 0.9 + 0.01 * i)  # ratios 0.90 ... 0.99
+    assert q.margin() == pytest.approx(np.quantile([0.9 + 0.01 * i for i in range(10)], 0.9))
+    for _ in range(100):
+        q.tracker.observe(1.0, 10.0)
+    assert q.margin() == 2.0  # bounded
