@@ -146,3 +146,37 @@ def load(path: str, key: str, max_inflight: int) -> tuple[CapacityModel, list[fl
         log.warning("capacity calibration %s malformed (%r); probing instead", path, e)
         return None
     return model, ratios
+
+
+class CalibrationStore:
+    """One server's calibration file: loaded at start instead of probing, saved every
+    `save_interval_s` while serving (on the engine thread's tick) and at shutdown."""
+
+    def __init__(self, path: str, key: str, save_interval_s: float = 30.0):
+        self.path, self.key, self.save_interval_s = path, key, save_interval_s
+        self._last_save_s: float | None = None
+
+    def load(self, max_inflight: int, tracker: PredictionTracker) -> CapacityModel | None:
+        loaded = load(self.path, self.key, max_inflight)
+        if loaded is None:
+            return None
+        model, ratios = loaded
+        tracker.restore(ratios)
+        log.info("capacity model loaded from %s: %s", self.path, model.snapshot())
+        return model
+
+    def maybe_save(self, model: CapacityModel | None, tracker: PredictionTracker, now: float):
+        if model is None:
+            return
+        if self._last_save_s is not None and now - self._last_save_s < self.save_interval_s:
+            return
+        self._last_save_s = now
+        self.save(model, tracker)
+
+    def save(self, model: CapacityModel | None, tracker: PredictionTracker) -> None:
+        if model is None:
+            return
+        try:
+            save(self.path, self.key, model, tracker)
+        except OSError as e:  # a full or read-only disk costs the next start a probe only
+            log.warning("capacity calibration not saved to %s: %s", self.path, e)

@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import WarmupCancelled
-from serving import convert, kv_transfer_service
+from serving import capacity_calibration, convert, kv_transfer_service
 from serving import flags as shared
 from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
@@ -65,6 +65,9 @@ class ServerConfig:
     slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
     max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
     capacity_probe: bool = True  # measure step times at start-up (serving/capacity_model.py)
+    # Where the capacity calibration persists (the compilation cache directory; the file
+    # goes beside it: serving/capacity_calibration.py); None: not kept across restarts.
+    capacity_calibration_dir: str | None = None
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -112,10 +115,14 @@ class PagedJaxServer:
         _warm_tokenizer(engine.tokenizer)
         # The capacity probe runs after warm-up (on the engine thread, see _warm_up) when there
         # is one, so that it measures compiled steps.
-        capacity = None
+        self._calibration = None
+        if config.capacity_calibration_dir:
+            key = capacity_calibration.calibration_key(identity, stats, max_inflight)
+            path = capacity_calibration.calibration_path(config.capacity_calibration_dir, key)
+            self._calibration = capacity_calibration.CalibrationStore(path, key)
+        self.waiting = WaitingQueue(admission)
         if config.capacity_probe and warmup is None:
-            capacity = probe(engine, max_inflight)
-        self.waiting = WaitingQueue(admission, capacity=capacity)
+            self.waiting.capacity = self._seed_capacity(engine, max_inflight)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
         self.dispatch = DispatchLedger(
@@ -132,7 +139,7 @@ class PagedJaxServer:
             self.metrics,
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
-            on_tick=self.dispatch.reap,
+            on_tick=self._tick,
             slow_consumer=config.slow_consumer,
             on_start=self._warm_up,
         )
@@ -225,6 +232,24 @@ class PagedJaxServer:
         )
         return self
 
+    def _seed_capacity(self, engine, max_inflight: int):
+        """The capacity model: the saved calibration of this model and engine shape if
+        there is one (a restart starts calibrated, online refinements and the measured
+        margin included), else a start-up probe."""
+        if self._calibration is not None:
+            model = self._calibration.load(max_inflight, self.waiting.tracker)
+            if model is not None:
+                return model
+        return probe(engine, max_inflight)
+
+    def _tick(self) -> None:
+        """Every stats interval, on the engine thread."""
+        self.dispatch.reap()
+        if self._calibration is not None:
+            self._calibration.maybe_save(
+                self.waiting.capacity, self.waiting.tracker, time.monotonic()
+            )
+
     def _warm_up(self) -> None:
         """On the engine thread, before its first iteration."""
         if self._warmup is None:
@@ -232,7 +257,9 @@ class PagedJaxServer:
         try:
             self._warmup(stop=lambda: self.generator.draining)
             if self.config.capacity_probe:
-                self.waiting.capacity = probe(self.loop.engine, self.limits.max_inflight)
+                self.waiting.capacity = self._seed_capacity(
+                    self.loop.engine, self.limits.max_inflight
+                )
         except WarmupCancelled:  # SIGTERM while warming: stop after the programs building
             log.warning("warm-up stopped: the server is shutting down")
             return
@@ -286,6 +313,8 @@ class PagedJaxServer:
             self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
+        if self._calibration is not None:
+            self._calibration.save(self.waiting.capacity, self.waiting.tracker)
         # -- overload (#17): an engine in a child process ends with the server
         close_engine(self.loop.engine)
         if self._metrics_http is not None:
@@ -663,7 +692,7 @@ def main(argv) -> None:
     if FLAGS.model != "mock":
         from engine.compilation_cache import enable as enable_compilation_cache
 
-        enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
+        cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)  # before compiling
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
     build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)
@@ -679,9 +708,12 @@ def main(argv) -> None:
         engine, warmup, FLAGS.role, FLAGS.kv_transport
     )
     try:
+        config = config_from_flags(options)
+        if FLAGS.model != "mock" and cache_dir is not None:
+            config = dataclasses.replace(config, capacity_calibration_dir=cache_dir)
         server = PagedJaxServer(
             engine,
-            config_from_flags(options),
+            config,
             TenantRegistry.from_file(FLAGS.tenants_config),
             warmup=warmup,
         )

@@ -12,6 +12,8 @@ from serving import capacity_calibration as calib
 from serving.admission import AdmissionConfig
 from serving.capacity_calibration import PredictionTracker
 from serving.capacity_model import CapacityModel
+from serving.mock_engine import MockEngine
+from serving.testing import running_server
 from tests import capacity_sim as sim
 
 NO_LIMITS = AdmissionConfig(max_queue_requests=100_000, queue_timeout_s=1e9)
@@ -139,3 +141,39 @@ def test_margin_is_the_measured_quantile():
     for _ in range(100):
         q.tracker.observe(1.0, 10.0)
     assert q.margin() == 2.0  # bounded
+
+
+def _samples(server, name: str) -> float:
+    for metric in server.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == name:
+                return s.value
+    return 0.0
+
+
+def test_server_keeps_its_calibration_and_exposes_its_error(tmp_path):
+    """Through the gRPC server on the mock engine: each finished call adds to the
+    predicted-vs-actual histograms; the calibration is written beside the compilation
+    cache at shutdown, and the next server of the same engine shape starts from it
+    instead of probing (a probe would add steps to the engine)."""
+    cache_dir = str(tmp_path / "xla")
+    with running_server(
+        MockEngine(max_num_seqs=4), max_inflight=4, capacity_calibration_dir=cache_dir
+    ) as (server, client):
+        for i in range(5):
+            assert client.generate(f"call {i}", max_tokens=8, timeout_s=30).code == "OK"
+        assert _samples(server, "pagedjax_admission_finish_ratio_count") == 5
+        assert _samples(server, "pagedjax_admission_predicted_finish_seconds_count") == 5
+        snapshot = server.waiting.capacity.snapshot()
+    files = list((tmp_path / "capacity").glob("*.json"))
+    assert len(files) == 1
+    restarted = MockEngine(max_num_seqs=4)
+    with running_server(restarted, max_inflight=4, capacity_calibration_dir=cache_dir) as (
+        server,
+        _,
+    ):
+        assert restarted.num_steps == 0  # no probe ran
+        assert server.waiting.capacity.snapshot()["step_s_by_concurrency"] == {
+            int(k): v for k, v in snapshot["step_s_by_concurrency"].items()
+        }
+        assert len(server.waiting.tracker) == 5
