@@ -225,8 +225,12 @@ class WaitingQueue:
         self.cfg, self.clock, self.capacity = cfg, clock, capacity
         self.num_in_engine = 0  # set by the engine thread
         self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
-        # (max_tokens, tokens produced) of each request in the engine (set by the engine thread)
-        self.engine_progress: list[tuple[int, int]] = []
+        # (max_tokens, tokens produced, priority) of each request in the engine (set by the
+        # engine thread)
+        self.engine_progress: list[tuple[int, int, int]] = []
+        # Engine slots a higher class may take from a lower one by preemption (the engine
+        # loop's priority_overflow): such a slot does not hold it back.
+        self.preemptible_slots = 0
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
         self._prompt_sum = 0
@@ -437,7 +441,15 @@ class WaitingQueue:
                 return None
             return Estimate(len(self._items) / rates[0], 0.0, 0.0)
         queued = [q for q in self._items.values() if self._effective(q, now) >= item.priority]
-        ahead = self.num_in_engine + len(queued)
+        progress = self.engine_progress[: self.num_in_engine]
+        if self.preemptible_slots:  # the lowest classes below it give up their slots
+            lower = sorted((p for p in progress if p[2] < item.priority), key=lambda p: p[2])
+            for gone in lower[: self.preemptible_slots]:
+                progress.remove(gone)
+        in_engine = self.num_in_engine - (
+            len(self.engine_progress[: self.num_in_engine]) - len(progress)
+        )
+        ahead = in_engine + len(queued)
         n = max(1, len(queued))
         prompt_sum = sum(q.prompt_tokens for q in queued)
         prefill_ahead = self.unprefilled_engine_tokens
@@ -447,8 +459,8 @@ class WaitingQueue:
         # Those ahead hold their slots for the tokens they are expected to produce (the
         # measured fraction of max_tokens), not their max_tokens: replies end at EOS.
         expected = self.capacity.expected_tokens
-        remaining = [round(expected(m, p)) for m, p in self.engine_progress[: self.num_in_engine]]
-        remaining += [round(expected(mean_max_tokens))] * (self.num_in_engine - len(remaining))
+        remaining = [round(expected(m, p)) for m, p, _ in progress]
+        remaining += [round(expected(mean_max_tokens))] * (in_engine - len(remaining))
         return self.capacity.estimate(
             prefill_tokens_ahead=prefill_ahead,
             ahead=ahead,
@@ -488,6 +500,19 @@ class WaitingQueue:
                 return None
             now = self.clock()
             best = max(self._items.values(), key=lambda q: (self._effective(q, now), -q.seq))
+            self._take(best)
+            return best
+
+    def pop_above(self, priority: int) -> QueuedRequest | None:
+        """The request pop() would take, only if its class is above `priority` (a request
+        fed past the engine's inflight limit to preempt a lower one)."""
+        with self._lock:
+            if not self._items:
+                return None
+            now = self.clock()
+            best = max(self._items.values(), key=lambda q: (self._effective(q, now), -q.seq))
+            if best.priority <= priority:
+                return None
             self._take(best)
             return best
 

@@ -79,7 +79,13 @@ class EngineLoop:
         on_tick=None,
         slow_consumer: SlowConsumerPolicy | None = None,
         on_start=None,
+        priority_overflow: int = 0,
     ):
+        """`priority_overflow`: requests a higher priority class than one in the engine may
+        be fed past `max_inflight` (the engine's scheduler, with `priority_preemption`,
+        preempts the lowest-priority running one to run them: issue 34)."""
+        self.priority_overflow = priority_overflow
+        waiting.preemptible_slots = priority_overflow
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
         self.stats_interval_s, self.idle_wait_s = stats_interval_s, idle_wait_s
@@ -289,8 +295,13 @@ class EngineLoop:
             self.unregister(item.request_id)
 
     def _feed(self) -> None:
-        while len(self._in_engine) < self.max_inflight:
-            item = self.waiting.pop()
+        while True:
+            if len(self._in_engine) < self.max_inflight:
+                item = self.waiting.pop()
+            elif len(self._in_engine) < self.max_inflight + self.priority_overflow:
+                item = self.waiting.pop_above(self._lowest_priority_in_engine())
+            else:
+                return
             if item is None:
                 return
             r = self._lookup(item.request_id)
@@ -315,6 +326,12 @@ class EngineLoop:
                 continue
             self._in_engine.add(r.request_id)
             self.metrics.prompt_tokens.inc(len(r.engine_request.prompt_token_ids))
+
+    def _lowest_priority_in_engine(self) -> int:
+        priorities = [
+            r.engine_request.priority for r in map(self._lookup, self._in_engine) if r is not None
+        ]
+        return min(priorities, default=0)
 
     def _step(self) -> None:
         concurrency, start = len(self._in_engine), time.monotonic()
@@ -363,13 +380,14 @@ class EngineLoop:
                 total += len(r.engine_request.prompt_token_ids)
         return total
 
-    def _progress(self) -> list[tuple[int, int]]:
-        """(max_tokens, tokens produced) of each request in the engine."""
+    def _progress(self) -> list[tuple[int, int, int]]:
+        """(max_tokens, tokens produced, priority) of each request in the engine."""
         progress = []
         for request_id in self._in_engine:
             r = self._lookup(request_id)
             if r is not None:
-                progress.append((r.engine_request.sampling.max_tokens, len(r.token_times_s)))
+                er = r.engine_request
+                progress.append((er.sampling.max_tokens, len(r.token_times_s), er.priority))
         return progress
 
     def _observe_prefill(self, r: ActiveRequest, out: RequestOutput) -> None:

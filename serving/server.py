@@ -68,6 +68,9 @@ class ServerConfig:
     # Where the capacity calibration persists (the compilation cache directory; the file
     # goes beside it: serving/capacity_calibration.py); None: not kept across restarts.
     capacity_calibration_dir: str | None = None
+    # Requests of a higher priority class than one in the engine fed past max_inflight (the
+    # engine must preempt for priority: SchedulerConfig.priority_preemption); 0: off.
+    priority_overflow: int = 0
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -140,6 +143,7 @@ class PagedJaxServer:
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
             on_tick=self._tick,
+            priority_overflow=config.priority_overflow,
             slow_consumer=config.slow_consumer,
             on_start=self._warm_up,
         )

@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from configs.engine_config import SchedulerConfig
 from engine.api_types import EngineRequest
 from engine.sampling_params import SamplingParams
 from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
@@ -69,14 +70,19 @@ class Result:
         )
 
 
-def new_engine(max_num_seqs: int, clock: VirtualClock) -> MockEngine:
-    engine = MockEngine(
+def new_engine(
+    max_num_seqs: int, clock: VirtualClock, priority_preemption: bool = False
+) -> MockEngine:
+    config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         num_pages=8192,
         page_size=16,
         max_model_len=2048,
         max_num_batched_tokens=2048,
+        prefill_chunk_size=256,
+        priority_preemption=priority_preemption,
     )
+    engine = MockEngine(config=config)
     engine.on_plan = lambda plan: setattr(clock, "t", clock.t + step_cost_s(plan))
     return engine
 
@@ -105,14 +111,17 @@ def run(
     model: CapacityModel | None,
     cfg: AdmissionConfig | None = None,
     tracker: PredictionTracker | None = None,
+    priority_overflow: int = 0,
 ) -> list[Result]:
     """Replay `arrivals` (sorted by t) through admission and the engine; every request's
     result. `model` None: no capacity model (everything admitted unless the queue is full).
-    `tracker`: the prediction tracker to use (carried from an earlier run: a warm server)."""
+    `tracker`: the prediction tracker to use (carried from an earlier run: a warm server).
+    `priority_overflow`: as EngineLoop's (the engine then preempts for priority)."""
     clock = VirtualClock()
-    engine = new_engine(max_inflight, clock)
+    engine = new_engine(max_inflight, clock, priority_preemption=priority_overflow > 0)
     cfg = cfg or AdmissionConfig(max_queue_requests=100_000, queue_timeout_s=1e9)
     q = WaitingQueue(cfg, clock=clock, capacity=model)
+    q.preemptible_slots = priority_overflow
     if tracker is not None:
         q.tracker = tracker
     results = {f"r{i}": Result(a, False) for i, a in enumerate(arrivals)}
@@ -140,8 +149,14 @@ def run(
         for item, why in q.expire():
             results[item.request_id].admitted = why != "displaced"
             results[item.request_id].reason = why
-        while len(in_engine) < max_inflight:
-            item = q.pop()
+        while True:  # as EngineLoop._feed
+            if len(in_engine) < max_inflight:
+                item = q.pop()
+            elif len(in_engine) < max_inflight + priority_overflow:
+                lowest = min(results[r].arrival.priority for r in in_engine)
+                item = q.pop_above(lowest)
+            else:
+                break
             if item is None:
                 break
             engine.add_request(_request(item.request_id, results[item.request_id].arrival))
@@ -150,7 +165,10 @@ def run(
         q.unprefilled_engine_tokens = sum(
             results[r].arrival.prompt_tokens for r in in_engine if tokens[r] == 0
         )
-        q.engine_progress = [(results[r].arrival.max_tokens, tokens[r]) for r in in_engine]
+        q.engine_progress = [
+            (results[r].arrival.max_tokens, tokens[r], results[r].arrival.priority)
+            for r in in_engine
+        ]
         if not engine.has_unfinished():
             if pending:
                 clock.t = max(clock.t, pending[0][1].arrival.t)

@@ -177,3 +177,65 @@ def test_server_keeps_its_calibration_and_exposes_its_error(tmp_path):
             int(k): v for k, v in snapshot["step_s_by_concurrency"].items()
         }
         assert len(server.waiting.tracker) == 5
+
+
+def test_interactive_keeps_its_deadline_while_a_batch_tenant_floods():
+    """A batch tenant floods (300 low-priority requests at once, 30 s deadline) while an
+    interactive tenant sends one high-priority call a second (4 s deadline), 16 slots, the
+    engine preempting for priority. Every interactive call is admitted and finishes in
+    time; the flood is served to what fits, its excess shed at arrival or displaced by the
+    interactive calls (with Retry-After), and no admitted request of either is late. With
+    equal priorities the interactive calls queue behind the flood and are all shed."""
+    flood = [sim.Arrival(0.0, 100, 64, None, 30.0, priority=0, tenant="batch")] * 300
+    calls = [sim.Arrival(0.5 + i, 40, 32, None, 4.0, priority=2, tenant="chat") for i in range(20)]
+    arrivals = sorted(flood + calls, key=lambda a: a.t)
+    results = sim.run(arrivals, 16, sim.calibrated_model(16), NO_LIMITS, priority_overflow=4)
+    chat = [r for r in results if r.arrival.tenant == "chat"]
+    batch = [r for r in results if r.arrival.tenant == "batch"]
+    assert all(r.admitted and r.in_time for r in chat)
+    assert all(r.in_time for r in batch if r.admitted)
+    served = sum(r.admitted for r in batch)
+    assert 0 < served < 300
+    assert {r.reason for r in batch if not r.admitted} <= {"deadline", "displaced"}
+    equal = [dataclasses.replace(a, priority=0) for a in arrivals]
+    results = sim.run(equal, 16, sim.calibrated_model(16), NO_LIMITS, priority_overflow=4)
+    assert not any(r.admitted for r in results if r.arrival.tenant == "chat")
+
+
+def test_the_engine_preempts_a_lower_priority_for_a_higher_one():
+    """Both slots held by low-priority requests: a high-priority one is scheduled in the
+    next step (a low one preempted by recompute), and every request still produces exactly
+    its expected output."""
+    from configs.engine_config import SchedulerConfig
+    from engine.api_types import EngineRequest
+    from engine.sampling_params import SamplingParams
+    from serving.mock_engine import expected_continuation
+
+    config = SchedulerConfig(
+        max_num_seqs=2,
+        num_pages=64,
+        page_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=64,
+        priority_preemption=True,
+    )
+    engine = MockEngine(config=config)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    for rid in ("low-a", "low-b"):
+        engine.add_request(EngineRequest(rid, [97, 98, 99], sp, priority=0))
+    outputs: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.add_request(EngineRequest("high", [100, 101], sp, priority=2))
+    step = engine.step()
+    assert "high" in {out.request_id for out in step if out.new_token_ids}
+    assert engine.stats()["num_preemptions"] == 1
+    for out in step:
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert outputs["high"] == expected_continuation(101, 12)
+    assert outputs["low-a"] == outputs["low-b"] == expected_continuation(99, 12)
