@@ -101,7 +101,7 @@ class GenerateCall:
     sampling: Callable[[int], SamplingParams]
     model: str = ""
     revision: str = ""
-    priority: int = 1  # engine priority: 0 low, 1 normal, 2 high
+    priority: int | None = None  # engine class: 0 low, 1 normal, 2 high; None: the tenant's
     time_left_s: float | None = None  # None: no deadline
     stream_listener: Callable[[], None] | None = None  # called when the stream has news
     success_on_delivery: bool = False  # the transport records success after the final send
@@ -301,11 +301,12 @@ class Generator:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
             ) from e
+        priority = tenant.priority if call.priority is None else call.priority
         engine_request = EngineRequest(
             call.request_id,
             prompt,
             sp,
-            priority=call.priority,
+            priority=priority,
             tenant=tenant.name,
             deadline_s=deadline_s,
             adapter=None if adapter is None else adapter.name,
@@ -313,7 +314,7 @@ class Generator:
         stream = StreamBuffer(self.limits.stream_buffer_messages, call.stream_listener)
         r = ActiveRequest(call.request_id, tenant, reservation, engine_request, arrival_s, stream)
         r.success_on_delivery = call.success_on_delivery
-        self._enqueue(r, call.priority)
+        self._enqueue(r, priority)
         return r
 
     def _enqueue(self, r: ActiveRequest, priority: int) -> None:

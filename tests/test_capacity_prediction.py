@@ -239,3 +239,46 @@ def test_the_engine_preempts_a_lower_priority_for_a_higher_one():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert outputs["high"] == expected_continuation(101, 12)
     assert outputs["low-a"] == outputs["low-b"] == expected_continuation(99, 12)
+
+
+def test_a_tenant_default_priority_applies_to_calls_that_name_none():
+    """`priority` per tenant (tenants config): a gRPC call with PRIORITY_UNSPECIFIED or an
+    HTTP body without `priority` gets its tenant's class; a named one wins (gRPC HIGH,
+    vLLM's -1 over HTTP); an unknown class in the config is an error naming the field."""
+    import httpx
+
+    from engine.errors import InvalidRequestError
+    from serving.tenants import TenantRegistry
+
+    tenants = TenantRegistry.from_dict(
+        {"tenants": [{"name": "batch", "api_keys": ["k-batch"], "priority": "low"}]}
+    )
+    assert tenants.authenticate("k-batch").priority == 0
+    with pytest.raises(InvalidRequestError, match="priority"):
+        TenantRegistry.from_dict({"tenants": [{"name": "x", "priority": "urgent"}]})
+    engine = MockEngine()
+    seen = {}
+    add = engine.add_request
+
+    def record(request, cache_salt=None):
+        seen[request.request_id] = request.priority
+        add(request, cache_salt)
+
+    engine.add_request = record
+    with running_server(engine, tenants=tenants, http_port=0, api_key="k-batch") as (
+        server,
+        client,
+    ):
+        assert client.generate("a", max_tokens=2, request_id="grpc-default").code == "OK"
+        high = client.generate("a", max_tokens=2, request_id="grpc-high", priority="high")
+        assert high.code == "OK"
+        url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+        headers = {"x-api-key": "k-batch"}
+        for body in (
+            {"prompt": "a", "max_tokens": 2},
+            {"prompt": "a", "max_tokens": 2, "priority": -1},
+        ):
+            assert httpx.post(url, json=body, headers=headers, timeout=30).status_code == 200
+    assert seen["grpc-default"] == 0 and seen["grpc-high"] == 2
+    http = [p for rid, p in seen.items() if not rid.startswith(("grpc-", "capacity-probe"))]
+    assert http == [0, 2]
