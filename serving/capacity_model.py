@@ -325,9 +325,10 @@ def probe(
     for b in sizes:
         # The first pass pays any one-time cost (a shape compiled on first use, caches);
         # the second is measured.
-        _probe_batch(engine, b, prompt_tokens, 1, token_id, clock)
-        decode_s, prefill_rate = _probe_batch(
-            engine, b, prompt_tokens, decode_steps, token_id, clock
+        # (and counts the steps this batch's prompts take: its stagger)
+        _, _, stagger = _probe_batch(engine, b, prompt_tokens, 1, token_id, clock, 0)
+        decode_s, prefill_rate, _ = _probe_batch(
+            engine, b, prompt_tokens, decode_steps, token_id, clock, stagger
         )
         step_s[b] = decode_s
         prefill_rates.append(prefill_rate)
@@ -336,20 +337,22 @@ def probe(
     return model
 
 
-def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int, clock):
+def _probe_batch(
+    engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int, clock, stagger: int
+):
     ids = [f"capacity-probe-{uuid.uuid4().hex}" for _ in range(batch)]
-    # NOTE: sampled,
+    # They run to max_tokens on their own: no aborts in the engine's books. NOTE: sampled,
     # not greedy: chat traffic samples (temperature 1 by default), which runs the step's
     # "full" sampler program (engine/shapes.py), ~10-20 ms more per SmolLM2 step at 32 rows
     # than greedy's argmax; a greedy probe seeded 64-token calls ~20% too fast and the
     # calls a cold burst admitted timed out at 56-57 of 64 tokens (benchmarks/RESULTS.md).
-    # NOTE: max_tokens was decode_steps + 1, so they ran to it on their own; but a batch
-    # whose prompts take several prefill steps (64 x 96 tokens in a 2048-token budget)
-    # staggers: the first ones ended during the "decode" steps, which then timed a third
-    # of the batch (step_s(64) measured 0.057 s where a 64-row step took 0.129 s). Now
-    # they may run on (`_STAGGER` steps) and are aborted once the full batch was timed.
+    # NOTE: max_tokens was decode_steps + 1; but a batch whose prompts take several
+    # prefill steps (64 x 96 tokens in a 2048-token budget) staggers: the first ones ended
+    # during the "decode" steps, which then timed a third of the batch (step_s(64)
+    # measured 0.057 s where a 64-row step took 0.129 s). Now + `stagger`: the prefill
+    # steps the first pass took.
     sampling = SamplingParams(
-        max_tokens=decode_steps + 1 + _STAGGER, temperature=1.0, seed=0, ignore_eos=True
+        max_tokens=decode_steps + 1 + stagger, temperature=1.0, seed=0, ignore_eos=True
     )
     produced = dict.fromkeys(ids, 0)
     for request_id in ids:
@@ -370,16 +373,16 @@ def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, toke
         for _ in range(decode_steps):
             _count(engine.step(), produced)
         decode_s = (clock() - start) / decode_steps
-    finally:
+    except BaseException:
         for request_id in ids:
             engine.abort_request(request_id)
+        raise
+    finally:
         while engine.has_unfinished():
             engine.step()
     # the prompts' own cost: their steps less the decode work those steps also did
-    return decode_s, batch * prompt_tokens / max(prefill_s - prefill_steps * decode_s, 1e-9)
-
-
-_STAGGER = 32  # prefill steps a probe batch may take before all of it decodes
+    prefill_rate = batch * prompt_tokens / max(prefill_s - prefill_steps * decode_s, 1e-9)
+    return decode_s, prefill_rate, prefill_steps
 
 
 def _count(outputs, produced: dict[str, int]) -> None:

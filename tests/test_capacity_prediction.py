@@ -282,3 +282,18 @@ def test_a_tenant_default_priority_applies_to_calls_that_name_none():
     assert seen["grpc-default"] == 0 and seen["grpc-high"] == 2
     http = [p for rid, p in seen.items() if not rid.startswith(("grpc-", "capacity-probe"))]
     assert http == [0, 2]
+
+
+@pytest.mark.parametrize("max_inflight", [16, 64])
+def test_the_probe_measures_the_known_step_times(max_inflight):
+    """The start-up probe on the virtual clock recovers the step law: decode time per batch
+    size and the marginal cost of a prompt token (64 x 96-token prompts take 3 steps of a
+    2048-token budget; the probe's requests all decode while timed), without aborts."""
+    clock = sim.VirtualClock()
+    engine = sim.new_engine(max_inflight, clock)
+    model = sim.probe(engine, max_inflight, clock=clock)
+    for b, step_s in model.snapshot()["step_s_by_concurrency"].items():
+        known = sim.BASE_S + (sim.PER_ROW_S + sim.PER_TOKEN_S) * b  # b rows, 1 token each
+        assert step_s == pytest.approx(known, rel=0.01)
+    assert model.prefill_s(5000) == pytest.approx(5000 * sim.PER_TOKEN_S, rel=0.05)
+    assert engine.abort_log == [] and not engine.has_unfinished()
