@@ -12,6 +12,8 @@ metrics, client, mock engine.
     http_server.py         uvicorn on its own thread in the same process
     engine_loop.py         the engine thread; THE map of threads and queues (its docstring)
     admission.py           limits, the bounded WaitingQueue (priority + aging), drain rate
+    capacity_model.py      step times per batch size, prefill cost, the start-up probe
+    capacity_calibration.py  the model's measured error (margin), its file beside the XLA cache
     tenants.py             x-api-key -> tenant; concurrency and tokens-per-minute budgets
     breaker.py             circuit breaker over engine steps
     request_state.py       per-request stream buffer, one-outcome ledger, JSON request log

@@ -15,6 +15,17 @@ popped by the engine thread), so a rejection is decided within milliseconds of a
                                            so a LOW request waiting 2 * aging_s ranks with HIGH
                                            (no starvation); FIFO among equals
 
+With a capacity model (issue 34), the estimate counts only the queued requests pop() takes
+before this one (a flood of lower priorities does not count against a higher one), is held
+against the deadline x the measured margin (`margin()`: the `confidence` quantile of actual /
+predicted finish, serving/capacity_calibration.py), and admission also refuses a request that
+would make an admitted one of its class or above miss its deadline (the batch it joins grows,
+its prefill stalls them). Each admitted request's prediction is kept and updated as later
+admissions grow its batch; the engine thread settles it when the request ends
+(`settle_prediction`: the predicted-vs-actual histograms). Queued lower-priority requests
+that a higher one would make late leave the queue at once ("displaced": rejected{priority}
+with Retry-After, via `expire()`).
+
 The drain rate (DrainMeter: requests and tokens the saturated engine lets through per second,
 recorded by the engine thread) turns queue length into an estimated wait and a
 `retry-after-ms` hint; until it has measured one, the capacity model (seeded at start-up)

@@ -693,6 +693,7 @@ def main(argv) -> None:
     shared.setup_logging(FLAGS.log_level)
     check_flags()
     _setup_request_log(FLAGS.request_log)
+    cache_dir = None  # the compilation cache in use; the capacity calibration goes beside it
     if FLAGS.model != "mock":
         from engine.compilation_cache import enable as enable_compilation_cache
 
@@ -713,7 +714,7 @@ def main(argv) -> None:
     )
     try:
         config = config_from_flags(options)
-        if FLAGS.model != "mock" and cache_dir is not None:
+        if cache_dir is not None:
             config = dataclasses.replace(config, capacity_calibration_dir=cache_dir)
         server = PagedJaxServer(
             engine,
