@@ -478,6 +478,12 @@ def define_flags() -> None:
         "queue_timeout_s", 60.0, "a request waiting longer than this is rejected (seconds)"
     )
     flags.DEFINE_float(
+        "default_request_timeout_s",
+        None,
+        "deadline (seconds) of a call that brings none and whose tenant sets none "
+        "(None: no deadline; serving/deadlines.py)",
+    )
+    flags.DEFINE_float(
         "aging_s", 10.0, "seconds of waiting that raise a request one priority class"
     )
     flags.DEFINE_integer("stream_buffer_messages", 256, "per-stream buffer before cancelling")
@@ -544,6 +550,9 @@ def check_flags() -> None:
         )
     for name in ("queue_timeout_s", "aging_s"):
         shared.check_positive(name, getattr(FLAGS, name))
+    shared.check_positive(
+        "default_request_timeout_s", FLAGS.default_request_timeout_s, allow_none=True
+    )
     shared.require(
         "default_max_tokens",
         FLAGS.default_max_tokens,
@@ -654,6 +663,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         queue_timeout_s=FLAGS.queue_timeout_s,
         aging_s=FLAGS.aging_s,
         max_prompt_bytes=FLAGS.max_prompt_bytes,
+        default_request_timeout_s=FLAGS.default_request_timeout_s,
     )
     return ServerConfig(
         max_request_bytes=FLAGS.max_request_bytes,
