@@ -36,6 +36,7 @@ from engine.errors import WarmupCancelled
 from serving import flags as shared
 from serving.disagg import service as kv_transfer_service
 from serving.engine_host.build import StopFn, Warmup, build_engine, engine_warmup
+from serving.frontend import capacity_calibration
 from serving.frontend.admission import AdmissionConfig, WaitingQueue
 from serving.frontend.breaker import CircuitBreaker
 from serving.frontend.capacity_model import probe
@@ -66,9 +67,14 @@ class ServerConfig:
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
     slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
     max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
-    capacity_probe: bool = (
-        True  # measure step times at start-up (serving/frontend/capacity_model.py)
-    )
+    # Measure step times at start-up (serving/frontend/capacity_model.py).
+    capacity_probe: bool = True
+    # Where the capacity calibration persists (the compilation cache directory; the file
+    # goes beside it: serving/frontend/capacity_calibration.py); None: not kept across restarts.
+    capacity_calibration_dir: str | None = None
+    # Requests of a higher priority class than one in the engine fed past max_inflight (the
+    # engine must preempt for priority: SchedulerConfig.priority_preemption); 0: off.
+    priority_overflow: int = 0
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -116,10 +122,14 @@ class PagedJaxServer:
         _warm_tokenizer(engine.tokenizer)
         # The capacity probe runs after warm-up (on the engine thread, see _warm_up) when there
         # is one, so that it measures compiled steps.
-        capacity = None
+        self._calibration = None
+        if config.capacity_calibration_dir:
+            key = capacity_calibration.calibration_key(identity, stats, max_inflight)
+            path = capacity_calibration.calibration_path(config.capacity_calibration_dir, key)
+            self._calibration = capacity_calibration.CalibrationStore(path, key)
+        self.waiting = WaitingQueue(admission)
         if config.capacity_probe and warmup is None:
-            capacity = probe(engine, max_inflight)
-        self.waiting = WaitingQueue(admission, capacity=capacity)
+            self.waiting.capacity = self._seed_capacity(engine, max_inflight)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
         self.dispatch = DispatchLedger(
@@ -136,7 +146,8 @@ class PagedJaxServer:
             self.metrics,
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
-            on_tick=self.dispatch.reap,
+            on_tick=self._tick,
+            priority_overflow=config.priority_overflow,
             slow_consumer=config.slow_consumer,
             on_start=self._warm_up,
         )
@@ -229,6 +240,24 @@ class PagedJaxServer:
         )
         return self
 
+    def _seed_capacity(self, engine, max_inflight: int):
+        """The capacity model: the saved calibration of this model and engine shape if
+        there is one (a restart starts calibrated, online refinements and the measured
+        margin included), else a start-up probe."""
+        if self._calibration is not None:
+            model = self._calibration.load(max_inflight, self.waiting.tracker)
+            if model is not None:
+                return model
+        return probe(engine, max_inflight)
+
+    def _tick(self) -> None:
+        """Every stats interval, on the engine thread."""
+        self.dispatch.reap()
+        if self._calibration is not None:
+            self._calibration.maybe_save(
+                self.waiting.capacity, self.waiting.tracker, time.monotonic()
+            )
+
     def _warm_up(self) -> None:
         """On the engine thread, before its first iteration."""
         if self._warmup is None:
@@ -236,7 +265,9 @@ class PagedJaxServer:
         try:
             self._warmup(stop=lambda: self.generator.draining)
             if self.config.capacity_probe:
-                self.waiting.capacity = probe(self.loop.engine, self.limits.max_inflight)
+                self.waiting.capacity = self._seed_capacity(
+                    self.loop.engine, self.limits.max_inflight
+                )
         except WarmupCancelled:  # SIGTERM while warming: stop after the programs building
             log.warning("warm-up stopped: the server is shutting down")
             return
@@ -290,6 +321,8 @@ class PagedJaxServer:
             self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
+        if self._calibration is not None:
+            self._calibration.save(self.waiting.capacity, self.waiting.tracker)
         # -- overload (#17): an engine in a child process ends with the server
         close_engine(self.loop.engine)
         if self._metrics_http is not None:
@@ -675,10 +708,11 @@ def main(argv) -> None:
     shared.setup_logging(FLAGS.log_level)
     check_flags()
     _setup_request_log(FLAGS.request_log)
+    cache_dir = None  # the compilation cache in use; the capacity calibration goes beside it
     if FLAGS.model != "mock":
         from engine.runner.compilation_cache import enable as enable_compilation_cache
 
-        enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
+        cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)  # before compiling
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
     build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)
@@ -694,9 +728,12 @@ def main(argv) -> None:
         engine, warmup, FLAGS.role, FLAGS.kv_transport
     )
     try:
+        config = config_from_flags(options)
+        if cache_dir is not None:
+            config = dataclasses.replace(config, capacity_calibration_dir=cache_dir)
         server = PagedJaxServer(
             engine,
-            config_from_flags(options),
+            config,
             TenantRegistry.from_file(FLAGS.tenants_config),
             warmup=warmup,
         )
