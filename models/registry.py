@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig, from_name
 from configs.quant_config import QuantConfig, QuantizationConfigError
 from models.errors import ModelLoadError
+from models.families import init_params
 from models.identity import ModelIdentity, engine_version, file_content_hash
-from models.llama import Params, init_params
+from models.llama import Params
 from models.loaders import orbax_cache
 from models.quant import quantize_params, quantized_param_shapes, quantized_shardings
 from models.source import check_model_source
@@ -251,7 +252,7 @@ def engine_model(model: LoadedModel, config) -> LoadedModel:
 
 
 def _abstract_params(cfg: ModelConfig, dtype, quant: QuantConfig) -> Params:
-    from models.llama import param_shapes
+    from models.families import param_shapes
 
     return quantized_param_shapes(_abstract(param_shapes(cfg), dtype), quant)
 
