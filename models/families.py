@@ -107,3 +107,20 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     return dataclasses.replace(
         params, layers=dataclasses.replace(params.layers, **ones), final_norm=final
     )
+
+
+def default_chat_template(gguf_architecture: str | None) -> str | None:
+    """The family's chat template for a checkpoint that ships none (None: the family has
+    no default; chat requests are then refused by the tokenizer)."""
+    family = GGUF_ARCHITECTURES.get(gguf_architecture or "")
+    if family is None:
+        return None
+    return getattr(family_module(family), "CHAT_TEMPLATE", None)
+
+
+def family_stop_tokens(gguf_architecture: str | None) -> tuple[str, ...]:
+    """Tokens that end a generation besides the file's EOS (Gemma: <end_of_turn>)."""
+    family = GGUF_ARCHITECTURES.get(gguf_architecture or "")
+    if family is None:
+        return ()
+    return getattr(family_module(family), "STOP_TOKENS", ())
