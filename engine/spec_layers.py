@@ -69,8 +69,11 @@ def truncated(params: Params, cfg: ModelConfig, num_layers: int) -> tuple[Params
         layers = jax.tree.map(lambda a: a[:num_layers], params.layers)
     else:
         layers = tuple(params.layers[:num_layers])
+    per_layer = {}  # a family's per-layer config fields (Gemma 3's layer_types) are cut too
+    if getattr(cfg, "layer_types", None):
+        per_layer["layer_types"] = cfg.layer_types[:num_layers]
     return dataclasses.replace(params, layers=layers), dataclasses.replace(
-        cfg, num_layers=num_layers
+        cfg, num_layers=num_layers, **per_layer
     )
 
 

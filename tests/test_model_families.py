@@ -217,3 +217,53 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
     with pytest.raises(ModelLoadError, match=r"MambaForCausalLM.*Qwen3ForCausalLM"):
         config_from_hf(str(tmp_path))
+
+
+def test_int8_weights_and_lora_run_every_family(checkpoint):
+    """int8 weights (models/quant.py) stay close to float, and a LoRA slot (the decoder's
+    `proj` adds it) equals the same adapter merged into the weights, for every family."""
+    import dataclasses
+
+    import jax
+
+    from configs.quant_config import QuantConfig
+    from models.lora import LoraInputs, LoraWeights, target_shapes
+    from models.quant import quantize_params
+
+    _, _, folder = checkpoint
+    from models.loaders.hf_loader import load_hf_dir
+
+    cfg, params, _ = load_hf_dir(folder)
+    ids = np.random.default_rng(2).integers(3, VOCAB, 2 * WINDOW).tolist()
+    ref = _all_logits(params, cfg, ids)
+    q8 = _all_logits(quantize_params(params, QuantConfig("int8")), cfg, ids)
+    assert np.abs(q8 - ref).max() < 0.03 * np.abs(ref).max()
+    assert (q8.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+    L, R = cfg.num_layers, 2
+    keys = iter(jax.random.split(jax.random.key(3), 32))
+    a, b, merged = {}, {}, {}
+    for field, (in_shape, out_shape) in target_shapes(cfg).items():
+        a[field] = 0.3 * jax.random.normal(next(keys), (L, *in_shape, 1, R))
+        b[field] = 0.3 * jax.random.normal(next(keys), (L, 1, R, *out_shape))
+        delta = jnp.einsum(
+            "l...r,lrz->l...z", a[field][..., 0, :], b[field][:, 0].reshape(L, R, -1)
+        )
+        w = getattr(params.layers, field)
+        merged[field] = w + delta.reshape(w.shape)
+    lora = LoraInputs(LoraWeights(a, b), jnp.ones(len(ids), jnp.int32))
+    positions = jnp.arange(len(ids), dtype=jnp.int32)
+    cache = DenseKVCache.zeros(cfg, len(ids), params.embed.dtype)
+    with_lora, _ = forward(
+        params,
+        cfg,
+        jnp.array(ids, jnp.int32),
+        positions,
+        cache,
+        dense_attention(cfg, positions),
+        lora=lora,
+    )
+    merged_params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, **merged))
+    np.testing.assert_allclose(
+        np.asarray(with_lora), _all_logits(merged_params, cfg, ids), atol=2e-3, rtol=2e-3
+    )
