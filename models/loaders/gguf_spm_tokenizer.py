@@ -15,10 +15,16 @@ gguf_file=...)`'s (tests/test_gemma3_gguf.py checks it):
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Sequence
 
 import tokenizers
 from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
+
+log = logging.getLogger(__name__)
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -41,6 +47,30 @@ def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     return [(left, right) for _, _, _, left, right in ranked]
 
 
+def _cached_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """`_merges(vocab)`, cached as JSON beside the Orbax cache, keyed by the vocabulary's
+    hash (deriving them takes ~10 s of CPU for Gemma's 262k tokens; reading them back <1 s)."""
+    from models.loaders.orbax_cache import cache_dir
+
+    key = hashlib.sha256("\0".join(vocab).encode()).hexdigest()[:32]
+    path = os.path.join(os.path.dirname(cache_dir()), "spm_merges", f"{key}.json")
+    try:
+        with open(path) as f:
+            return [tuple(pair) for pair in json.load(f)]
+    except (OSError, ValueError):
+        pass
+    merges = _merges(vocab)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(merges, f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache dir must not stop serving
+        log.warning("could not cache SentencePiece merges at %s: %s", path, e)
+    return merges
+
+
 def spm_backend(
     tokens: Sequence[str], token_types: Sequence[int], unk_token: str
 ) -> tokenizers.Tokenizer:
@@ -49,7 +79,7 @@ def spm_backend(
     vocab = {tok: i for i, tok in enumerate(tokens)}  # a repeated spelling: its last id
     model = tokenizers.models.BPE(
         vocab=vocab,
-        merges=_merges(vocab),
+        merges=_cached_merges(vocab),
         dropout=None,
         unk_token=unk_token,
         fuse_unk=True,
