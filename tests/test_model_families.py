@@ -109,6 +109,7 @@ def _all_logits(params, cfg, ids):
     return np.asarray(logits)
 
 
+@pytest.mark.slow  # transformers and torch (as tests/test_model_parity.py)
 @pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 def test_logits_match_transformers(checkpoint, layer_loop):
     from models.loaders.hf_loader import load_hf_dir
@@ -123,6 +124,8 @@ def test_logits_match_transformers(checkpoint, layer_loop):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_engine_greedy_matches_transformers(checkpoint):
     """24 greedy tokens per prompt through the engine (pages of 8, prefill chunks of 16,
     mixed lengths batched together) equal transformers' generate."""
@@ -219,6 +222,7 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
         config_from_hf(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_int8_weights_and_lora_run_every_family(checkpoint):
     """int8 weights (models/quant.py) stay close to float, and a LoRA slot (the decoder's
     `proj` adds it) equals the same adapter merged into the weights, for every family."""
