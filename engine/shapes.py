@@ -57,7 +57,7 @@ import numpy as np
 from engine.batch import BatchShape, pow2_bucket, query_len_bound
 
 ATTENTION_POSITIONS_PER_TOKEN = 4096
-DEFAULT_MAX_SHAPES = 32
+DEFAULT_MAX_SHAPES = 56
 MIN_PREFILL_TOKENS = 16
 MIN_PAGES = 4
 
@@ -121,9 +121,31 @@ def _shapes_at(sched_config, e: tuple[int, ...]) -> list[BatchShape]:
     for sd, tp, p in itertools.product(
         sds, _every(tokens, e[PREFILL_TP]), _every(pages, e[PREFILL_P])
     ):
-        sps = _every(_prefill_seqs(seqs, tp), e[PREFILL_SP])
-        shapes += [_shape(sd, tp, sp, p, chunk) for sp in sps]
+        sps = _prefill_seqs(seqs, tp)
+        # Sp = 1 is kept on every level but the coarsest: one prompt beside the decodes is
+        # the common prefill step, and padding it to Sp = 32 sequences cost 2.3x its step
+        # (benchmarks/RESULTS.md, "Served path", 2026-12-04).
+        kept = set(_every(sps, e[PREFILL_SP])) | ({sps[0]} if any(x < TOP for x in e) else set())
+        shapes += [_shape(sd, tp, sp, p, chunk) for sp in sorted(kept)]
+    if any(x < TOP for x in e):
+        shapes += _lone_prefill_shapes(sched_config)
     return sorted(set(shapes))
+
+
+def _lone_prefill_shapes(sched_config) -> list[BatchShape]:
+    """A fresh prompt computed alone (no decode row, one sequence) for every Tp rung up to
+    the prefill chunk, with the narrowest page table that holds it: a short prompt at low
+    concurrency pays for its own tokens, not for the largest prefill shape (issue 39)."""
+    seqs, tokens, pages = _ladders(sched_config)
+    chunk = sched_config.prefill_chunk_size
+    out = []
+    for tp in tokens:
+        if tp > pow2_bucket(chunk, MIN_PREFILL_TOKENS):
+            break
+        need = -(-tp // sched_config.page_size)
+        p = next((p for p in pages if p >= need), pages[-1])
+        out.append(_shape(0, tp, 1, p, chunk))
+    return out
 
 
 def _needs_sample(sched_config) -> np.ndarray:

@@ -407,9 +407,9 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer(
         "warmup_max_shapes",
-        32,
+        56,
         "step shapes the engine pads every batch to and compiles before serving (0: none;"
-        " 32: 48 step programs for the default config, engine/shapes.py)",
+        " 56: 70 step programs for the default config, engine/shapes.py)",
     )
     flags.DEFINE_bool(
         "warmup_execute",
