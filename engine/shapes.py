@@ -279,7 +279,12 @@ class ShapeSet:
         if shape is None:
             if len(self._fit) > 4096:  # exact sizes: bound the memo
                 self._fit.clear()
-            shape = next((s for s in self.shapes if s.fits(needed)), None)
+            # a decode-only step stays on a decode-only shape (its greedy program) when one
+            # holds it, even where a narrow Sp = 1 prefill shape would be cheaper
+            decode = needed.num_prefill_tokens == 0
+            holds = [s for s in self.shapes if s.fits(needed)]
+            shape = next((s for s in holds if not (decode and s.num_prefill_tokens)), None)
+            shape = shape or (holds[0] if holds else None)
             if shape is None:
                 raise ValueError(
                     f"no compiled step shape holds {needed}; the largest is {max(self.shapes)}"
