@@ -161,6 +161,8 @@ class ActiveRequest:
 class RequestLedger:
     """Records outcomes (metrics + tenant refund + one JSON log line). Thread-safe."""
 
+    tracer = None  # serving/request_trace.py RequestTrace (--trace_requests), else None
+
     def __init__(self, metrics, limiter: TenantLimiter, versions: dict):
         self.metrics, self.limiter, self.versions = metrics, limiter, versions
 
@@ -229,6 +231,8 @@ class RequestLedger:
         if details:
             record["details"] = details
         self._log(record)
+        if self.tracer is not None:
+            self.tracer.request(r, outcome, now)
         return True
 
     def _log(self, record: dict) -> None:

@@ -78,6 +78,9 @@ class ServerConfig:
     kv_jax_checksum: bool = True  # jax transport: device digest of the pages (engine/kv_digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
+    # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
+    # serving/request_trace.py
+    trace_requests: str | None = None
 
 
 class PagedJaxServer:
@@ -134,6 +137,13 @@ class PagedJaxServer:
             on_start=self._warm_up,
         )
         self._warmup = warmup
+        self.tracer = None
+        if config.trace_requests:
+            from serving.request_trace import RequestTrace
+
+            self.tracer = self.loop.tracer = self.ledger.tracer = RequestTrace(
+                config.trace_requests
+            )
         self.loop.last_stats = stats
         self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
@@ -282,6 +292,8 @@ class PagedJaxServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self.tracer is not None:
+            self.tracer.close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -452,6 +464,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
     flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
     flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
+    flags.DEFINE_string(
+        "trace_requests",
+        None,
+        "write a per-request timeline (parse, admit, queue, prefill, decode, deliver, and "
+        "every engine step with its shape) to this Chrome/Perfetto trace JSON file (off: None)",
+    )
     flags.DEFINE_bool(
         "engine_process",
         False,
@@ -628,6 +646,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         role=FLAGS.role,
         kv_transport=FLAGS.kv_transport,
         kv_jax_checksum=FLAGS.kv_jax_checksum,
+        trace_requests=FLAGS.trace_requests,
     )
 
 
