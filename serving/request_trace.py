@@ -37,7 +37,8 @@ class RequestTrace:
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
-        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        # line-buffered: readable while the server runs; closed by close()
+        self._file = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._file.write("[\n")
         self._ids = itertools.count(1)
         self._marks: dict[str, dict[str, float]] = {}  # HTTP request id -> phase ends
