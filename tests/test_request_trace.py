@@ -11,15 +11,16 @@ from serving.testing import running_server, wait_for
 
 def _events(path) -> list[dict]:
     """The file as Perfetto reads it: a JSON array whose closing bracket may be missing."""
-    text = open(path).read().rstrip().rstrip(",")
+    text = path.read_text().rstrip().rstrip(",")
     return json.loads(text if text.endswith("]") else text + "]")
 
 
 def test_a_traced_request_has_its_phases_in_order_and_the_engine_steps(tmp_path):
     path = tmp_path / "trace.json"
-    with running_server(
-        MockEngine(step_time_s=0.002), http_port=0, trace_requests=str(path)
-    ) as (server, _):
+    with running_server(MockEngine(step_time_s=0.002), http_port=0, trace_requests=str(path)) as (
+        server,
+        _,
+    ):
         url = f"http://127.0.0.1:{server.http_port}/v1/completions"
         for stream in (False, True):
             r = httpx.post(
