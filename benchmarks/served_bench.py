@@ -57,7 +57,7 @@ flags.DEFINE_string("server_args", "", "extra server flags, space-separated")
 flags.DEFINE_bool("engine_only", True, "also run the same batches through EngineCore")
 flags.DEFINE_integer("ready_timeout_s", 1800, "longest wait for the server's /ready")
 F = flags.FLAGS
-LOG = "/tmp/served_bench.server.log"
+LOG = os.environ.get("SERVED_BENCH_LOG", "/tmp/served_bench.server.log")
 
 
 def loadavg() -> str:
@@ -157,6 +157,7 @@ def served_summary(records, wall) -> dict:
 # ---- the engine alone --------------------------------------------------------------------------
 def build_engine_like_the_server():
     from engine.compilation_cache import enable
+    from engine.shapes import DEFAULT_MAX_SHAPES  # the server's --warmup_max_shapes default
     from serving.engine_build import build_engine
 
     enable(None)  # the server's default cache: the programs it built load from there
@@ -168,7 +169,7 @@ def build_engine_like_the_server():
         "prefill_chunk_size": 256,
         "prefix_caching": True,
         "layer_loop": "scan",
-        "warmup_max_shapes": 56,
+        "warmup_max_shapes": DEFAULT_MAX_SHAPES,
     }  # fmt: skip  (serving/server.py's flag defaults)
     return build_engine(F.model, options)
 
