@@ -218,6 +218,8 @@ def main(argv) -> None:
     workloads = parse_workloads(F.workloads)
     ttft_lens = [int(x) for x in filter(None, F.ttft_prompts.split(","))]
     port = free_port()
+    # SIGTERM (e.g. `timeout`) unwinds through the finally below, which stops the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"served_bench: model {F.model}, output_len {F.output_len}, load {loadavg()}")
     proc, ready_s = start_server(port)
     print(f"server ready in {ready_s:.1f} s (default flags {F.server_args!r}), load {loadavg()}")
