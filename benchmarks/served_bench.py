@@ -232,9 +232,12 @@ def main(argv) -> None:
             served[(c, n, plen)] = served_summary(recs, wall)
             print(row(f"served  c={c} n={n} prompt={plen}", served[(c, n, plen)]), flush=True)
         for plen in ttft_lens:
-            asyncio.run(drive_http(port, prompts(1, plen, seed=7), 1, 1))  # warm this shape
+            # seeds differ per length: prompts of one seed share a prefix (a cache hit)
+            asyncio.run(drive_http(port, prompts(1, plen, seed=7 * plen), 1, 1))  # warm it
             runs = [
-                served_summary(*asyncio.run(drive_http(port, prompts(1, plen, seed=8 + k), 1, 1)))
+                served_summary(
+                    *asyncio.run(drive_http(port, prompts(1, plen, seed=11 * plen + k), 1, 1))
+                )
                 for k in range(F.ttft_repeats)
             ]
             ttft_served[plen] = statistics.median(r["ttft_p50_ms"] for r in runs)
