@@ -32,6 +32,13 @@ traffic does (`_needs_sample`; NOTE: a prior, not a measured trace; the figures 
 costs are in benchmarks/RESULTS.md). Padding never changes a result: padding rows write the
 null page and read nothing.
 
+Two additions on every level but the coarsest (issue 39): each prefill (Sd, Tp, P) rung
+keeps Sp = 1 beside its thinned Sp rungs, and `_lone_prefill_shapes` adds one shape per Tp
+rung up to the chunk for a fresh prompt computed alone (Sd 0, Sp 1, the narrowest page
+table). Measured: a 130-token prompt alone padded to (32, 256, 32, 32) took 1.1-1.4 s, to
+(0, 128, 1, 8) 0.2-0.4 s; Sp padding multiplies the reference ragged attention's query
+blocks, decode-row padding costs little (benchmarks/RESULTS.md, "Served path").
+
 `ShapeSet.fit` orders the candidates by an estimate of a step's cost: tokens through the
 weights plus attended key positions divided by `ATTENTION_POSITIONS_PER_TOKEN` (a decode
 row reads P * page_size positions, a prefill sequence max_query_len x that). The ratio is
