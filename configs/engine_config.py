@@ -124,7 +124,7 @@ class EngineConfig:
     async_scheduling: bool = True
     # The compiled step shapes: at most this many (the coarsest set if that is larger);
     # every batch is padded to one of them (engine/runner/shapes.py).
-    max_step_shapes: int = 32
+    max_step_shapes: int = 56
     # Speculative decoding (configs/spec_config.py; engine/spec/decode.py): None = off, or
     # a SpeculativeConfig / dict / string such as "ngram:k=4".
     speculative: SpeculativeConfig | None = None

@@ -91,6 +91,9 @@ class ServerConfig:
     kv_jax_checksum: bool = True  # jax transport: device digest of pages (kv_transfer/digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http/lora.py)
     allow_runtime_lora: bool = False
+    # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
+    # serving/frontend/request_trace.py
+    trace_requests: str | None = None
 
 
 class PagedJaxServer:
@@ -155,6 +158,13 @@ class PagedJaxServer:
         # A failed warm-up: its one-line cause, and who to tell (main stops and exits 1).
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[], None] | None = None
+        self.tracer = None
+        if config.trace_requests:
+            from serving.frontend.request_trace import RequestTrace
+
+            self.tracer = self.loop.tracer = self.ledger.tracer = RequestTrace(
+                config.trace_requests
+            )
         self.loop.last_stats = stats
         self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
@@ -328,6 +338,8 @@ class PagedJaxServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self.tracer is not None:
+            self.tracer.close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -457,9 +469,9 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer(
         "warmup_max_shapes",
-        32,
+        56,
         "step shapes the engine pads every batch to and compiles before serving (0: none;"
-        " 32: 48 step programs for the default config, engine/runner/shapes.py)",
+        " 56: 70 step programs for the default config, engine/runner/shapes.py)",
     )
     flags.DEFINE_bool(
         "warmup_execute",
@@ -508,6 +520,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
     flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
     flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
+    flags.DEFINE_string(
+        "trace_requests",
+        None,
+        "write a per-request timeline (parse, admit, queue, prefill, decode, deliver, and "
+        "every engine step with its shape) to this Chrome/Perfetto trace JSON file (off: None)",
+    )
     flags.DEFINE_bool(
         "engine_process",
         False,
@@ -689,6 +707,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         role=FLAGS.role,
         kv_transport=FLAGS.kv_transport,
         kv_jax_checksum=FLAGS.kv_jax_checksum,
+        trace_requests=FLAGS.trace_requests,
     )
 
 

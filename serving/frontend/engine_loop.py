@@ -69,6 +69,8 @@ _FINISH = {
 
 
 class EngineLoop:
+    tracer = None  # serving/frontend/request_trace.py RequestTrace (--trace_requests), else None
+
     def __init__(
         self,
         engine,
@@ -348,6 +350,9 @@ class EngineLoop:
             self._fail_step(exc)
             return
         self.metrics.observe_step(outputs)
+        if self.tracer is not None:
+            info = getattr(self.engine, "last_step_info", None)
+            self.tracer.step(start, time.monotonic(), info, len(outputs))
         failed = False
         self._first_tokens = 0
         for out in outputs:
