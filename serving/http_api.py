@@ -58,6 +58,7 @@ from serving.generation import (
 from serving.http_endpoints import InfoEndpoints
 from serving.http_lora import LoraEndpoints
 from serving.request_state import Terminal
+from serving.tool_calling import ChatOptions, ChatSetup, message_dicts
 
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
@@ -72,10 +73,16 @@ class StreamEnded(Exception):
 
 
 class HttpApi:
-    def __init__(self, generator: Generator, metrics):
+    def __init__(
+        self, generator: Generator, metrics, tool_call_parser: str = "", reasoning_parser: str = ""
+    ):
         self.generator, self.metrics = generator, metrics
         self.identity = generator.identity
         self.tokenizer = generator.engine.tokenizer
+        # tools and reasoning (serving/tool_calling.py): the formats, from flags or template
+        self.chat_options = ChatOptions.for_tokenizer(
+            self.tokenizer, tool_call_parser, reasoning_parser
+        )
         self.app = self._build_app()
 
     # ---- the app -------------------------------------------------------------------------------
@@ -103,16 +110,19 @@ class HttpApi:
             tenant = self.generator.authenticate(resp.api_key(self.generator.tenants, request)).name
             body = schemas.parse_body(model_cls, await request.body())
             prompts = self._prompts(body, chat)
+            setup = self._chat_setup(body) if chat else None
         except Refusal as e:
             e.tenant = tenant
             self.generator.record_refusal(request_id, e, arrival_s)
             return resp.refusal_response(e)
         wake = asyncio.Event()
         try:
-            calls = self._calls(request, body, chat, prompts, request_id, wake)
+            calls = self._calls(request, body, setup, prompts, request_id, wake)
             choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return resp.refusal_response(e)
+        for c in choices:  # tools / reasoning: each choice's output splitter
+            c.chat_output = setup.new_output() if setup is not None else None
         headers = resp.identity_headers(self.identity)
         if body.stream:
             gone = asyncio.Event()  # overload (#17): set when the client disconnects
@@ -133,8 +143,15 @@ class HttpApi:
             raise invalid(e) from e
         return prompts
 
-    def _calls(self, request, body, chat, prompts, request_id, wake) -> list[GenerateCall]:
+    def _chat_setup(self, body) -> ChatSetup:
+        try:
+            return ChatSetup.of(self.chat_options, body)
+        except InvalidRequestError as e:
+            raise invalid(e) from e
+
+    def _calls(self, request, body, setup, prompts, request_id, wake) -> list[GenerateCall]:
         loop = asyncio.get_running_loop()
+        chat = setup is not None
         vocab = self.generator.vocab_size
 
         def listener():
@@ -143,8 +160,13 @@ class HttpApi:
 
         def prompt_fn(p):
             if chat:
-                return lambda: schemas.chat_prompt_ids(self.tokenizer, p)
+                return lambda: setup.prompt_ids(self.tokenizer, message_dicts(p))
             return lambda: schemas.prompt_ids(self.tokenizer, p, vocab)
+
+        def sampling_fn(i):
+            if chat:
+                return lambda d: setup.sampling(schemas.sampling_params(body, d, choice=i))
+            return lambda d: schemas.sampling_params(body, d, choice=i)
 
         calls = []
         for p_index, p in enumerate(prompts):
@@ -154,7 +176,7 @@ class HttpApi:
                         request_id=f"{request_id}-{p_index * body.n + i}",
                         api_key=resp.api_key(self.generator.tenants, request),
                         prompt_ids=prompt_fn(p),
-                        sampling=lambda d, i=i: schemas.sampling_params(body, d, choice=i),
+                        sampling=sampling_fn(i),
                         model=body.model,
                         revision=body.revision or request.headers.get(REVISION_HEADER, ""),
                         priority=schemas.engine_priority(body.priority),
@@ -221,6 +243,8 @@ class HttpApi:
             async for c, text, lps, times in self._deltas(choices, wake, gone):
                 c.text += text
                 c.logprobs += lps
+                if c.chat_output is not None:
+                    c.chat_output.feed(text, len(times))
                 delivery.sent(c.request, len(times))  # nothing is sent until the end
         except StreamEnded as e:
             watcher.cancel()
@@ -256,15 +280,27 @@ class HttpApi:
         )
         out["choices"] = [self._full_choice(body, chat, c) for c in choices]
         summaries = [c.summary for c in choices]
-        out["usage"] = resp.usage(summaries, num_prompts, body.n)
+        out["usage"] = self._usage(choices, num_prompts, body.n)
         out["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
+        return out
+
+    def _usage(self, choices, num_prompts: int, n: int) -> dict:
+        out = resp.usage([c.summary for c in choices], num_prompts, n)
+        if self.chat_options.reasoning is not None and any(c.chat_output for c in choices):
+            reasoning = sum(c.chat_output.reasoning_tokens for c in choices if c.chat_output)
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return out
 
     def _full_choice(self, body, chat, c) -> dict:
         choice = {"index": c.index, "finish_reason": c.summary.finish_reason}
         wants_logprobs = body.num_logprobs() is not None
-        if chat:
+        if chat and c.chat_output is not None:
+            c.chat_output.finish()
+            choice["message"] = c.chat_output.message()
+            choice["finish_reason"] = c.chat_output.finish_reason(c.summary.finish_reason)
+        elif chat:
             choice["message"] = {"role": "assistant", "content": c.text}
+        if chat:
             choice["logprobs"] = (
                 {"content": resp.chat_logprobs(self.tokenizer, c.logprobs)}
                 if wants_logprobs
@@ -287,6 +323,16 @@ class HttpApi:
         try:
             async for c, text, lps, times in self._deltas(choices, wake):
                 c.num_tokens += len(times)
+                if c.chat_output is not None:  # reasoning / tool calls: split deltas
+                    parts = c.chat_output.feed(text, len(times))
+                    parts += c.chat_output.finish() if c.summary is not None else []
+                    for part in parts[:-1]:  # e.g. a call's name, then its arguments
+                        chunk = resp.envelope(kind, request_id, self.identity, created)
+                        chunk["choices"] = [
+                            self._stream_choice(body, chat, c, part, [], offsets, final=False)
+                        ]
+                        yield _event(chunk)
+                    text = parts[-1] if parts else ""
                 if not (text or lps or c.summary or (times and body.return_token_times)):
                     delivery.sent(c.request, len(times))
                     continue  # e.g. text held back while it may still become a stop string
@@ -313,7 +359,7 @@ class HttpApi:
                 chunk = resp.envelope(kind, request_id, self.identity, created)
                 summaries = [x.summary for x in choices]
                 chunk["choices"] = []
-                chunk["usage"] = resp.usage(summaries, num_prompts, body.n)
+                chunk["usage"] = self._usage(choices, num_prompts, body.n)
                 chunk["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
                 yield _event(chunk)
             yield "data: [DONE]\n\n"
@@ -328,12 +374,15 @@ class HttpApi:
         finally:  # runs on disconnect too (the generator is cancelled / closed)
             self._cancel_unfinished(choices)
 
-    def _stream_choice(self, body, chat, c, text, lps, offsets) -> dict:
-        finish = c.summary.finish_reason if c.summary is not None else None
+    def _stream_choice(self, body, chat, c, text, lps, offsets, final: bool = True) -> dict:
+        """`text`: the delta's text, or (chat with a splitter) its delta object."""
+        finish = c.summary.finish_reason if c.summary is not None and final else None
+        if c.chat_output is not None:
+            finish = c.chat_output.finish_reason(finish)
         wants_logprobs = body.num_logprobs() is not None
         choice = {"index": c.index}
         if chat:
-            delta = {"content": text}
+            delta = {"content": text} if isinstance(text, str) else dict(text)
             if not c.sent_role:
                 delta["role"], c.sent_role = "assistant", True
             choice["delta"] = delta

@@ -78,6 +78,9 @@ class ServerConfig:
     kv_jax_checksum: bool = True  # jax transport: device digest of the pages (engine/kv_digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
+    # chat tools / reasoning (serving/tool_calling.py): "" = from the model's chat template / off
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 class PagedJaxServer:
@@ -182,7 +185,12 @@ class PagedJaxServer:
             from serving.http_server import HttpServer
 
             self.generator.allow_runtime_lora = config.allow_runtime_lora
-            self.http_api = HttpApi(self.generator, self.metrics)
+            self.http_api = HttpApi(
+                self.generator,
+                self.metrics,
+                tool_call_parser=config.tool_call_parser,
+                reasoning_parser=config.reasoning_parser,
+            )
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
 
@@ -373,6 +381,18 @@ def define_flags() -> None:
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
     )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
+    flags.DEFINE_enum(
+        "tool_call_parser",
+        "",
+        ["", "hermes", "llama3_json", "mistral"],
+        "chat tool-call syntax of the model (default: from its chat template, else hermes)",
+    )
+    flags.DEFINE_enum(
+        "reasoning_parser",
+        "",
+        ["", "qwen3", "deepseek_r1"],
+        "split <think>...</think> into reasoning_content (default: off)",
+    )
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
@@ -620,6 +640,8 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
         allow_runtime_lora=FLAGS.allow_runtime_lora,
+        tool_call_parser=FLAGS.tool_call_parser,
+        reasoning_parser=FLAGS.reasoning_parser,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
