@@ -46,6 +46,22 @@ class ChatOutput:
         thought, answer = self.reasoning.feed(text, num_tokens)
         return self._answer(thought, answer, finish=False)
 
+    def feed_outputs(self, outputs, done: bool) -> list[dict]:
+        """The deltas of engine outputs (RequestOutput: new_text, new_token_ids), fed one by
+        one, plus finish() when `done`; adjacent text deltas of one kind merged."""
+        deltas: list[dict] = []
+        for o in outputs:
+            deltas += self.feed(o.new_text, len(o.new_token_ids))
+        deltas += self.finish() if done else []
+        merged: list[dict] = []
+        for d in deltas:
+            if merged and _is_text(d) and _is_text(merged[-1]) and d.keys() == merged[-1].keys():
+                key = next(iter(d))
+                merged[-1] = {key: merged[-1][key] + d[key]}
+            else:
+                merged.append(d)
+        return merged
+
     def finish(self) -> list[dict]:
         """The deltas of what was held back, once the output ended (idempotent)."""
         if self.finished:
@@ -94,3 +110,7 @@ class ChatOutput:
         if engine_reason == "stop" and self.calls:
             return "tool_calls"
         return engine_reason
+
+
+def _is_text(delta: dict) -> bool:
+    return len(delta) == 1 and ("content" in delta or "reasoning_content" in delta)

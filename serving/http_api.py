@@ -204,8 +204,10 @@ class HttpApi:
 
     # ---- relaying deltas -----------------------------------------------------------------------
     async def _deltas(self, choices, wake: asyncio.Event, gone=None) -> AsyncIterator:
-        """(choice, text, logprobs, token times) per delta until every choice is done or
-        `gone` is set; raises StreamEnded when a choice ends otherwise."""
+        """(choice, text, logprobs, token times, parts) per delta until every choice is done
+        or `gone` is set; raises StreamEnded when a choice ends otherwise. `parts`: the
+        chat delta objects of a choice with an output splitter (reasoning / tool calls; fed
+        per engine output, so reasoning tokens are counted per token), else None."""
         pending = list(choices)
         while pending and not (gone is not None and gone.is_set()):
             wake.clear()  # before draining: a push after the drain sets it again
@@ -217,7 +219,10 @@ class HttpApi:
                     if is_done(items):
                         c.summary = final_summary(c.request, items[-1].finish_reason)
                         pending.remove(c)
-                    yield (c, *resp.delta_of(items))
+                    parts = None
+                    if c.chat_output is not None:
+                        parts = c.chat_output.feed_outputs(items, done=c.summary is not None)
+                    yield (c, *resp.delta_of(items), parts)
                 if not is_done(items) and terminal is not None:
                     raise StreamEnded(terminal)
             if not progressed:
@@ -240,11 +245,9 @@ class HttpApi:
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            async for c, text, lps, times in self._deltas(choices, wake, gone):
+            async for c, text, lps, times, _ in self._deltas(choices, wake, gone):
                 c.text += text
                 c.logprobs += lps
-                if c.chat_output is not None:
-                    c.chat_output.feed(text, len(times))
                 delivery.sent(c.request, len(times))  # nothing is sent until the end
         except StreamEnded as e:
             watcher.cancel()
@@ -321,11 +324,9 @@ class HttpApi:
         created = int(time.time())
         offsets = {c.index: 0 for c in choices}
         try:
-            async for c, text, lps, times in self._deltas(choices, wake):
+            async for c, text, lps, times, parts in self._deltas(choices, wake):
                 c.num_tokens += len(times)
-                if c.chat_output is not None:  # reasoning / tool calls: split deltas
-                    parts = c.chat_output.feed(text, len(times))
-                    parts += c.chat_output.finish() if c.summary is not None else []
+                if parts is not None:  # reasoning / tool calls: split deltas
                     for part in parts[:-1]:  # e.g. a call's name, then its arguments
                         chunk = resp.envelope(kind, request_id, self.identity, created)
                         chunk["choices"] = [

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from serving.mock_engine import MockEngine
 from engine.scheduler import SchedulerOutput
+from serving.mock_engine import MockEngine
 
 
 class ScriptedEngine(MockEngine):

@@ -152,7 +152,9 @@ def _check_parameters(i: int, params: Any) -> None:
     try:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as e:
-        raise InvalidRequestError(field, _shown(params), f"not a valid JSON Schema: {e.message}")
+        raise InvalidRequestError(
+            field, _shown(params), f"not a valid JSON Schema: {e.message}"
+        ) from None
     try:  # what llguidance can compile (the constraint when the call is forced)
         StructuredOutput(json_schema=params)
     except InvalidRequestError as e:
@@ -248,6 +250,8 @@ def message_dicts(messages) -> list[dict]:
     """Request messages (http_schemas.ChatMessage) as template dicts: tool call arguments
     decoded (templates write them with `tojson`, as vLLM passes them); `developer` is
     `system`."""
+    if not messages:
+        raise InvalidRequestError("messages", 0, "at least one message")
     out = []
     for i, m in enumerate(messages):
         d: dict[str, Any] = {

@@ -218,12 +218,12 @@ def test_call_schema_validates_what_each_format_grammar_describes():
 # ---- reasoning --------------------------------------------------------------------------------
 R_CASES = [
     # (parser, output, reasoning, answer)
-    ("qwen3", "<think>\nThe user greets me.\n</think>\n\nHello!", "\nThe user greets me.\n", "Hello!"),
+    ("qwen3", "<think>\nThe user greets me.\n</think>\n\nHi!", "\nThe user greets me.\n", "Hi!"),
     ("qwen3", "Hello!", "", "Hello!"),  # enable_thinking=false: no thought in the output
     ("qwen3", "  Hi <think> there", "", "  Hi <think> there"),  # not at the start: text
     ("qwen3", "<think>\nstill thinking when cut", "\nstill thinking when cut", ""),
     ("qwen3", "<thi", "", "<thi"),
-    ("deepseek_r1", "Okay, 2+2 is 4.\n</think>\n\nThe answer is 4.", "Okay, 2+2 is 4.\n", "The answer is 4."),
+    ("deepseek_r1", "Okay, 2+2 is 4.\n</think>\n\nIt is 4.", "Okay, 2+2 is 4.\n", "It is 4."),
     ("deepseek_r1", "<think>Hmm.</think>Four.", "Hmm.", "Four."),
     ("deepseek_r1", "no end tag at all", "no end tag at all", ""),
 ]  # fmt: skip
