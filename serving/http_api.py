@@ -58,6 +58,7 @@ from serving.generation import (
 from serving.http_endpoints import InfoEndpoints
 from serving.http_lora import LoraEndpoints
 from serving.request_state import Terminal
+from serving.responses_api import ResponsesApi
 from serving.tool_calling import ChatOptions, ChatSetup, message_dicts
 
 REVISION_HEADER = "x-pagedjax-revision"
@@ -92,7 +93,24 @@ class HttpApi:
         app.post("/v1/completions")(self.completions)
         InfoEndpoints(self.generator, self.metrics).register(app)
         LoraEndpoints(self.generator).register(app)
+        ResponsesApi(self).register(app)  # POST /v1/responses (serving/responses_api.py)
         return app
+
+    # ---- what another API surface reuses (the Responses API) ----------------------------------
+    def submit_chat(self, request, body, setup: ChatSetup, request_id, wake, arrival_s) -> list:
+        """The choices (ChoiceState) of a parsed chat request, submitted; raises Refusal."""
+        calls = self._calls(request, body, setup, [body.messages], request_id, wake)
+        return self._submit_all(calls, arrival_s)
+
+    def relay(self, choices, wake: asyncio.Event, gone=None) -> AsyncIterator:
+        """(choice, text, logprobs, token times, chat parts) per delta (see _deltas)."""
+        return self._deltas(choices, wake, gone)
+
+    def cancel(self, choices, reason: str = "client") -> None:
+        self._cancel_unfinished(choices, reason)
+
+    def delivered(self, choices) -> None:
+        self._delivered(choices)
 
     # ---- generation ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:

@@ -1,0 +1,108 @@
+"""Valid by construction: SmolLM2-135M (no tool training; its template has no tool support,
+so the fallback rendering shows it the tools) with tool_choice required / named, sampled at
+T=1, through the openai SDK: every call parses and validates against its tool's schema,
+because decoding is constrained to the call grammar (serving/tool_calling.py). The same
+requests with tool_choice=auto (free text) give far fewer valid calls."""
+
+import concurrent.futures
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from configs.engine_config import EngineConfig
+from serving.admission import AdmissionConfig
+from serving.testing import running_server
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "enum": ["UTC", "Europe/Paris"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What will the weather be in Paris this week?"}]
+SPLIT = (13, 13, 12, 12)  # 50 choices in four concurrent requests (n <= 16 each)
+
+
+@pytest.fixture(scope="module")
+def sdk(smollm2):
+    from engine.core import EngineCore
+
+    config = EngineConfig(
+        model=smollm2.config.name,
+        page_size=16,
+        num_pages=256,
+        max_num_seqs=64,
+        max_model_len=1024,
+        layer_loop="scan",
+    )
+    engine = EngineCore(smollm2, config)
+    admission = AdmissionConfig(max_model_len=1024)
+    with running_server(engine, admission=admission, http_port=0) as (server, _):
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
+        )
+
+
+def _sample(sdk, **kwargs) -> list:
+    def one(n, seed):
+        return sdk.chat.completions.create(
+            model="smollm2",
+            messages=ASK,
+            tools=TOOLS,
+            temperature=1.0,
+            max_tokens=64,
+            n=n,
+            seed=seed,
+            **kwargs,
+        ).choices
+
+    with concurrent.futures.ThreadPoolExecutor(len(SPLIT)) as pool:
+        futures = [pool.submit(one, n, 100 * i) for i, n in enumerate(SPLIT)]
+        return [c for f in futures for c in f.result()]
+
+
+def _valid_calls(choice) -> int:
+    calls = choice.message.tool_calls or []
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return len(calls)
+
+
+def test_forced_calls_all_parse_and_validate_and_free_text_does_not(sdk):
+    forced = _sample(sdk, tool_choice="required", parallel_tool_calls=False)
+    assert len(forced) == 50
+    for choice in forced:
+        assert choice.finish_reason == "tool_calls", (choice.finish_reason, choice.message)
+        assert _valid_calls(choice) == 1
+    named = _sample(
+        sdk, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=40
+    )
+    for choice in named:
+        assert choice.finish_reason == "tool_calls", (choice.finish_reason, choice.message)
+        assert _valid_calls(choice) >= 1
+        assert {c.function.name for c in choice.message.tool_calls} == {"get_time"}
+    free = _sample(sdk, tool_choice="auto")
+    valid_free = 0
+    for choice in free:
+        try:
+            valid_free += _valid_calls(choice) > 0
+        except (jsonschema.ValidationError, json.JSONDecodeError, KeyError):
+            pass
+    assert valid_free < len(free) // 2, valid_free  # the constraint is what makes them valid
