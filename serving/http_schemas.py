@@ -24,7 +24,8 @@ Supported fields (OpenAI's, then vLLM's extras):
 Chat tools and reasoning (serving/tool_calling.py): tools (function type), tool_choice
 (none | auto | required | {"type": "function", "function": {"name"}}), parallel_tool_calls,
 assistant messages with tool_calls and tool messages (tool_call_id) in the history,
-chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}).
+chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), max_thinking_tokens (a
+thinking budget: after N thought tokens the closing </think> is forced; serving/reasoning.py).
 
 Structured output (engine/structured.py), at most one per request: OpenAI's
 `response_format` ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}},
@@ -182,6 +183,7 @@ class ChatCompletionRequest(_GenerationFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the template
+    max_thinking_tokens: int | None = None  # thinking budget (needs --reasoning_parser)
 
     def requested_max_tokens(self) -> int | None:
         a, b = self.max_completion_tokens, self.max_tokens

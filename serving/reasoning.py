@@ -11,7 +11,9 @@
 
 `ReasoningStream` splits text as it arrives, token by token; a tag split across tokens is
 held back until it is known to be (or not be) the tag, so a streamed split equals the
-non-streamed one. The whitespace between </think> and the answer is dropped. Reasoning
+non-streamed one. A thinking budget (`max_thinking_tokens`) constrains decoding with
+`budget_grammar`: after N thought tokens the closing tag is forced and the answer continues.
+The whitespace between </think> and the answer is dropped. Reasoning
 tokens are counted per fed delta: the tokens of a delta that arrives while the thought is
 open (its closing tag included) are reasoning tokens (exact when deltas are single tokens,
 as they are without speculative decoding).
@@ -38,6 +40,20 @@ REASONING_FORMATS = {
     "qwen3": ReasoningFormat("qwen3", starts_inside=False),
     "deepseek_r1": ReasoningFormat("deepseek_r1", starts_inside=True),
 }
+
+
+def budget_grammar(fmt: ReasoningFormat, max_thinking_tokens: int) -> str:
+    """llguidance Lark grammar of an output whose thought holds at most `max_thinking_tokens`
+    tokens: once the budget is spent only the closing tag may follow (the constraint forces
+    it), then the answer is free. The thought cannot contain the closing tag itself."""
+    opener = "" if fmt.starts_inside else f'"{fmt.start}" '
+    end = fmt.end.replace("/", "\\/")
+    return (
+        f'start: {opener}thought "{fmt.end}" answer\n'
+        f"thought[max_tokens={max_thinking_tokens}]: THOUGHT\n"
+        f"THOUGHT: /(?s:.*)/ & ~/(?s:.*{end}.*)/\n"
+        "answer: /(?s:.*)/\n"
+    )
 
 
 def get_reasoning_format(name: str) -> ReasoningFormat:

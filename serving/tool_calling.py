@@ -38,11 +38,12 @@ from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from serving import convert
 from serving.chat_output import ChatOutput
-from serving.reasoning import ReasoningFormat, get_reasoning_format
+from serving.reasoning import ReasoningFormat, budget_grammar, get_reasoning_format
 from serving.tool_parsers import ToolCallFormat, format_for_template, get_format
 
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function name rule
+MAX_THINKING_TOKENS = 1 << 20
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
 
 FALLBACK_INSTRUCTIONS = (
@@ -186,6 +187,7 @@ class ChatSetup:
     options: ChatOptions
     tools: ToolSetup | None
     template_kwargs: dict
+    max_thinking_tokens: int | None = None
 
     @classmethod
     def of(cls, options: ChatOptions, body) -> ChatSetup:
@@ -200,21 +202,45 @@ class ChatSetup:
                 raise InvalidRequestError(
                     f"chat_template_kwargs.{key}", "set", "set by the request itself"
                 )
-        return cls(options, tool_setup(tools, choice, body.parallel_tool_calls), kwargs)
+        budget = getattr(body, "max_thinking_tokens", None)
+        if budget is not None:
+            if options.reasoning is None:
+                raise InvalidRequestError(
+                    "max_thinking_tokens", budget, "needs the server's --reasoning_parser"
+                )
+            if not 0 <= budget <= MAX_THINKING_TOKENS:
+                raise InvalidRequestError(
+                    "max_thinking_tokens", budget, f"0 <= x <= {MAX_THINKING_TOKENS}"
+                )
+            if kwargs.get("enable_thinking") is False:
+                budget = None  # no thought to bound
+        tools = tool_setup(tools, choice, body.parallel_tool_calls)
+        return cls(options, tools, kwargs, budget)
 
     @property
     def parses_calls(self) -> bool:
         return self.tools is not None and self.tools.choice != "none"
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
-        if self.tools is None:
-            return params
-        constraint = self.tools.constraint(self.options.tool_format)
         changes: dict[str, Any] = {}
-        if constraint is not None:
+        if self.max_thinking_tokens is not None:
             if params.structured is not None:
                 raise InvalidRequestError(
-                    "tool_choice", self.tools.choice, "not with response_format / guided_*"
+                    "max_thinking_tokens",
+                    self.max_thinking_tokens,
+                    "not with response_format / guided_*",
+                )
+            grammar = budget_grammar(self.options.reasoning, self.max_thinking_tokens)
+            changes["structured"] = StructuredOutput(grammar=grammar)
+        if self.tools is None:
+            return dataclasses.replace(params, **changes) if changes else params
+        constraint = self.tools.constraint(self.options.tool_format)
+        if constraint is not None:
+            if params.structured is not None or changes:
+                raise InvalidRequestError(
+                    "tool_choice",
+                    self.tools.choice,
+                    "not with response_format / guided_* / max_thinking_tokens",
                 )
             changes["structured"] = constraint
         if self.parses_calls and self.options.tool_format.name == "mistral":
