@@ -10,7 +10,8 @@ construction, and the per-choice output splitter (serving/chat_output.py).
          ChatSetup.new_output()                      one ChatOutput per choice
 
 tool_choice: "none" (tools are shown to the model; its output is all content), "auto"
-(default with tools; calls parsed from free text), "required" or
+(default with tools; free text until the model writes the format's trigger tag, e.g.
+<tool_call>, then constrained to a valid call: lazy, with the same grammar), "required" or
 {"type": "function", "function": {"name": N}}: decoding is constrained with llguidance
 (engine/structured.py) to the format's call syntax around JSON objects
 {"name": <a tool's name>, "arguments": <that tool's parameters schema>}, so each call
@@ -93,11 +94,17 @@ class ToolSetup:
         return [t["function"]["name"] for t in self.tools]
 
     def constraint(self, fmt: ToolCallFormat) -> StructuredOutput | None:
-        """The call grammar when a call is forced (required / named), else None."""
-        if self.choice not in ("required", "function"):
-            return None
+        """The call grammar when a call is forced (required / named); with auto, free text
+        until the format's trigger tag, then a valid call (None for a format without one,
+        and for none)."""
         tools = [t for t in self.tools if self.named in (None, t["function"]["name"])]
-        return StructuredOutput(grammar=fmt.grammar(call_schema(tools, fmt), self.parallel))
+        schema = call_schema(tools, fmt)
+        if self.choice in ("required", "function"):
+            return StructuredOutput(grammar=fmt.grammar(schema, self.parallel))
+        if self.choice == "auto":
+            lazy = fmt.lazy_grammar(schema, self.parallel)
+            return None if lazy is None else StructuredOutput(grammar=lazy)
+        return None
 
 
 def call_schema(tools: Sequence[dict], fmt: ToolCallFormat) -> dict:

@@ -86,6 +86,21 @@ class ToolCallFormat(abc.ABC):
         """llguidance Lark grammar of one (or, if parallel, several) calls, each a JSON
         object matching `call_schema` (serving/tool_calling.call_schema)."""
 
+    def lazy_grammar(self, call_schema: dict, parallel: bool) -> str | None:
+        """tool_choice=auto: free text until the model writes `start` (the trigger), then
+        calls exactly as in `grammar`; None when the format has no trigger tag."""
+        calls = self.grammar(call_schema, parallel)
+        if self.bare_json_start or not calls.startswith(f'start: "{self.start}'):
+            return None
+        tag = self.start.replace("[", "\\[").replace("]", "\\]").replace("/", "\\/")
+        # the text lexeme cannot hold the tag; LEAD is text that ends at the first tag
+        start = calls.replace(f'start: "{self.start}', 'start: TEXT | LEAD "', 1)
+        return (
+            start.replace('LEAD "" ', "LEAD ", 1)
+            + f"TEXT: /(?s:.*)/ & ~/(?s:.*{tag}.*)/\n"
+            + f"LEAD: /(?s:.*{tag})/ & ~/(?s:.*{tag}.+)/\n"
+        )
+
     def call_object(self, name: str, args: dict) -> dict:
         return {"name": name, self.args_key: args}
 
@@ -151,7 +166,7 @@ class HermesFormat(ToolCallFormat):
     def grammar(self, call_schema, parallel):
         repeat = ' ("\\n" call)*' if parallel else ""
         return (
-            f"start: call{repeat}\n"
+            f'start: "{self.start}\\n" obj "\\n{self.end}"{repeat}\n'
             f'call: "{self.start}\\n" obj "\\n{self.end}"\n'
             f"obj: {_json_rule(call_schema)}\n"
         )

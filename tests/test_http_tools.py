@@ -350,3 +350,27 @@ class openai_tool:  # noqa: N801 - stands in for the pydantic Tool
 
     def model_dump(self, exclude_none=True):
         return self.d
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral"])
+def test_auto_grammar_is_free_text_until_the_trigger_then_a_valid_call(name):
+    fmt = get_format(name)
+    setup = ChatSetup.of(
+        ChatOptions.for_tokenizer(object(), tool_call_parser=name),
+        _Body(tools=[openai_tool(t) for t in TOOLS]),
+    )
+    grammar = setup.tools.constraint(fmt)
+    good = fmt.render([("get_weather", {"city": "Paris"})])
+    assert _walk(grammar, "Plain text, even <tool or [TOOL_ half tags.") == "accepted"
+    assert _walk(grammar, "Let me check. " + good) == "accepted"
+    assert _walk(grammar, "Let me check. " + fmt.render([("nope", {})])) == "refused"
+    assert _walk(grammar, fmt.render([("get_weather", {"town": 1})])) == "refused"
+
+
+def _walk(constraint, text: str) -> str:
+    tokenizer = tiny_tokenizer()
+    m = StructuredRequests(tokenizer, 512).compile(constraint)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not all(m.consume_token(t) for t in ids):
+        return "refused"
+    return "accepted" if m.is_accepting() else "incomplete"
