@@ -50,13 +50,13 @@ def sdk(smollm2):
     config = EngineConfig(
         model=smollm2.config.name,
         page_size=16,
-        num_pages=256,
+        num_pages=512,
         max_num_seqs=64,
         max_model_len=1024,
         layer_loop="scan",
     )
     engine = EngineCore(smollm2, config)
-    admission = AdmissionConfig(max_model_len=1024)
+    admission = AdmissionConfig(max_model_len=1024, queue_timeout_s=900.0)  # a loaded CPU
     with running_server(engine, admission=admission, http_port=0, capacity_probe=False) as (
         server,
         _,
