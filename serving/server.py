@@ -94,6 +94,10 @@ class ServerConfig:
     # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
     # serving/frontend/request_trace.py
     trace_requests: str | None = None
+    # chat tools / reasoning (serving/http/tool_calling.py): "" = from the model's chat
+    # template / off
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 class PagedJaxServer:
@@ -213,7 +217,12 @@ class PagedJaxServer:
             from serving.http.server import HttpServer
 
             self.generator.allow_runtime_lora = config.allow_runtime_lora
-            self.http_api = HttpApi(self.generator, self.metrics)
+            self.http_api = HttpApi(
+                self.generator,
+                self.metrics,
+                tool_call_parser=config.tool_call_parser,
+                reasoning_parser=config.reasoning_parser,
+            )
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
 
@@ -435,6 +444,18 @@ def define_flags() -> None:
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
     )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
+    flags.DEFINE_enum(
+        "tool_call_parser",
+        "",
+        ["", "hermes", "llama3_json", "mistral"],
+        "chat tool-call syntax of the model (default: from its chat template, else hermes)",
+    )
+    flags.DEFINE_enum(
+        "reasoning_parser",
+        "",
+        ["", "qwen3", "deepseek_r1"],
+        "split <think>...</think> into reasoning_content (default: off)",
+    )
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
@@ -699,6 +720,8 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
         allow_runtime_lora=FLAGS.allow_runtime_lora,
+        tool_call_parser=FLAGS.tool_call_parser,
+        reasoning_parser=FLAGS.reasoning_parser,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,

@@ -172,16 +172,14 @@ def test_unsupported_fields_are_refused_by_name(served):
     assert e.value.body["param"] == "logit_bias" and "unsupported field" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         sdk.chat.completions.create(
-            model="mock", messages=[{"role": "user", "content": "x", "name": "bob"}]
+            model="mock", messages=[{"role": "user", "content": "x", "audio": {"id": "a"}}]
         )
-    assert e.value.body["param"] == "messages.0.name"
-    with pytest.raises(openai.BadRequestError) as e:
+    assert e.value.body["param"] == "messages.0.audio"
+    with pytest.raises(openai.BadRequestError) as e:  # the legacy form of tools
         sdk.chat.completions.create(
-            model="mock",
-            messages=CHAT,
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            model="mock", messages=CHAT, functions=[{"name": "f", "parameters": {}}]
         )
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "functions"
 
 
 def test_invalid_values_name_field_value_and_limit(served):

@@ -94,7 +94,8 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        del kwargs  # chat_template_kwargs: the mock's fixed template takes none
         parts = [f"<{m['role']}>{m['content']}\n" for m in messages]
         return "".join(parts) + ("<assistant>" if add_generation_prompt else "")
 
@@ -197,8 +198,13 @@ class MockEngine:
             self.num_failed_steps += 1
             error = EngineStepError(f"mock step {self.num_steps} failed (injected)")
             return outputs + self.outputs.fail(plan, error, time.monotonic())
-        sampled = fake_device_step(plan, self.tokenizer.eos_token_ids)
+        sampled = self.device_step(plan)
         return outputs + self.outputs.commit(plan, sampled, time.monotonic())
+
+    def device_step(self, plan: SchedulerOutput) -> dict[str, int]:
+        """{request_id: sampled token}: the fake device (serving/engine_host/scripted_engine.py
+        swaps it)."""
+        return fake_device_step(plan, self.tokenizer.eos_token_ids)
 
     def stats(self) -> dict:
         return {

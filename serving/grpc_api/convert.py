@@ -37,11 +37,20 @@ def chat_messages(chat: pb.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True):
-    """The template's text, encoded without adding special tokens again (it wrote its own)."""
+def chat_token_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+):
+    """The template's text, encoded without adding special tokens again (it wrote its own).
+    `template_kwargs` (e.g. tools, enable_thinking) become template variables."""
     if hasattr(tokenizer, "encode_chat"):
-        return list(tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return list(
+            tokenizer.encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        )
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     return list(tokenizer.encode(text))
 
 

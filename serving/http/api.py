@@ -59,6 +59,8 @@ from serving.http import delivery, schemas
 from serving.http import responses as resp
 from serving.http.endpoints import InfoEndpoints
 from serving.http.lora import LoraEndpoints
+from serving.http.responses_api import ResponsesApi
+from serving.http.tool_calling import ChatOptions, ChatSetup, message_dicts
 
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
@@ -74,10 +76,16 @@ class StreamEnded(Exception):
 
 
 class HttpApi:
-    def __init__(self, generator: Generator, metrics):
+    def __init__(
+        self, generator: Generator, metrics, tool_call_parser: str = "", reasoning_parser: str = ""
+    ):
         self.generator, self.metrics = generator, metrics
         self.identity = generator.identity
         self.tokenizer = generator.engine.tokenizer
+        # tools and reasoning (serving/http/tool_calling.py): the formats, from flags or template
+        self.chat_options = ChatOptions.for_tokenizer(
+            self.tokenizer, tool_call_parser, reasoning_parser
+        )
         self.app = self._build_app()
 
     # ---- the app -------------------------------------------------------------------------------
@@ -87,7 +95,26 @@ class HttpApi:
         app.post("/v1/completions")(self.completions)
         InfoEndpoints(self.generator, self.metrics).register(app)
         LoraEndpoints(self.generator).register(app)
+        ResponsesApi(self).register(app)  # POST /v1/responses (serving/http/responses_api.py)
         return app
+
+    # ---- what another API surface reuses (the Responses API) ----------------------------------
+    def submit_chat(self, request, body, setup: ChatSetup, request_id, wake, arrival_s) -> list:
+        """The choices (ChoiceState) of a parsed chat request, submitted; raises Refusal
+        (the request's deadline header too, as for chat completions)."""
+        deadline = _deadline(request)
+        calls = self._calls(request, body, setup, [body.messages], request_id, wake, deadline)
+        return self._submit_all(calls, arrival_s)
+
+    def relay(self, choices, wake: asyncio.Event, gone=None) -> AsyncIterator:
+        """(choice, text, logprobs, token times, chat parts) per delta (see _deltas)."""
+        return self._deltas(choices, wake, gone)
+
+    def cancel(self, choices, reason: str = "client") -> None:
+        self._cancel_unfinished(choices, reason)
+
+    def delivered(self, choices) -> None:
+        self._delivered(choices)
 
     # ---- generation ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -107,6 +134,7 @@ class HttpApi:
             prompts = self._prompts(body, chat)
             if self.generator.ledger.tracer is not None:  # --trace_requests
                 self.generator.ledger.tracer.mark(request_id, "parse")
+            setup = self._chat_setup(body) if chat else None
             deadline = _deadline(request)
         except Refusal as e:
             e.tenant = tenant
@@ -114,12 +142,14 @@ class HttpApi:
             return resp.refusal_response(e)
         wake = asyncio.Event()
         try:
-            calls = self._calls(request, body, chat, prompts, request_id, wake, deadline)
+            calls = self._calls(request, body, setup, prompts, request_id, wake, deadline)
             choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return resp.refusal_response(e)
         if self.generator.ledger.tracer is not None:  # --trace_requests
             self.generator.ledger.tracer.mark(request_id, "admit")
+        for c in choices:  # tools / reasoning: each choice's output splitter
+            c.chat_output = setup.new_output() if setup is not None else None
         headers = resp.identity_headers(self.identity)
         if body.stream:
             gone = asyncio.Event()  # overload (#17): set when the client disconnects
@@ -140,11 +170,20 @@ class HttpApi:
             raise invalid(e) from e
         return prompts
 
+    def _chat_setup(self, body) -> ChatSetup:
+        try:
+            return ChatSetup.of(self.chat_options, body)
+        except InvalidRequestError as e:
+            raise invalid(e) from e
+
     def _calls(
-        self, request, body, chat, prompts, request_id, wake, deadline
+        self, request, body, setup, prompts, request_id, wake, deadline
     ) -> list[GenerateCall]:
-        """One call per choice; `deadline` bounds each one's whole response, streamed or not."""
+        """One call per choice; `deadline` bounds each one's whole response, streamed or not.
+        `setup`: a chat request's tools / reasoning (serving/http/tool_calling.py); None:
+        completions."""
         loop = asyncio.get_running_loop()
+        chat = setup is not None
         vocab = self.generator.vocab_size
 
         def listener():
@@ -153,8 +192,13 @@ class HttpApi:
 
         def prompt_fn(p):
             if chat:
-                return lambda: schemas.chat_prompt_ids(self.tokenizer, p)
+                return lambda: setup.prompt_ids(self.tokenizer, message_dicts(p))
             return lambda: schemas.prompt_ids(self.tokenizer, p, vocab)
+
+        def sampling_fn(i):
+            if chat:
+                return lambda d: setup.sampling(schemas.sampling_params(body, d, choice=i))
+            return lambda d: schemas.sampling_params(body, d, choice=i)
 
         calls = []
         for p_index, p in enumerate(prompts):
@@ -164,7 +208,7 @@ class HttpApi:
                         request_id=f"{request_id}-{p_index * body.n + i}",
                         api_key=resp.api_key(self.generator.tenants, request),
                         prompt_ids=prompt_fn(p),
-                        sampling=lambda d, i=i: schemas.sampling_params(body, d, choice=i),
+                        sampling=sampling_fn(i),
                         model=body.model,
                         revision=body.revision or request.headers.get(REVISION_HEADER, ""),
                         priority=schemas.engine_priority(body.priority),
@@ -194,9 +238,11 @@ class HttpApi:
 
     # ---- relaying deltas -----------------------------------------------------------------------
     async def _deltas(self, choices, wake: asyncio.Event, gone=None) -> AsyncIterator:
-        """(choice, text, logprobs, token times) per delta until every choice is done or
-        `gone` is set; raises StreamEnded when a choice ends otherwise or the deadline
-        passes with a choice unfinished."""
+        """(choice, text, logprobs, token times, parts) per delta until every choice is done
+        or `gone` is set; raises StreamEnded when a choice ends otherwise or the deadline
+        passes with a choice unfinished. `parts`: the chat delta objects of a choice with an
+        output splitter (reasoning / tool calls; fed per engine output, so reasoning tokens
+        are counted per token), else None."""
         pending = list(choices)
         while pending and not (gone is not None and gone.is_set()):
             wake.clear()  # before draining: a push after the drain sets it again
@@ -208,7 +254,10 @@ class HttpApi:
                     if is_done(items):
                         c.summary = final_summary(c.request, items[-1].finish_reason)
                         pending.remove(c)
-                    yield (c, *resp.delta_of(items))
+                    parts = None
+                    if c.chat_output is not None:
+                        parts = c.chat_output.feed_outputs(items, done=c.summary is not None)
+                    yield (c, *resp.delta_of(items), parts)
                 if not is_done(items) and terminal is not None:
                     raise StreamEnded(terminal)
             if not progressed:
@@ -236,7 +285,7 @@ class HttpApi:
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            async for c, text, lps, times in self._deltas(choices, wake, gone):
+            async for c, text, lps, times, _ in self._deltas(choices, wake, gone):
                 c.text += text
                 c.logprobs += lps
                 delivery.sent(c.request, len(times))  # nothing is sent until the end
@@ -274,15 +323,27 @@ class HttpApi:
         )
         out["choices"] = [self._full_choice(body, chat, c) for c in choices]
         summaries = [c.summary for c in choices]
-        out["usage"] = resp.usage(summaries, num_prompts, body.n)
+        out["usage"] = self._usage(choices, num_prompts, body.n)
         out["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
+        return out
+
+    def _usage(self, choices, num_prompts: int, n: int) -> dict:
+        out = resp.usage([c.summary for c in choices], num_prompts, n)
+        if self.chat_options.reasoning is not None and any(c.chat_output for c in choices):
+            reasoning = sum(c.chat_output.reasoning_tokens for c in choices if c.chat_output)
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return out
 
     def _full_choice(self, body, chat, c) -> dict:
         choice = {"index": c.index, "finish_reason": c.summary.finish_reason}
         wants_logprobs = body.num_logprobs() is not None
-        if chat:
+        if chat and c.chat_output is not None:
+            c.chat_output.finish()
+            choice["message"] = c.chat_output.message()
+            choice["finish_reason"] = c.chat_output.finish_reason(c.summary.finish_reason)
+        elif chat:
             choice["message"] = {"role": "assistant", "content": c.text}
+        if chat:
             choice["logprobs"] = (
                 {"content": resp.chat_logprobs(self.tokenizer, c.logprobs)}
                 if wants_logprobs
@@ -303,8 +364,16 @@ class HttpApi:
         created = int(time.time())
         offsets = {c.index: 0 for c in choices}
         try:
-            async for c, text, lps, times in self._deltas(choices, wake):
+            async for c, text, lps, times, parts in self._deltas(choices, wake):
                 c.num_tokens += len(times)
+                if parts is not None:  # reasoning / tool calls: split deltas
+                    for part in parts[:-1]:  # e.g. a call's name, then its arguments
+                        chunk = resp.envelope(kind, request_id, self.identity, created)
+                        chunk["choices"] = [
+                            self._stream_choice(body, chat, c, part, [], offsets, final=False)
+                        ]
+                        yield _event(chunk)
+                    text = parts[-1] if parts else ""
                 if not (text or lps or c.summary or (times and body.return_token_times)):
                     delivery.sent(c.request, len(times))
                     continue  # e.g. text held back while it may still become a stop string
@@ -331,7 +400,7 @@ class HttpApi:
                 chunk = resp.envelope(kind, request_id, self.identity, created)
                 summaries = [x.summary for x in choices]
                 chunk["choices"] = []
-                chunk["usage"] = resp.usage(summaries, num_prompts, body.n)
+                chunk["usage"] = self._usage(choices, num_prompts, body.n)
                 chunk["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
                 yield _event(chunk)
             yield "data: [DONE]\n\n"
@@ -346,12 +415,15 @@ class HttpApi:
         finally:  # runs on disconnect too (the generator is cancelled / closed)
             self._cancel_unfinished(choices)
 
-    def _stream_choice(self, body, chat, c, text, lps, offsets) -> dict:
-        finish = c.summary.finish_reason if c.summary is not None else None
+    def _stream_choice(self, body, chat, c, text, lps, offsets, final: bool = True) -> dict:
+        """`text`: the delta's text, or (chat with a splitter) its delta object."""
+        finish = c.summary.finish_reason if c.summary is not None and final else None
+        if c.chat_output is not None:
+            finish = c.chat_output.finish_reason(finish)
         wants_logprobs = body.num_logprobs() is not None
         choice = {"index": c.index}
         if chat:
-            delta = {"content": text}
+            delta = {"content": text} if isinstance(text, str) else dict(text)
             if not c.sent_role:
                 delta["role"], c.sent_role = "assistant", True
             choice["delta"] = delta

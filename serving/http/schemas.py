@@ -2,7 +2,7 @@
 what the engine takes: prompt token ids and SamplingParams.
 
 Every request model forbids unknown fields, so a field this server does not implement
-(`logit_bias`, `tools`, `echo`, `best_of`, ...) is refused by name with a
+(`logit_bias`, `echo`, `best_of`, ...) is refused by name with a
 400 instead of being silently ignored. Bodies are parsed in strict JSON mode: "5" is not an
 integer. Value ranges are checked by SamplingParams and the admission limits, whose errors
 name the field, the value and the limit.
@@ -20,6 +20,12 @@ Supported fields (OpenAI's, then vLLM's extras):
     revision (a pin: 409 when another revision is loaded; also header x-pagedjax-revision),
     return_token_times (streamed chunks carry pagedjax.token_times_unix_ns: when the server
     produced each token, for the load generator's inter-token latency).
+
+Chat tools and reasoning (serving/http/tool_calling.py): tools (function type), tool_choice
+(none | auto | required | {"type": "function", "function": {"name"}}), parallel_tool_calls,
+assistant messages with tool_calls and tool messages (tool_call_id) in the history,
+chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), max_thinking_tokens (a
+thinking budget: after N thought tokens the closing </think> is forced; serving/http/reasoning.py).
 
 Structured output (engine/structured/output.py), at most one per request: OpenAI's
 `response_format` ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}},
@@ -60,14 +66,53 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallItem(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn of tool calls only
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
+    reasoning_content: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+# ---- tools (serving/http/tool_calling.py checks names, schemas and the choice) -------------------
+class FunctionTool(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema of type object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(_Strict):
@@ -135,6 +180,11 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the template
+    max_thinking_tokens: int | None = None  # thinking budget (needs --reasoning_parser)
 
     def requested_max_tokens(self) -> int | None:
         a, b = self.max_completion_tokens, self.max_tokens

@@ -1,0 +1,338 @@
+"""Tools and reasoning on the request side of a chat completion: the checks on `tools` /
+`tool_choice`, the prompt (the model's own template receives `tools`, as transformers'
+`apply_chat_template` passes them), the constraint that makes forced calls valid by
+construction, and the per-choice output splitter (serving/http/chat_output.py).
+
+    ChatOptions (server: --tool_call_parser, --reasoning_parser, the model's template)
+      + request (tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
+      -> ChatSetup.prompt_ids(tokenizer, messages)   messages -> template -> token ids
+         ChatSetup.sampling(params)                  + the call grammar when forced
+         ChatSetup.new_output()                      one ChatOutput per choice
+
+tool_choice: "none" (tools are shown to the model; its output is all content), "auto"
+(default with tools; free text until the model writes the format's trigger tag, e.g.
+<tool_call>, then constrained to a valid call: lazy, with the same grammar), "required" or
+{"type": "function", "function": {"name": N}}: decoding is constrained with llguidance
+(engine/structured/output.py) to the format's call syntax around JSON objects
+{"name": <a tool's name>, "arguments": <that tool's parameters schema>}, so each call
+parses and validates. parallel_tool_calls=false allows exactly one forced call.
+
+Templates without tool support (no `tools` in their source, e.g. SmolLM2's): NOT a silent
+loss. The tool definitions go into the system message with the Hermes instructions Qwen2.5's
+template writes (`<tools>` ... `</tools>`, answer with `<tool_call>` tags), assistant
+`tool_calls` in the history are written into the content in the parser's syntax, and `tool`
+messages become user turns `<tool_response>\\n...\\n</tool_response>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jsonschema
+
+from engine.errors import InvalidRequestError
+from engine.sampling.params import SamplingParams
+from engine.structured.output import StructuredOutput
+from serving.grpc_api import convert
+from serving.http.chat_output import ChatOutput
+from serving.http.reasoning import ReasoningFormat, budget_grammar, get_reasoning_format
+from serving.http.tool_parsers import ToolCallFormat, format_for_template, get_format
+
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function name rule
+MAX_THINKING_TOKENS = 1 << 20
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "documents")
+
+FALLBACK_INSTRUCTIONS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """The server's side: which formats, and what the model's template can render."""
+
+    tool_format: ToolCallFormat
+    reasoning: ReasoningFormat | None
+    template_renders_tools: bool  # the template reads `tools`
+    template_renders_calls: bool  # the template reads assistant `tool_calls`
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer, tool_call_parser: str = "", reasoning_parser: str = ""
+    ) -> ChatOptions:
+        """ValueError for an unknown parser name (the server checks its flags with it)."""
+        template = getattr(tokenizer, "chat_template", None)
+        text = getattr(template, "text", None) or ""
+        return cls(
+            tool_format=get_format(tool_call_parser or format_for_template(text)),
+            reasoning=get_reasoning_format(reasoning_parser) if reasoning_parser else None,
+            template_renders_tools="tools" in text,
+            template_renders_calls="tool_calls" in text,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSetup:
+    """A request's checked tools and choice."""
+
+    tools: tuple[dict, ...]  # OpenAI tool objects {"type": "function", "function": {...}}
+    choice: str  # none | auto | required | function
+    named: str | None  # the forced function's name (choice == "function")
+    parallel: bool
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def constraint(self, fmt: ToolCallFormat) -> StructuredOutput | None:
+        """The call grammar when a call is forced (required / named); with auto, free text
+        until the format's trigger tag, then a valid call (None for a format without one,
+        and for none)."""
+        tools = [t for t in self.tools if self.named in (None, t["function"]["name"])]
+        schema = call_schema(tools, fmt)
+        if self.choice in ("required", "function"):
+            return StructuredOutput(grammar=fmt.grammar(schema, self.parallel))
+        if self.choice == "auto":
+            lazy = fmt.lazy_grammar(schema, self.parallel)
+            return None if lazy is None else StructuredOutput(grammar=lazy)
+        return None
+
+
+def call_schema(tools: Sequence[dict], fmt: ToolCallFormat) -> dict:
+    """JSON Schema of one call object of `fmt` to any of `tools` (name first, as written)."""
+    options = []
+    for t in tools:
+        f = t["function"]
+        params = f.get("parameters") or {"type": "object", "properties": {}}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, fmt.args_key: params},
+                "required": ["name", fmt.args_key],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_setup(
+    tools: Sequence[dict] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> ToolSetup | None:
+    """The request's tools, checked (InvalidRequestError naming field, value and limit)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice", _shown(tool_choice), "needs tools")
+        if tools is not None:
+            raise InvalidRequestError("tools", [], "at least one tool when set")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"{len(tools)} tools", f"at most {MAX_TOOLS}")
+    names: list[str] = []
+    for i, t in enumerate(tools):
+        f = t["function"]
+        if not TOOL_NAME.fullmatch(f["name"]):
+            raise InvalidRequestError(
+                f"tools[{i}].function.name", f["name"], "1-64 characters of a-z, A-Z, 0-9, _ -"
+            )
+        if f["name"] in names:
+            raise InvalidRequestError(f"tools[{i}].function.name", f["name"], "unique names")
+        names.append(f["name"])
+        _check_parameters(i, f.get("parameters"))
+    choice, named = _choice(tool_choice, names)
+    return ToolSetup(tuple(tools), choice, named, parallel_tool_calls is not False)
+
+
+def _check_parameters(i: int, params: Any) -> None:
+    field = f"tools[{i}].function.parameters"
+    if params is None:
+        return
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise InvalidRequestError(field, _shown(params), "a JSON Schema of type 'object'")
+    try:
+        jsonschema.validators.validator_for(params).check_schema(params)
+    except jsonschema.SchemaError as e:
+        raise InvalidRequestError(
+            field, _shown(params), f"not a valid JSON Schema: {e.message}"
+        ) from None
+    try:  # what llguidance can compile (the constraint when the call is forced)
+        StructuredOutput(json_schema=params)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(field, _shown(params), e.limit) from None
+
+
+def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
+    if tool_choice is None:
+        return "auto", None
+    if isinstance(tool_choice, str):
+        return tool_choice, None  # the schema allows none | auto | required only
+    name = tool_choice["function"]["name"]
+    if name not in names:
+        raise InvalidRequestError(
+            "tool_choice.function.name", name, f"one of the tools' names {names}"
+        )
+    return "function", name
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatSetup:
+    """Everything one chat request needs beyond plain text in and out."""
+
+    options: ChatOptions
+    tools: ToolSetup | None
+    template_kwargs: dict
+    max_thinking_tokens: int | None = None
+
+    @classmethod
+    def of(cls, options: ChatOptions, body) -> ChatSetup:
+        """From a ChatCompletionRequest (serving/http/schemas.py)."""
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice
+        if choice is not None and not isinstance(choice, str):
+            choice = choice.model_dump()
+        kwargs = dict(body.chat_template_kwargs or {})
+        for key in RESERVED_TEMPLATE_KWARGS:
+            if key in kwargs:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs.{key}", "set", "set by the request itself"
+                )
+        budget = getattr(body, "max_thinking_tokens", None)
+        if budget is not None:
+            if options.reasoning is None:
+                raise InvalidRequestError(
+                    "max_thinking_tokens", budget, "needs the server's --reasoning_parser"
+                )
+            if not 0 <= budget <= MAX_THINKING_TOKENS:
+                raise InvalidRequestError(
+                    "max_thinking_tokens", budget, f"0 <= x <= {MAX_THINKING_TOKENS}"
+                )
+            if kwargs.get("enable_thinking") is False:
+                budget = None  # no thought to bound
+        tools = tool_setup(tools, choice, body.parallel_tool_calls)
+        return cls(options, tools, kwargs, budget)
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.tools is not None and self.tools.choice != "none"
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        changes: dict[str, Any] = {}
+        if self.max_thinking_tokens is not None:
+            if params.structured is not None:
+                raise InvalidRequestError(
+                    "max_thinking_tokens",
+                    self.max_thinking_tokens,
+                    "not with response_format / guided_*",
+                )
+            grammar = budget_grammar(self.options.reasoning, self.max_thinking_tokens)
+            changes["structured"] = StructuredOutput(grammar=grammar)
+        if self.tools is None:
+            return dataclasses.replace(params, **changes) if changes else params
+        constraint = self.tools.constraint(self.options.tool_format)
+        if constraint is not None:
+            if params.structured is not None or changes:
+                raise InvalidRequestError(
+                    "tool_choice",
+                    self.tools.choice,
+                    "not with response_format / guided_* / max_thinking_tokens",
+                )
+            changes["structured"] = constraint
+        if self.parses_calls and self.options.tool_format.name == "mistral":
+            changes["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def new_output(self) -> ChatOutput | None:
+        reasoning = self.options.reasoning
+        fmt = self.options.tool_format if self.parses_calls else None
+        if reasoning is None and fmt is None:
+            return None
+        return ChatOutput(reasoning, fmt)
+
+    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        messages, kwargs = self.render_inputs(messages)
+        return convert.chat_token_ids(tokenizer, messages, **kwargs)
+
+    def render_inputs(self, messages: list[dict]) -> tuple[list[dict], dict]:
+        """(messages, template kwargs) for the model's template, with the fallback
+        rendering where the template cannot show tools or calls."""
+        opts, kwargs = self.options, dict(self.template_kwargs)
+        if not opts.template_renders_calls:
+            messages = [_fallback_message(m, opts.tool_format) for m in messages]
+        if self.tools is not None:
+            if opts.template_renders_tools:
+                kwargs["tools"] = [dict(t) for t in self.tools.tools]
+            else:
+                messages = _with_tool_instructions(messages, self.tools.tools)
+        return messages, kwargs
+
+
+def message_dicts(messages) -> list[dict]:
+    """Request messages (http_schemas.ChatMessage) as template dicts: tool call arguments
+    decoded (templates write them with `tojson`, as vLLM passes them); `developer` is
+    `system`."""
+    if not messages:
+        raise InvalidRequestError("messages", 0, "at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": None if m.content is None else m.text(),
+        }
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            d["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        out.append(d)
+    return out
+
+
+def _history_call(i: int, j: int, call) -> dict:
+    try:
+        args = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(
+            f"messages[{i}].tool_calls[{j}].function.arguments",
+            _shown(call.function.arguments),
+            f"a JSON object: {e}",
+        ) from None
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": args},
+    }
+
+
+def _fallback_message(m: dict, fmt: ToolCallFormat) -> dict:
+    if m.get("tool_calls"):
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+        text = "\n".join(x for x in (m.get("content"), fmt.render(calls)) if x)
+        return {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+    if m["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+    return m
+
+
+def _with_tool_instructions(messages: list[dict], tools: Sequence[dict]) -> list[dict]:
+    listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    text = FALLBACK_INSTRUCTIONS.format(tools=listed)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
