@@ -42,6 +42,7 @@ from serving.engine_loop import EngineLoop
 from serving.generation import Generator, ServiceLimits
 from serving.guard import RequestGuard
 from serving.metrics import ServerMetrics, start_metrics_http
+from serving.metrics_compat import COMPAT_MODES, lora_state_of
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 from serving.request_state import RequestLedger, SlowConsumerPolicy
@@ -78,6 +79,8 @@ class ServerConfig:
     kv_jax_checksum: bool = True  # jax transport: device digest of the pages (engine/kv_digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
     allow_runtime_lora: bool = False
+    # -- gateway (serving/metrics_compat.py): vLLM's metric names as aliases, or "none"
+    metrics_compat: str = "vllm"
 
 
 class PagedJaxServer:
@@ -103,7 +106,7 @@ class PagedJaxServer:
             )
         max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
         identity = engine.identity
-        self.metrics = ServerMetrics(identity.name, identity.revision)
+        self.metrics = ServerMetrics(identity.name, identity.revision, config.metrics_compat)
         self.metrics.set_cache_config(stats)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         _warm_tokenizer(engine.tokenizer)
@@ -135,6 +138,8 @@ class PagedJaxServer:
         )
         self._warmup = warmup
         self.loop.last_stats = stats
+        if self.metrics.compat is not None:  # gateway: vllm:lora_requests_info
+            self.metrics.compat.lora_state = lambda: lora_state_of(self.loop)
         self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         tenants = tenants or TenantRegistry()
@@ -371,6 +376,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
+    )
+    flags.DEFINE_enum(  # gateway: serving/metrics_compat.py
+        "metrics_compat",
+        "vllm",
+        list(COMPAT_MODES),
+        "also expose vLLM's metric names (the Gateway API Inference Extension's model-server "
+        "protocol, vLLM dashboards); none: only the pagedjax_* names",
     )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
@@ -620,6 +632,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         breaker_cooldown_s=FLAGS.breaker_cooldown_s,
         max_workers=FLAGS.max_workers,
         allow_runtime_lora=FLAGS.allow_runtime_lora,
+        metrics_compat=FLAGS.metrics_compat,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
