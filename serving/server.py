@@ -81,6 +81,10 @@ class ServerConfig:
     allow_runtime_lora: bool = False
     # -- gateway (serving/metrics_compat.py): vLLM's metric names as aliases, or "none"
     metrics_compat: str = "vllm"
+    # -- gateway (serving/kv_events_publisher.py): llm-d KV-cache events over ZMQ; None: off
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str | None = None  # None: kv@<$POD_IP or host name>@<model name>
+    kv_events_replay_endpoint: str | None = None
 
 
 class PagedJaxServer:
@@ -140,6 +144,10 @@ class PagedJaxServer:
         self.loop.last_stats = stats
         if self.metrics.compat is not None:  # gateway: vllm:lora_requests_info
             self.metrics.compat.lora_state = lambda: lora_state_of(self.loop)
+        self.kv_events = None  # gateway: llm-d KV-cache events
+        if config.kv_events_endpoint:
+            self.kv_events = _kv_event_publisher(engine, config, self.metrics.registry)
+            self.loop.on_iteration = self.kv_events.flush
         self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         tenants = tenants or TenantRegistry()
@@ -267,6 +275,8 @@ class PagedJaxServer:
 
     def _on_swap(self, engine) -> None:
         self.ledger.versions = convert.versions_dict(engine.identity)
+        if self.kv_events is not None:
+            self.kv_events.replace_engine(engine)
 
     def begin_drain(self) -> None:
         """Refuse new Generate calls (UNAVAILABLE) and report NOT_SERVING; admitted requests
@@ -284,12 +294,26 @@ class PagedJaxServer:
         self.loop.stop()
         # -- overload (#17): an engine in a child process ends with the server
         close_engine(self.loop.engine)
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
+
+
+def _kv_event_publisher(engine, config: ServerConfig, registry):
+    from serving.kv_events_publisher import KvEventPublisher, default_topic
+
+    return KvEventPublisher(
+        engine,
+        config.kv_events_endpoint,
+        config.kv_events_topic or default_topic(engine.identity.name),
+        replay_endpoint=config.kv_events_replay_endpoint,
+        registry=registry,
+    )
 
 
 # -- overload (#17): the engine in a child process (serving/engine_process.py) ---------------
@@ -383,6 +407,18 @@ def define_flags() -> None:
         list(COMPAT_MODES),
         "also expose vLLM's metric names (the Gateway API Inference Extension's model-server "
         "protocol, vLLM dashboards); none: only the pagedjax_* names",
+    )
+    flags.DEFINE_string(  # gateway: serving/kv_events_publisher.py
+        "kv_events_endpoint",
+        None,
+        "publish llm-d KV-cache events on this ZMQ address (tcp://*:5557 binds, "
+        "tcp://HOST:PORT connects); unset: off",
+    )
+    flags.DEFINE_string(
+        "kv_events_topic", None, "KV events topic (unset: kv@<$POD_IP or host>@<model name>)"
+    )
+    flags.DEFINE_string(
+        "kv_events_replay_endpoint", None, "ZMQ ROUTER address replaying recent event batches"
     )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
@@ -529,6 +565,7 @@ def check_flags() -> None:
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
     _check_role()  # disaggregation
+    _check_kv_events()  # gateway
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
@@ -555,6 +592,22 @@ def _check_role() -> None:
         else None
     )
     shared.require("role", FLAGS.role, why is None, why or "")
+
+
+def _check_kv_events() -> None:
+    """-- gateway: the events come from the page pool, which must be in this process."""
+    for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(FLAGS, flag)
+        if value is None:
+            continue
+        shared.require(
+            flag,
+            value,
+            value.startswith(("tcp://", "ipc://", "inproc://")),
+            "a ZMQ address: tcp://HOST:PORT, tcp://*:PORT, ipc://PATH",
+        )
+        shared.require(flag, value, not FLAGS.engine_process, "not with --engine_process")
+        shared.require(flag, value, FLAGS.prefix_caching, "needs --prefix_caching")
 
 
 def _mesh_sizes(spec: str) -> dict:
@@ -633,6 +686,9 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         max_workers=FLAGS.max_workers,
         allow_runtime_lora=FLAGS.allow_runtime_lora,
         metrics_compat=FLAGS.metrics_compat,
+        kv_events_endpoint=FLAGS.kv_events_endpoint,
+        kv_events_topic=FLAGS.kv_events_topic,
+        kv_events_replay_endpoint=FLAGS.kv_events_replay_endpoint,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
