@@ -45,6 +45,8 @@ def build_engine(
 
     if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
+    import jax
+
     from configs.engine_config import EngineConfig
     from engine.factory import create_engine
     from engine.sharding import loader_shardings
@@ -65,7 +67,12 @@ def build_engine(
         shardings_for=loader_shardings(mesh) if mesh else None,
         quantization=config.quant_config,
     )
-    core = create_engine(loaded, config, mesh=mesh)
+    if jax.process_count() > 1:  # multi-host (serving/multihost.py): leader or follower
+        from engine.distributed import create_multihost_engine
+
+        core = create_multihost_engine(loaded, config, mesh=mesh)
+    else:
+        core = create_engine(loaded, config, mesh=mesh)
     for name, path in loras.items():  # before the engine thread starts: no lock needed
         for replica in getattr(core, "replicas", [core]):
             ref = replica.load_adapter(name, path)

@@ -318,11 +318,16 @@ def _kv_event_publisher(engine, config: ServerConfig, registry):
 
 # -- overload (#17): the engine in a child process (serving/engine_process.py) ---------------
 def close_engine(engine) -> None:
-    """Stop an engine's child process (in-process engines have nothing to stop)."""
+    """Stop an engine's child process (in-process engines have nothing to stop; a multi-host
+    leader tells its followers to stop)."""
     from serving.engine_process import ProcessEngine
 
     if isinstance(engine, ProcessEngine):
         engine.close()
+        return
+    from serving.multihost import stop_followers
+
+    stop_followers(engine)
 
 
 def build_serving_engine(
@@ -407,6 +412,13 @@ def define_flags() -> None:
         list(COMPAT_MODES),
         "also expose vLLM's metric names (the Gateway API Inference Extension's model-server "
         "protocol, vLLM dashboards); none: only the pagedjax_* names",
+    )
+    flags.DEFINE_enum(  # gateway: serving/multihost.py
+        "distributed_env",
+        None,
+        ["lws"],
+        "multi-host: jax.distributed from the launcher's environment (lws: LeaderWorkerSet's "
+        "LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX); process 0 serves",
     )
     flags.DEFINE_string(  # gateway: serving/kv_events_publisher.py
         "kv_events_endpoint",
@@ -566,6 +578,8 @@ def check_flags() -> None:
         shared.check_mesh(FLAGS.mesh)
     _check_role()  # disaggregation
     _check_kv_events()  # gateway
+    if FLAGS.distributed_env:  # gateway: multi-host serving
+        _check_multihost()
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
@@ -608,6 +622,13 @@ def _check_kv_events() -> None:
         )
         shared.require(flag, value, not FLAGS.engine_process, "not with --engine_process")
         shared.require(flag, value, FLAGS.prefix_caching, "needs --prefix_caching")
+
+
+def _check_multihost() -> None:
+    from serving import multihost
+
+    for flag, value, why in multihost.refusals(FLAGS):
+        raise shared.UsageError(flag, value, why)
 
 
 def _mesh_sizes(spec: str) -> dict:
@@ -714,6 +735,14 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise shared.UsageError("", " ".join(argv[1:]), "the server takes no arguments, only flags")
     shared.setup_logging(FLAGS.log_level)
+    from serving import multihost
+
+    if FLAGS.distributed_env:  # gateway: before check_flags counts the (global) devices
+        _check_multihost()
+        try:
+            multihost.initialize(FLAGS.distributed_env)
+        except ValueError as e:  # a launcher variable missing or malformed
+            raise shared.UsageError("distributed_env", FLAGS.distributed_env, str(e)) from None
     check_flags()
     _setup_request_log(FLAGS.request_log)
     if FLAGS.model != "mock":
@@ -730,6 +759,9 @@ def main(argv) -> None:
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         **build_kwargs,
     )
+    if FLAGS.distributed_env and multihost.is_follower():
+        multihost.follow(engine)  # gateway: process != 0 runs the leader's steps, serves nothing
+        return
     engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
     warmup = kv_transfer_service.with_transfer_warmup(
         engine, warmup, FLAGS.role, FLAGS.kv_transport
@@ -762,7 +794,9 @@ def main(argv) -> None:
             warm()
         return engine
 
-    stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
+    # NOTE: multi-host: no SIGHUP reload (a new engine would be built on process 0 only)
+    reload = None if FLAGS.distributed_env else rebuild
+    stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=reload)
     server.start()
     print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)
     if server.http_port is not None:

@@ -255,3 +255,41 @@ def test_a_full_publish_queue_drops_and_counts_never_blocks():
 def test_bad_endpoint_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_events_endpoint='tcp://nohost' is invalid"):
         KvEventPublisher(MockEngine(), "tcp://nohost", "t")
+
+
+def test_benchmark_smoke(capsys):
+    from benchmarks import kv_events_bench
+
+    kv_events_bench.main(["--num_seqs=8", "--steps=60", "--repeats=1"])
+    out = capsys.readouterr().out
+    assert "load average" in out and "us per step" in out and "dropped 0" in out
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kv_events_endpoint=localhost:5557"], "--kv_events_endpoint=localhost:5557"),
+        (["--kv_events_endpoint=tcp://*:5557", "--engine_process"], "not with --engine_process"),
+        (["--distributed_env=lws", "--speculative=ngram"], "--speculative=ngram"),
+        (["--distributed_env=lws", "--model=mock"], "a real model with --distributed_env"),
+        (["--distributed_env=lws", "--model=tiny"], "LWS_LEADER_ADDRESS=None is invalid"),
+    ],
+)
+def test_gateway_flag_mistakes_are_usage_errors(args, message):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.server", "--metrics_port=-1", *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
