@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
-from serving import convert
+from serving import convert, http_kv_transfer
 from serving import http_delivery as delivery
 from serving import http_responses as resp
 from serving import http_schemas as schemas
@@ -74,6 +74,7 @@ class StreamEnded(Exception):
 class HttpApi:
     def __init__(self, generator: Generator, metrics):
         self.generator, self.metrics = generator, metrics
+        self.kv_transfer = None  # http_kv_transfer.KvTransferParams (set by the server)
         self.identity = generator.identity
         self.tokenizer = generator.engine.tokenizer
         self.app = self._build_app()
@@ -110,7 +111,12 @@ class HttpApi:
         wake = asyncio.Event()
         try:
             calls = self._calls(request, body, chat, prompts, request_id, wake)
-            choices = self._submit_all(calls, arrival_s)
+            kv = self._kv_transfer_params(body)  # llm-d P/D sidecar: serving/http_kv_transfer.py
+            if kv is not None and kv.get("do_remote_prefill"):
+                calls = [self.kv_transfer.with_remote_prefill(c, kv, body) for c in calls]
+                choices = await asyncio.to_thread(self._submit_pulling, calls, arrival_s)
+            else:
+                choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return resp.refusal_response(e)
         headers = resp.identity_headers(self.identity)
@@ -163,6 +169,34 @@ class HttpApi:
                     )
                 )
         return calls
+
+    def _kv_transfer_params(self, body) -> dict | None:
+        """The request's kv_transfer_params, checked (None: none); Refusal when invalid or
+        when this server cannot serve its side."""
+        try:
+            kv = http_kv_transfer.parse(body.kv_transfer_params, stream=body.stream, n=body.n)
+        except InvalidRequestError as e:
+            raise invalid(e) from e
+        if kv is not None and self.kv_transfer is None:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "kv_transfer_unavailable",
+                "kv_transfer_params: this server moves no K/V",
+                param="kv_transfer_params",
+            )
+        if kv is not None and kv.get("do_remote_decode"):
+            self.kv_transfer.check_prefill()
+        return kv
+
+    def _submit_pulling(self, calls: list[GenerateCall], arrival_s: float) -> list:
+        """_submit_all off the event loop (each admission pulls K/V from the prefill pod);
+        a refused call's staged K/V is dropped."""
+        try:
+            return self._submit_all(calls, arrival_s)
+        except Refusal:
+            for c in calls:
+                self.kv_transfer.unstage(c.request_id)
+            raise
 
     def _submit_all(self, calls: list[GenerateCall], arrival_s: float) -> list:
         """One engine request per choice. If choice k is refused, the choices already
@@ -258,6 +292,8 @@ class HttpApi:
         summaries = [c.summary for c in choices]
         out["usage"] = resp.usage(summaries, num_prompts, body.n)
         out["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
+        if (body.kv_transfer_params or {}).get("do_remote_decode"):  # llm-d P/D: call 1
+            out["kv_transfer_params"] = self.kv_transfer.response_params(request_id)
         return out
 
     def _full_choice(self, body, chat, c) -> dict:

@@ -192,10 +192,13 @@ class PagedJaxServer:
         self._http = None
         if config.http_port is not None:
             from serving.http_api import HttpApi
+            from serving.http_kv_transfer import KvTransferParams
             from serving.http_server import HttpServer
 
             self.generator.allow_runtime_lora = config.allow_runtime_lora
             self.http_api = HttpApi(self.generator, self.metrics)
+            # llm-d's routing sidecar: kv_transfer_params (serving/http_kv_transfer.py)
+            self.http_api.kv_transfer = KvTransferParams(self)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
 
