@@ -203,7 +203,8 @@ def test_pool_selects_the_serving_pods_on_their_http_port():
     kserve = set(gateway_of_kind("LLMInferenceService"))  # KServe makes its own pool
     for name, template, c in server_containers():
         labels = template["metadata"].get("labels", {})
-        if name in kserve:
+        sidecar = any(x["name"] == "routing-proxy" for x in template["spec"]["containers"])
+        if name in kserve or sidecar:  # the P/D decode pod: the sidecar has the port
             continue
         if not selector.items() <= labels.items():
             assert "--http_port=8000" not in c["args"], f"{name}: serves but is not in the pool"
@@ -298,6 +299,41 @@ def test_leaderworkerset_env_becomes_jax_distributed_arguments():
             f"pagedjax-multihost-0.pagedjax-multihost.default:{coordinator_port}"
         )
         assert (cfg.num_processes, cfg.process_id) == (size, index)
+
+
+def test_prefill_decode_pairs_the_sidecar_with_the_decode_server():
+    deployments = {
+        name: d
+        for name, d in gateway_of_kind("Deployment").items()
+        if name.endswith(("fill", "code"))
+    }
+    pool = gateway_of_kind("InferencePool")["pagedjax"]
+    (target,) = [p["number"] for p in pool["spec"]["targetPorts"]]
+    for role in ("prefill", "decode"):
+        pod = deployments[f"pagedjax-{role}"]["spec"]["template"]
+        assert pod["metadata"]["labels"]["llm-d.ai/role"] == role
+        assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        containers = {c["name"]: c for c in pod["spec"]["containers"]}
+        server = containers["server"]
+        assert f"--role={role}" in server["args"]
+        ports = {p["containerPort"] for c in containers.values() for p in c.get("ports", [])}
+        assert target in ports, role  # the pool's port: the server (prefill), the sidecar (decode)
+    prefill = deployments["pagedjax-prefill"]["spec"]["template"]["spec"]["containers"][0]
+    assert 50051 in {p["containerPort"] for p in prefill["ports"]}  # decode pods pull here
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in prefill[
+        "env"
+    ]  # kv_transfer_params' remote_host
+    decode = {
+        c["name"]: c
+        for c in deployments["pagedjax-decode"]["spec"]["template"]["spec"]["containers"]
+    }
+    sidecar = dict(a[2:].split("=", 1) for a in decode["routing-proxy"]["args"])
+    assert int(sidecar["port"]) == target and sidecar["connector"] == "nixlv2"
+    assert f"--http_port={sidecar['vllm-port']}" in decode["server"]["args"]
+    (config,) = [d for d in gateway_docs("prefill-decode.yaml") if d["kind"] == "ConfigMap"]
+    picker = yaml.safe_load(config["data"]["epp-config.yaml"])
+    assert {p["name"] for p in picker["schedulingProfiles"]} == {"prefill", "decode"}
+    assert "pd-profile-handler" in {p["type"] for p in picker["plugins"]}
 
 
 def test_kserve_example_runs_our_server_on_the_model_kserve_mounts():

@@ -127,3 +127,19 @@ def test_the_mock_server_moves_no_kv():
             {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         )
     assert r.status_code == 409 and "cannot move K/V" in r.text, r.text
+
+
+def test_the_nixlv2_connectors_null_filled_params_parse():
+    from serving.http_kv_transfer import parse
+
+    # what llm-d's sidecar (connector nixlv2) sends with call 1
+    first = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert parse(first, stream=False, n=1) == first
+    assert parse({"do_remote_decode": False}, stream=True, n=3) is None
