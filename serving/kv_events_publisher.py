@@ -134,7 +134,11 @@ class KvEventPublisher:
             seq, ts, events, rank = item
             payload = msgpack.packb([ts, events, rank])
             seq_bytes = seq.to_bytes(8, "big")
-            self._pub.send_multipart((self.topic, seq_bytes, payload))
+            try:
+                self._pub.send_multipart((self.topic, seq_bytes, payload))
+            except zmq.ZMQError:  # the batch is lost (a gap in seq); the stream goes on
+                log.exception("kv events: sending batch %d failed", seq)
+                continue
             self._replay_buffer.append((seq_bytes, seq, payload))
             self.published.inc()
 
