@@ -89,6 +89,7 @@ class KvEventPublisher:
         )
         counter = lambda name, doc: prom.Counter(name, doc, registry=registry)  # noqa: E731
         self.published = counter("pagedjax_kv_events_batches", "KV event batches sent")
+        self.events_sent = counter("pagedjax_kv_events", "KV events sent (in the batches sent)")
         self.dropped = counter(
             "pagedjax_kv_events_dropped_batches", "KV event batches dropped (publish queue full)"
         )
@@ -141,6 +142,7 @@ class KvEventPublisher:
                 continue
             self._replay_buffer.append((seq_bytes, seq, payload))
             self.published.inc()
+            self.events_sent.inc(len(events))
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
