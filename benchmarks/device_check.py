@@ -397,17 +397,26 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(smoke: bool) -> dict:
+def run(smoke: bool, out: str | None = None) -> dict:
+    """Every section in order; with `out`, OUT.json is rewritten after each one, so a run
+    cut short by the device lease still leaves what it measured."""
     sizes = SMOKE if smoke else FULL
     t0 = time.perf_counter()
     r: dict = {"smoke": smoke, "sizes": dataclasses.asdict(sizes)}
-    timed_section(r, "devices", devices_info)
-    timed_section(r, "peaks", peaks, smoke)
+
+    def section(name: str, fn, *args) -> None:
+        timed_section(r, name, fn, *args)
+        if out is not None:
+            with open(out + ".json", "w") as f:
+                json.dump(r, f, indent=1, default=str)
+
+    section("devices", devices_info)
+    section("peaks", peaks, smoke)
     peak = r["peaks"] if r["peaks"]["ok"] else {"copy_gb_s": math.nan, "matmul_tflop_s": math.nan}
-    timed_section(r, "kernels", kernels_vs_reference, sizes, smoke)
-    timed_section(r, "decode_attention", decode_attention, sizes, peak, smoke)
-    timed_section(r, "ragged_prefill", ragged_prefill, sizes, peak, smoke)
-    timed_section(r, "model", model_decode, sizes, peak, smoke)
+    section("kernels", kernels_vs_reference, sizes, smoke)
+    section("decode_attention", decode_attention, sizes, peak, smoke)
+    section("ragged_prefill", ragged_prefill, sizes, peak, smoke)
+    section("model", model_decode, sizes, peak, smoke)
     r["total_s"] = time.perf_counter() - t0
     r["ok"] = all(v.get("ok", True) for v in r.values() if isinstance(v, dict))
     return r
@@ -420,7 +429,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
-    r = run(args.smoke)
+    r = run(args.smoke, args.out)
     with open(args.out + ".json", "w") as f:
         json.dump(r, f, indent=1, default=str)
     with open(args.out + ".md", "w") as f:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-from configs.errors import InvalidRequestError
+from configs.errors import InvalidRequestError, bounded
 
 MAX_CHOICES = 1024
 MAX_CONSTRAINT_CHARS = 200_000  # a schema / regex / grammar longer than this is refused
@@ -119,7 +119,7 @@ def _canonical_schema(schema) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise InvalidRequestError(field, schema[:80], f"not valid JSON: {e}") from None
+            raise InvalidRequestError(field, schema, f"not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(field, schema, "a JSON Schema is an object (dict) or a bool")
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))
@@ -153,8 +153,11 @@ def _grammar_for(kind: str, value) -> str:
         try:
             value = gbnf_to_lark(value)
         except (GbnfToLarkError, ValueError) as e:
-            raise InvalidRequestError("structured.grammar", value[:80], f"GBNF: {e}") from None
+            raise InvalidRequestError("structured.grammar", value, f"GBNF: {e}") from None
     return M.grammar_from_lark(value)
+
+
+_MAX_MESSAGE_LINES, _MESSAGE_LINE_CHARS = 8, 80  # of llguidance's error message
 
 
 @functools.lru_cache(maxsize=1024)
@@ -165,6 +168,9 @@ def _validated_grammar(kind: str, value) -> str:
         grammar, None, limits=parser_limits()
     )
     if is_error:
-        shown = value if not isinstance(value, str) else value[:200]
-        raise InvalidRequestError(f"structured.{kind}", shown, messages[0].strip())
+        # NOTE: llguidance quotes the offending line whole (a 4 MB one-line grammar), and the
+        # error already echoes the value: each line of its message keeps 80 characters.
+        lines = messages[0].strip().splitlines()[:_MAX_MESSAGE_LINES]
+        message = "\n".join(bounded(line, _MESSAGE_LINE_CHARS) for line in lines)
+        raise InvalidRequestError(f"structured.{kind}", value, message)
     return grammar

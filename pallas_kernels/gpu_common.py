@@ -10,13 +10,19 @@ from jax.experimental import pallas as pl
 from pallas_kernels.layout import pow2
 
 MASK_VALUE = -1e30
-# Tuning table (H200 guesses until measured): tokens per KV block, query-tile rows.
-KV_BLOCK_TOKENS = {"ragged": 64, "decode": 128}
+# Tuning table: tokens per KV block, query-tile rows. Decode measured on one H200 (JAX 0.11.2,
+# 64 seqs x 4k context, bf16, GQA 32:8; benchmarks/device_sweep.py, RESULTS.md 2026-12-04):
+# 64-token blocks 0.61 ms against 0.81 (128) and 0.70 (256) in the same run. The ragged
+# kernel's 64 is still a guess.
+KV_BLOCK_TOKENS = {"ragged": 64, "decode": 64}
 Q_TILE_ROWS = 64
 # Decode: split each sequence's KV blocks until S * K * splits reaches this many programs
 # (an H200 has 132 SMs; several programs per SM hide memory latency).
 DECODE_TARGET_PROGRAMS = 1024
 MAX_DECODE_SPLITS = 32
+# Triton launch parameters of the decode kernel (a table of its own so a sweep,
+# benchmarks/device_sweep.py, can try others without editing the kernel).
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 def check_gpu_shapes(page_size, head_dim):

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_common import (
+    DECODE_LAUNCH,
     DECODE_TARGET_PROGRAMS,
     KV_BLOCK_TOKENS,
     MAX_DECODE_SPLITS,
@@ -145,7 +146,7 @@ def decode_paged_attention_gpu(
             jax.ShapeDtypeStruct(part, jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(**DECODE_LAUNCH),
         name="decode_paged_attention",
     )(kv_lens, layer_array(layer), page_table, qg, k_pages, v_pages, k_scales, v_scales)
     out = combine_splits(o, m, l)  # [S, K, Gp, hd]

@@ -8,9 +8,9 @@ popped by the engine thread), so a rejection is decided within milliseconds of a
                                            full by count or tokens, when the estimated
                                            completion (queue wait + own prefill + max_tokens
                                            decode steps, serving/capacity_model.py) is past
-                                           the request's deadline ("deadline"), or, without a
-                                           deadline, the estimated wait is past the queue
-                                           timeout ("queue_timeout")
+                                           the request's deadline ("deadline"), or the
+                                           estimated wait is past the queue timeout
+                                           ("queue_timeout", whatever the deadline)
   WaitingQueue.pop()                    -> highest effective priority: class + waited / aging_s,
                                            so a LOW request waiting 2 * aging_s ranks with HIGH
                                            (no starvation); FIFO among equals
@@ -59,11 +59,14 @@ class AdmissionConfig:
     # With a capacity model, a request is admitted only if its estimated completion x this
     # fits its deadline: estimates err, and a timed-out request wasted its whole run.
     deadline_margin: float = 1.2
+    # The deadline of a call that brings none (and whose tenant sets none): serving/deadlines.py
+    default_request_timeout_s: float | None = None
 
     def __post_init__(self):
         assert self.max_queue_requests >= 0, self.max_queue_requests
         assert self.max_model_len >= 2, self.max_model_len
         assert self.aging_s > 0 and self.queue_timeout_s > 0
+        assert self.default_request_timeout_s is None or self.default_request_timeout_s > 0
 
 
 class Rejected(Exception):
@@ -247,7 +250,9 @@ class WaitingQueue:
                 f"x margin {margin:g} = {completion_s:.3f}s exceeds the deadline "
                 f"({item.deadline_s - now:.3f}s left)",
             )
-        if item.deadline_s is None and est.wait_s > self.cfg.queue_timeout_s:
+        # NOTE: with a deadline too: expire() takes a request out at the queue timeout
+        # whatever its deadline (the openai SDK sends a 600 s one on every call)
+        if est.wait_s > self.cfg.queue_timeout_s:
             raise Rejected(
                 "queue_timeout",
                 self._clamp(1000 * (est.wait_s - self.cfg.queue_timeout_s)),

@@ -236,7 +236,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("replicas", 0, "`both` replicas (prefill + decode in one engine)")
     flags.DEFINE_integer("port", 50051, "the router's gRPC port")
     flags.DEFINE_integer("http_port", 0, "the router's OpenAI-compatible HTTP port (0: off)")
-    flags.DEFINE_string("worker_args", "--model=tiny", "flags for every serving.server")
+    flags.DEFINE_string(
+        "worker_args", f"--model={shared.DEFAULT_MODEL}", "flags for every serving.server"
+    )
     flags.DEFINE_string("router_args", "", "extra flags for serving.router")
     flags.DEFINE_bool("pin_cpus", True, "pin each worker to one core (sched_setaffinity)")
     flags.DEFINE_string("logs_dir", None, "worker and router logs (default: a temp dir)")

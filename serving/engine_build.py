@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from serving import flags as shared
+
+StopFn = Callable[[], bool]
+
+
+class Warmup(Protocol):
+    """The one signature of a server's warm-up callable (engine_warmup's, the child process
+    engine's, and the prefill/decode wrapper around either): build (and with execute, run)
+    the step programs; `stop()` turning True ends it early with engine.errors.WarmupCancelled."""
+
+    def __call__(self, stop: StopFn | None = None) -> None: ...
 
 
 def build_engine(
@@ -84,7 +96,7 @@ def build_engine(
     return core
 
 
-def engine_warmup(engine, max_shapes: int, *, execute: bool = False):
+def engine_warmup(engine, max_shapes: int, *, execute: bool = False) -> Warmup | None:
     """A callable building every step program of `engine`'s shape set (engine/shapes.py;
     its size is EngineConfig.max_step_shapes, which the server sets from
     --warmup_max_shapes), or None: nothing to do (the mock engine, or max_shapes 0).
@@ -94,7 +106,7 @@ def engine_warmup(engine, max_shapes: int, *, execute: bool = False):
     if not max_shapes or not hasattr(replicas[0], "run_step"):
         return None
 
-    def run(stop=None) -> None:
+    def run(stop: StopFn | None = None) -> None:
         for replica in replicas:
             _warmup_with_progress(replica, stop=stop, execute=execute)
 

@@ -37,12 +37,14 @@ from collections.abc import Callable
 
 import grpc
 
+from configs.errors import bounded, echo
 from engine.adapter_refs import loaded_adapters
 from engine.api_types import EngineRequest, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue, check_limits
 from serving.breaker import CircuitBreaker
+from serving.deadlines import Deadline, log_fields, with_defaults
 from serving.engine_loop import EngineLoop
 from serving.request_state import ActiveRequest, RequestLedger, StreamBuffer
 from serving.tenants import TenantLimiter, TenantPolicy, TenantRegistry, UnknownApiKey
@@ -69,6 +71,7 @@ class Refusal(Exception):
         tenant: str = "?",
         param: str | None = None,
     ):
+        details = bounded(details)  # a parser's message may quote a multi-megabyte field
         self.status, self.reason, self.details = status, reason, details
         self.retry_after_ms, self.outcome, self.tenant = retry_after_ms, outcome, tenant
         self.param = param
@@ -102,7 +105,8 @@ class GenerateCall:
     model: str = ""
     revision: str = ""
     priority: int = 1  # engine priority: 0 low, 1 normal, 2 high
-    time_left_s: float | None = None  # None: no deadline
+    time_left_s: float | None = None  # None: no deadline (then the tenant's or server's default)
+    deadline_source: str = ""  # where time_left_s came from (serving/deadlines.py)
     stream_listener: Callable[[], None] | None = None  # called when the stream has news
     success_on_delivery: bool = False  # the transport records success after the final send
     adapter: str = ""  # gRPC `adapter`: a loaded LoRA adapter's name ("" = none given)
@@ -117,6 +121,11 @@ class FinalSummary:
     timings: dict  # queue_s, ttft_s, tpot_s, e2e_s (None: not measured)
     spec_drafted_tokens: int = 0  # speculative decoding: drafts verified / accepted
     spec_accepted_tokens: int = 0
+
+
+def _log_extra(call: GenerateCall) -> dict:
+    """The deadline fields of a call's request log line (timeout_s, timeout_source)."""
+    return log_fields(Deadline(call.time_left_s, call.deadline_source))
 
 
 def is_done(items: list[RequestOutput]) -> bool:
@@ -174,7 +183,7 @@ class Generator:
             r = self._admit(call, tenant, arrival_s)
         except Refusal as e:
             e.tenant = tenant_name
-            self.record_refusal(call.request_id, e, arrival_s)
+            self.record_refusal(call.request_id, e, arrival_s, _log_extra(call))
             raise
         except ValueError as e:  # e.g. the model has no chat template
             refusal = Refusal(
@@ -189,10 +198,19 @@ class Generator:
         self.loop.wake.set()
         return r
 
-    def record_refusal(self, request_id: str, e: Refusal, arrival_s: float) -> None:
+    def record_refusal(
+        self, request_id: str, e: Refusal, arrival_s: float, log_extra: dict | None = None
+    ) -> None:
         """The one outcome of a request refused before it was queued."""
         self.ledger.reject(
-            request_id, e.tenant, e.reason, e.status, e.details, arrival_s, outcome=e.outcome
+            request_id,
+            e.tenant,
+            e.reason,
+            e.status,
+            e.details,
+            arrival_s,
+            outcome=e.outcome,
+            extra=log_extra,
         )
 
     def authenticate(self, api_key: str | None) -> TenantPolicy:
@@ -224,7 +242,7 @@ class Generator:
                 raise Refusal(
                     grpc.StatusCode.NOT_FOUND,
                     "adapter_not_found",
-                    f"adapter {call.adapter!r} is not loaded (loaded: {sorted(loaded)})",
+                    f"adapter {echo(call.adapter)} is not loaded (loaded: {sorted(loaded)})",
                     param="adapter",
                 )
             return loaded[call.adapter]
@@ -235,14 +253,14 @@ class Generator:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "model_mismatch",
-                f"model {model!r} is not served here (loaded: {self.identity.name!r})",
+                f"model {echo(model)} is not served here (loaded: {self.identity.name!r})",
                 param="model",
             )
         if revision and revision != self.identity.revision:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "model_mismatch",
-                f"revision {revision!r} is pinned but {self.identity.revision!r} is loaded",
+                f"revision {echo(revision)} is pinned but {self.identity.revision!r} is loaded",
                 param="revision",
             )
 
@@ -267,6 +285,15 @@ class Generator:
             raise invalid(InvalidRequestError("request_id", rid, "already in flight"))
         return prompt, sp
 
+    def _resolve_deadline(self, call: GenerateCall, tenant: TenantPolicy) -> None:
+        """A call without a deadline of its own takes its tenant's default, else the server's."""
+        d = with_defaults(
+            Deadline(call.time_left_s, call.deadline_source),
+            tenant.default_request_timeout_s,
+            self.limits.admission.default_request_timeout_s,
+        )
+        call.time_left_s, call.deadline_source = d.timeout_s, d.source
+
     def _deadline_s(self, time_left_s: float | None, arrival_s: float) -> float | None:
         if time_left_s is None:
             return None
@@ -284,6 +311,7 @@ class Generator:
         adapter = self.resolve_adapter(call)  # LoRA; an HTTP `model` may name the adapter
         self.check_model("" if adapter is not None else call.model, call.revision)
         prompt, sp = self._validated(call)
+        self._resolve_deadline(call, tenant)
         deadline_s = self._deadline_s(call.time_left_s, arrival_s)
         retry_ms = self.breaker.allow()
         if retry_ms is not None:
@@ -313,6 +341,7 @@ class Generator:
         stream = StreamBuffer(self.limits.stream_buffer_messages, call.stream_listener)
         r = ActiveRequest(call.request_id, tenant, reservation, engine_request, arrival_s, stream)
         r.success_on_delivery = call.success_on_delivery
+        r.log_extra = _log_extra(call)
         self._enqueue(r, call.priority)
         return r
 

@@ -9,7 +9,8 @@ turned into one GenerateCall per choice (n choices x prompts; each its own engin
 so the n choices of a prompt share its prefix-cache pages once computed) and handed to the
 same Generator as gRPC (generation.py): same tenants (`Authorization: Bearer KEY` is gRPC's
 `x-api-key`), budgets, breaker, waiting queue, engine thread, metrics and one outcome per
-engine request.
+engine request. A deadline comes from `x-request-timeout-ms` or the SDK's
+`x-stainless-read-timeout` header (serving/deadlines.py) and bounds the whole response.
 
     uvicorn event loop (one thread, serving/http_server.py)
       | authenticate -> parse -> Generator.submit per choice (refusal: OpenAI error object)
@@ -43,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
-from serving import convert, http_kv_transfer
+from serving import convert, deadlines, http_kv_transfer
 from serving import http_delivery as delivery
 from serving import http_responses as resp
 from serving import http_schemas as schemas
@@ -61,6 +62,7 @@ from serving.request_state import Terminal
 
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
+_EXPIRED = "deadline passed before the response was complete"
 
 
 class StreamEnded(Exception):
@@ -104,13 +106,14 @@ class HttpApi:
             tenant = self.generator.authenticate(resp.api_key(self.generator.tenants, request)).name
             body = schemas.parse_body(model_cls, await request.body())
             prompts = self._prompts(body, chat)
+            deadline = _deadline(request)
         except Refusal as e:
             e.tenant = tenant
             self.generator.record_refusal(request_id, e, arrival_s)
             return resp.refusal_response(e)
         wake = asyncio.Event()
         try:
-            calls = self._calls(request, body, chat, prompts, request_id, wake)
+            calls = self._calls(request, body, chat, prompts, request_id, wake, deadline)
             kv = self._kv_transfer_params(body)  # llm-d P/D sidecar: serving/http_kv_transfer.py
             if kv is not None and kv.get("do_remote_prefill"):
                 calls = [self.kv_transfer.with_remote_prefill(c, kv, body) for c in calls]
@@ -139,7 +142,10 @@ class HttpApi:
             raise invalid(e) from e
         return prompts
 
-    def _calls(self, request, body, chat, prompts, request_id, wake) -> list[GenerateCall]:
+    def _calls(
+        self, request, body, chat, prompts, request_id, wake, deadline
+    ) -> list[GenerateCall]:
+        """One call per choice; `deadline` bounds each one's whole response, streamed or not."""
         loop = asyncio.get_running_loop()
         vocab = self.generator.vocab_size
 
@@ -166,6 +172,8 @@ class HttpApi:
                         priority=schemas.engine_priority(body.priority),
                         stream_listener=listener,
                         success_on_delivery=True,  # overload (#17): http_delivery.py
+                        time_left_s=deadline.timeout_s,
+                        deadline_source=deadline.source,
                     )
                 )
         return calls
@@ -217,7 +225,8 @@ class HttpApi:
     # ---- relaying deltas -----------------------------------------------------------------------
     async def _deltas(self, choices, wake: asyncio.Event, gone=None) -> AsyncIterator:
         """(choice, text, logprobs, token times) per delta until every choice is done or
-        `gone` is set; raises StreamEnded when a choice ends otherwise."""
+        `gone` is set; raises StreamEnded when a choice ends otherwise or the deadline
+        passes with a choice unfinished."""
         pending = list(choices)
         while pending and not (gone is not None and gone.is_set()):
             wake.clear()  # before draining: a push after the drain sets it again
@@ -233,8 +242,13 @@ class HttpApi:
                 if not is_done(items) and terminal is not None:
                     raise StreamEnded(terminal)
             if not progressed:
+                left_s = _time_left_s(choices)
+                if left_s is not None and left_s <= 0:
+                    # NOTE: as gRPC's runtime ends a call at its deadline whatever the engine
+                    # does (a step compiling a new shape can take longer than the deadline)
+                    raise StreamEnded(Terminal(grpc.StatusCode.DEADLINE_EXCEEDED, _EXPIRED))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), _POLL_S)
+                    await asyncio.wait_for(wake.wait(), min(_POLL_S, left_s or _POLL_S))
 
     def _cancel_unfinished(self, choices, reason: str = "client") -> None:
         for c in choices:
@@ -386,6 +400,21 @@ class HttpApi:
             offsets[c.index] += len(text)
         choice["finish_reason"] = finish
         return choice
+
+
+def _time_left_s(choices) -> float | None:
+    """Seconds until the response's deadline (every choice has the same), None: no deadline."""
+    deadline_s = choices[0].request.engine_request.deadline_s
+    return None if deadline_s is None else deadline_s - time.monotonic()
+
+
+def _deadline(request: Request) -> deadlines.Deadline:
+    """The request's own deadline (headers); the tenant's or server's default is the
+    Generator's (serving/deadlines.py)."""
+    try:
+        return deadlines.from_headers(request.headers)
+    except InvalidRequestError as e:
+        raise invalid(e) from e
 
 
 def _event(chunk: dict) -> str:

@@ -56,6 +56,11 @@ class DeliveryStreamingResponse(StreamingResponse):
         self.gone.set()
 
     async def __call__(self, scope, receive, send) -> None:
+        # NOTE: for an ASGI server of spec 2.4+, Starlette stops listening for http.disconnect
+        # and learns of a gone client only when a write fails, i.e. not while the relay waits
+        # for the engine (a queued request, text held back for a stop string); declaring 2.3
+        # keeps the listener, so a disconnect cancels the request at once (issue 37).
+        scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.3"}}
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -22,6 +22,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from configs.errors import echo
 from engine.adapter_refs import AdapterSlotsFullError, UnknownAdapterError
 from engine.errors import InvalidRequestError
 from serving import http_responses as resp
@@ -75,7 +76,7 @@ def _fields(body: bytes, names: tuple[str, ...]) -> list[str]:
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "invalid_argument",
-                f"{name}={value!r} is invalid: a non-empty string",
+                f"{name}={echo(value)} is invalid: a non-empty string",
                 param=name,
             )
     return values

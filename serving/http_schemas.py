@@ -36,6 +36,7 @@ import grpc
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
+from configs.errors import MAX_ECHO_CHARS, bounded, echo
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
@@ -176,14 +177,16 @@ def validation_message(err: pydantic.ValidationError) -> tuple[str, str | None]:
     """(message, param) for the first problem: unsupported fields are named as such."""
     e = err.errors(include_url=False)[0]
     loc = [str(p) for p in e["loc"]]
-    param = ".".join(loc) or None
+    name = ".".join(loc)
+    param = bounded(name, MAX_ECHO_CHARS) or None  # a field's name may be the bad value
+    msg = bounded(e["msg"])
     if e["type"] == "extra_forbidden":
-        return f"unsupported field {param!r}: this server does not implement it", param
+        return f"unsupported field {echo(name)}: this server does not implement it", param
     if e["type"] == "missing":
         return f"{param} is required", param
     if e["type"] in ("json_invalid", "json_type"):
-        return f"request body is not valid JSON: {e['msg']}", None
-    return f"{param}={e.get('input')!r} is invalid: {e['msg']}", param
+        return f"request body is not valid JSON: {msg}", None
+    return f"{param}={echo(e.get('input'))} is invalid: {msg}", param
 
 
 def parse_body(model_cls: type[BaseModel], raw: bytes):

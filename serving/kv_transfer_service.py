@@ -35,6 +35,7 @@ import grpc
 from engine.adapter_refs import loaded_adapters
 from engine.kv_transfer import KVChecksumError, KVTransferMismatchError, check_compatible
 from serving import kv_transfer_jax
+from serving.engine_build import StopFn, Warmup
 from serving.kv_transfer_wire import KVWireError, payload_chunks, receive_payload
 from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
@@ -64,7 +65,9 @@ def wrap_engine(engine):
     return engine
 
 
-def with_transfer_warmup(engine, warmup, role: str, kv_transport: str = "grpc"):
+def with_transfer_warmup(
+    engine, warmup: Warmup | None, role: str, kv_transport: str = "grpc"
+) -> Warmup | None:
     """`warmup` (the server's, None: the user asked for none) followed by the K/V gather
     (prefill) or scatter (decode) programs of every page-count bucket, so a worker's first
     transfers do not compile. `both` replicas are left as they are (the router sends them
@@ -72,8 +75,8 @@ def with_transfer_warmup(engine, warmup, role: str, kv_transport: str = "grpc"):
     if warmup is None or role not in ("prefill", "decode") or not hasattr(engine, "warm_transfer"):
         return warmup
 
-    def run() -> None:
-        warmup()
+    def run(stop: StopFn | None = None) -> None:
+        warmup(stop=stop)
         t0 = time.perf_counter()
         programs = engine.warm_transfer(role, on_device=kv_transport == "jax")
         log.info("warm-up: %d K/V %s programs in %.1fs", programs, role, time.perf_counter() - t0)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import grpc
 
+from configs.errors import bounded
 from engine.api_types import EngineRequest, RequestOutput
 from serving.tenants import Reservation, TenantLimiter, TenantPolicy
 
@@ -127,6 +128,7 @@ class ActiveRequest:
     # True: success is recorded by the transport once the final message was sent (gRPC, and
     # the HTTP API: serving/http_delivery.py); False: when the engine finishes (direct use).
     success_on_delivery: bool = False
+    log_extra: dict = dataclasses.field(default_factory=dict)  # more fields for its log line
     # Written by the handler thread (read by the engine thread for the slow-consumer policy):
     tokens_sent: int = 0  # tokens in messages the transport has accepted
     send_started_s: float | None = None  # a message is waiting for the transport since
@@ -173,6 +175,7 @@ class RequestLedger:
         details: str,
         arrival_s: float,
         outcome: str = "rejected",
+        extra: dict | None = None,
     ) -> None:
         """A request that never got admitted (its only outcome)."""
         self.metrics.record_outcome(outcome, reason)
@@ -183,8 +186,9 @@ class RequestLedger:
                 "outcome": outcome,
                 "reason": reason,
                 "status": status.name,
-                "details": details,
+                "details": bounded(details),
                 "e2e_s": time.monotonic() - arrival_s,
+                **(extra or {}),
             }
         )
 
@@ -226,8 +230,9 @@ class RequestLedger:
             "completion_tokens": r.num_output_tokens,
         }
         record.update({k: v for k, v in r.timings.items() if k != "itl_s"})
+        record.update(r.log_extra)
         if details:
-            record["details"] = details
+            record["details"] = bounded(details)
         self._log(record)
         return True
 

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -37,7 +38,7 @@ from serving.admission import AdmissionConfig, WaitingQueue
 from serving.breaker import CircuitBreaker
 from serving.capacity_model import probe
 from serving.dispatch import DispatchLedger
-from serving.engine_build import build_engine, engine_warmup
+from serving.engine_build import StopFn, Warmup, build_engine, engine_warmup
 from serving.engine_loop import EngineLoop
 from serving.generation import Generator, ServiceLimits
 from serving.guard import RequestGuard
@@ -50,6 +51,8 @@ from serving.service import PagedJaxService
 from serving.shutdown import install_signal_handlers
 from serving.tenants import TenantLimiter, TenantRegistry
 from serving.transport import PortInUseError, bind_port, grpc_options
+
+EXIT_FATAL = 1  # the server cannot become ready (a failed warm-up); usage errors exit 2
 
 log = logging.getLogger("pagedjax.serving")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
@@ -93,7 +96,7 @@ class PagedJaxServer:
         engine,
         config: ServerConfig | None = None,
         tenants: TenantRegistry | None = None,
-        warmup=None,
+        warmup: Warmup | None = None,
     ):
         """`warmup(stop)`: called on the engine thread before it serves (compiles the step
         shapes); generation is refused as warming_up until it returns. `stop()` turns True
@@ -141,6 +144,9 @@ class PagedJaxServer:
             on_start=self._warm_up,
         )
         self._warmup = warmup
+        # A failed warm-up: its one-line cause, and who to tell (main stops and exits 1).
+        self.fatal_error: str | None = None
+        self.on_fatal: Callable[[], None] | None = None
         self.loop.last_stats = stats
         if self.metrics.compat is not None:  # gateway: vllm:lora_requests_info
             self.metrics.compat.lora_state = lambda: lora_state_of(self.loop)
@@ -246,8 +252,11 @@ class PagedJaxServer:
         except WarmupCancelled:  # SIGTERM while warming: stop after the programs building
             log.warning("warm-up stopped: the server is shutting down")
             return
-        except Exception:  # stays not ready (503 warming_up); the log says why
-            log.exception("warm-up failed; the server will not become ready")
+        except Exception as e:  # fatal: main stops the server and exits non-zero
+            self.fatal_error = f"warm-up failed: {type(e).__name__}: {e}"
+            log.exception("warm-up failed; the server will exit")
+            if self.on_fatal is not None:
+                self.on_fatal()
             return
         self.generator.ready.set()
         self._set_health(self.breaker.state)
@@ -340,7 +349,7 @@ def build_serving_engine(
     in_process: bool,
     compilation_cache_dir: str | None = None,
     **build_kwargs,
-):
+) -> tuple[object, Warmup | None]:
     """(engine, warm-up callable or None) for the server: the engine built here, or in a
     child process (`in_process=False`, then warmed there, with its own compilation cache
     set up from `compilation_cache_dir`). `options` as build_engine's, plus
@@ -362,8 +371,12 @@ def build_serving_engine(
     )
     if not max_shapes or model == "mock":
         return engine, None
-    # NOTE: `stop` is not forwarded: the child's warm-up ends when close() kills the child.
-    return engine, lambda stop: engine.warmup(max_shapes, execute=execute)
+
+    def run(stop: StopFn | None = None) -> None:
+        # NOTE: `stop` is not forwarded: the child's warm-up ends when close() kills the child.
+        engine.warmup(max_shapes, execute=execute)
+
+    return engine, run
 
 
 # -- end overload (#17) ------------------------------------------------------------------------
@@ -495,6 +508,12 @@ def define_flags() -> None:
         "queue_timeout_s", 60.0, "a request waiting longer than this is rejected (seconds)"
     )
     flags.DEFINE_float(
+        "default_request_timeout_s",
+        None,
+        "deadline (seconds) of a call that brings none and whose tenant sets none "
+        "(None: no deadline; serving/deadlines.py)",
+    )
+    flags.DEFINE_float(
         "aging_s", 10.0, "seconds of waiting that raise a request one priority class"
     )
     flags.DEFINE_integer("stream_buffer_messages", 256, "per-stream buffer before cancelling")
@@ -561,6 +580,9 @@ def check_flags() -> None:
         )
     for name in ("queue_timeout_s", "aging_s"):
         shared.check_positive(name, getattr(FLAGS, name))
+    shared.check_positive(
+        "default_request_timeout_s", FLAGS.default_request_timeout_s, allow_none=True
+    )
     shared.require(
         "default_max_tokens",
         FLAGS.default_max_tokens,
@@ -697,6 +719,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         queue_timeout_s=FLAGS.queue_timeout_s,
         aging_s=FLAGS.aging_s,
         max_prompt_bytes=FLAGS.max_prompt_bytes,
+        default_request_timeout_s=FLAGS.default_request_timeout_s,
     )
     return ServerConfig(
         max_request_bytes=FLAGS.max_request_bytes,
@@ -800,11 +823,16 @@ def main(argv) -> None:
     # NOTE: multi-host: no SIGHUP reload (a new engine would be built on process 0 only)
     reload = None if FLAGS.distributed_env else rebuild
     stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=reload)
+    server.on_fatal = stopped.set
     server.start()
     print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)
     if server.http_port is not None:
         print(f"http on {server.http_port}", flush=True)
     stopped.wait()  # SIGTERM / SIGINT: drained and stopped (serving/shutdown.py)
+    if server.fatal_error is not None:  # a server that can never become ready exits loudly
+        server.stop(grace_s=0.0)
+        print(f"error: {server.fatal_error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FATAL)
     log.info("server stopped")
 
 

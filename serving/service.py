@@ -39,6 +39,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from serving import convert, input_limits
+from serving.deadlines import GRPC_SOURCE
 from serving.generation import GenerateCall, Generator, Refusal, final_summary, is_done
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
@@ -102,6 +103,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             adapter=request.adapter,
             priority=convert.ENGINE_PRIORITY.get(request.priority, 1),
             time_left_s=_time_left_s(context),
+            deadline_source=GRPC_SOURCE,  # meaningful only with time_left_s
         )
 
     def _relay(self, r: ActiveRequest, stream: bool, context):

@@ -3,7 +3,8 @@
 Config file (`--tenants_config`, JSON):
 
     {"tenants": [{"name": "acme", "api_keys": ["k-acme-1"],
-                  "max_concurrency": 4, "tokens_per_minute": 60000}],
+                  "max_concurrency": 4, "tokens_per_minute": 60000,
+                  "default_request_timeout_s": 30}],
      "allow_anonymous": false,
      "default": {"max_concurrency": 64, "tokens_per_minute": null}}
 
@@ -47,6 +48,8 @@ class TenantPolicy:
     name: str
     max_concurrency: int | None = None  # None: unlimited
     tokens_per_minute: int | None = None  # None: unlimited
+    # the deadline of its calls that bring none (serving/deadlines.py); None: the server's
+    default_request_timeout_s: float | None = None
 
 
 class TenantRegistry:
@@ -66,12 +69,19 @@ class TenantRegistry:
     def from_dict(cls, cfg: dict) -> TenantRegistry:
         tenants, keys = {}, {}
         for t in cfg.get("tenants", []):
-            policy = TenantPolicy(t["name"], t.get("max_concurrency"), t.get("tokens_per_minute"))
+            policy = TenantPolicy(
+                t["name"],
+                t.get("max_concurrency"),
+                t.get("tokens_per_minute"),
+                _timeout_s(t),
+            )
             tenants[policy.name] = policy
             for key in t.get("api_keys", []):
                 keys[key] = policy.name
         d = cfg.get("default", {})
-        default = TenantPolicy(DEFAULT_TENANT, d.get("max_concurrency"), d.get("tokens_per_minute"))
+        default = TenantPolicy(
+            DEFAULT_TENANT, d.get("max_concurrency"), d.get("tokens_per_minute"), _timeout_s(d)
+        )
         return cls(tenants, keys, bool(cfg.get("allow_anonymous", not tenants)), default)
 
     @classmethod
@@ -97,6 +107,18 @@ class TenantRegistry:
         if not self.allow_anonymous:
             raise UnknownApiKey("missing x-api-key")
         return self.default
+
+
+def _timeout_s(entry: dict) -> float | None:
+    value = entry.get("default_request_timeout_s")
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86_400
+    ):
+        raise ValueError(
+            f"tenant {entry.get('name', DEFAULT_TENANT)!r}: default_request_timeout_s={value!r} "
+            "must be a number of seconds > 0 and at most 86400"
+        )
+    return value
 
 
 def _digest(api_key: str | bytes) -> bytes:
