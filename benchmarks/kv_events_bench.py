@@ -36,9 +36,9 @@ import zmq
 
 from engine.api_types import EngineRequest
 from engine.kv_events import KvEventRecorder
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from serving.engine_host.mock_engine import MockEngine
 from serving.kv_events_publisher import KvEventPublisher
-from serving.mock_engine import MockEngine
 
 PAGE = 16
 CHUNK = 20  # steps timed together

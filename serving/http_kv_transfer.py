@@ -35,10 +35,10 @@ import threading
 import grpc
 
 from engine.errors import InvalidRequestError
-from engine.kv_transfer import KVChecksumError, KVTransferMismatchError, check_compatible
+from engine.kv_transfer.transfer import KVChecksumError, KVTransferMismatchError, check_compatible
 from serving.client import build_request
-from serving.generation import GenerateCall, Refusal
-from serving.kv_transfer_wire import KVWireError, receive_payload
+from serving.disagg.wire import KVWireError, receive_payload
+from serving.frontend.generation import GenerateCall, Refusal
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
 
 FLAGS = ("do_remote_decode", "do_remote_prefill")

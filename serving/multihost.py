@@ -27,8 +27,8 @@ def initialize(source: str | None) -> bool:
     Returns whether this process is one of several."""
     if not source:
         return False
-    from engine.distributed import config_from_env
-    from engine.distributed import initialize as jax_initialize
+    from engine.parallel.distributed import config_from_env
+    from engine.parallel.distributed import initialize as jax_initialize
 
     return jax_initialize(config_from_env(source))
 
@@ -41,7 +41,7 @@ def is_follower() -> bool:
 
 def follow(engine) -> int:
     """On processes != 0: run the leader's steps until it stops; returns the steps run."""
-    from engine.distributed import follow as follow_steps
+    from engine.parallel.distributed import follow as follow_steps
 
     steps = follow_steps(getattr(engine, "core", engine))  # unwrap KVTransferEngine
     log.info("follower: the leader stopped after %d steps", steps)

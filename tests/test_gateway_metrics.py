@@ -13,9 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.admission import AdmissionConfig
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
 from serving.metrics_compat import ALIASES
-from serving.mock_engine import MockEngine
 from serving.testing import running_server, wait_for
 
 GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
@@ -141,7 +141,7 @@ def test_metrics_compat_none_drops_every_vllm_name():
 
 
 def test_bad_metrics_compat_is_a_clear_error():
-    from serving.metrics import ServerMetrics
+    from serving.frontend.metrics import ServerMetrics
 
     with pytest.raises(ValueError, match="metrics_compat='sglang' is invalid: one of vllm, none"):
         ServerMetrics("m", "r", "sglang")

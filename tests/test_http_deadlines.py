@@ -1,5 +1,5 @@
-"""HTTP requests carry their deadline (serving/deadlines.py, issue 37): the official `openai`
-SDK's `timeout=` (its x-stainless-read-timeout header), our x-request-timeout-ms header, a
+"""HTTP requests carry their deadline (serving/frontend/deadlines.py, issue 37): the official
+`openai` SDK's `timeout=` (its x-stainless-read-timeout header), our x-request-timeout-ms header, a
 tenant's or the server's default. Against a MockEngine with a known step time: a call whose
 deadline cannot be met is refused with 429 + Retry-After before the engine sees it; one that
 can is served; one that runs past it ends timed_out{deadline} with its pages freed; a client
@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
-from serving.capacity_model import CapacityModel
-from serving.deadlines import REQUEST_TIMEOUT_HEADER, SDK_TIMEOUT_HEADER
-from serving.mock_engine import MockEngine, expected_continuation
-from serving.tenants import TenantPolicy, TenantRegistry
+from serving.engine_host.mock_engine import MockEngine, expected_continuation
+from serving.frontend.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
+from serving.frontend.capacity_model import CapacityModel
+from serving.frontend.deadlines import REQUEST_TIMEOUT_HEADER, SDK_TIMEOUT_HEADER
+from serving.frontend.tenants import TenantPolicy, TenantRegistry
 from serving.testing import outcome_counts, running_server, wait_for
 
 STEP_S = 0.02  # the mock's step time: 400 tokens take >= 8 s, 5 tokens ~0.1 s

@@ -18,12 +18,12 @@ import pytest
 import zmq
 
 from engine.kv_events import KvEventRecorder, block_hash
-from engine.page_pool import PagePool
-from serving.admission import AdmissionConfig
+from engine.sched.page_pool import PagePool
 from serving.client import GenerateClient
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.tenants import TenantRegistry
 from serving.kv_events_publisher import KvEventPublisher
-from serving.mock_engine import MockEngine
-from serving.tenants import TenantRegistry
 from serving.testing import running_server, wait_for
 
 PAGE = 4
@@ -207,7 +207,7 @@ def check_batches(batches: list, cached: frozenset, jobs, results, engine) -> No
 def test_recorder_folds_a_chain_and_removals():
     pool = PagePool(16, PAGE)
     pool.events = KvEventRecorder(PAGE)
-    from engine.request import Request
+    from engine.sched.request import Request
 
     r = Request("a", list(range(13)))
     r.page_ids = pool.allocate(4)
@@ -227,7 +227,7 @@ def test_recorder_folds_a_chain_and_removals():
 
 def test_a_recorder_attached_late_announces_the_cache_first():
     from engine.kv_events import attach
-    from engine.request import Request
+    from engine.sched.request import Request
 
     engine = MockEngine(num_pages=16, page_size=PAGE)
     r = Request("a", list(range(9)), cache_salt="tenant:alice")

@@ -10,9 +10,9 @@ import pytest
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.sampling_params import SamplingParams
-from serving.admission import AdmissionConfig
-from serving.kv_transfer_service import wrap_engine
+from engine.sampling.params import SamplingParams
+from serving.disagg.service import wrap_engine
+from serving.frontend.admission import AdmissionConfig
 from serving.testing import running_server
 
 OPTS = dict(

@@ -1,4 +1,4 @@
-"""Multi-host (engine/distributed.py): two processes on localhost, `jax.distributed` over
+"""Multi-host (engine/parallel/distributed.py): two processes on localhost, `jax.distributed` over
 CPU (gloo collectives), 2 virtual devices each, one mesh model:4 spanning both. Process 0
 schedules and broadcasts every step; both run it. The tokens must equal one process on one
 device."""
@@ -15,7 +15,7 @@ import pytest
 
 from configs.engine_config import EngineConfig
 from engine.core import EngineCore
-from engine.distributed import DistributedConfig, StepChannel, generate_ids, initialize
+from engine.parallel.distributed import DistributedConfig, StepChannel, generate_ids, initialize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = "1,2,3;72,101,108,108,111,32,119"
@@ -36,7 +36,7 @@ def _launch(num_processes: int, mesh: str) -> list[subprocess.Popen]:
             [
                 sys.executable,
                 "-m",
-                "engine.distributed",
+                "engine.parallel.distributed",
                 "--model=tiny",
                 f"--mesh={mesh}",
                 f"--prompts={PROMPTS}",
@@ -103,7 +103,7 @@ def test_bad_distributed_config_names_the_field(kwargs, field):
 
 
 def test_leaderworkerset_env_gives_the_initialize_arguments():
-    from engine.distributed import config_from_env
+    from engine.parallel.distributed import config_from_env
 
     env = {"LWS_LEADER_ADDRESS": "lws-0.lws", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "3"}
     cfg = config_from_env("lws", env)
@@ -127,7 +127,7 @@ def test_leaderworkerset_env_gives_the_initialize_arguments():
     ],
 )
 def test_bad_leaderworkerset_env_names_the_variable(change, message):
-    from engine.distributed import config_from_env
+    from engine.parallel.distributed import config_from_env
 
     env = {"LWS_LEADER_ADDRESS": "l", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "0", **change}
     with pytest.raises(ValueError, match=message):
