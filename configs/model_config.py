@@ -7,6 +7,7 @@ frozen and holds only hashable fields. Tests build tiny variants with `dataclass
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,11 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder architecture (Llama 2/3/3.1, Mistral, SmolLM2, Qwen2)."""
+    """Llama-family decoder architecture (Llama 2/3/3.1, Mistral, SmolLM2, Qwen2); the other
+    families (models/qwen3.py, phi3.py, gemma3.py) subclass it with their own fields and
+    `family` (models/families.py maps it to the family's forward and weight layout)."""
+
+    family: ClassVar[str] = "llama"
 
     name: str
     num_layers: int

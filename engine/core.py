@@ -190,6 +190,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self._rng = random.Random()
         self.timings = StepTimings()
         self.num_steps = 0
+        self.last_step_info: dict | None = None  # the last processed step (serving trace)
         self.num_tokens_processed = 0
         self.num_failed_steps = 0
         self.warmup_s: float | None = None
@@ -327,6 +328,14 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         # host2 (#20): finished requests' tokens are left in; receive_tokens skips them
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
+        shape = step.built.shape  # what the step ran (the serving trace reads it)
+        self.last_step_info = {
+            "shape": [shape.num_decode, shape.num_prefill_tokens, shape.num_prefill_seqs,
+                      shape.pages_per_seq],
+            "tokens": step.plan.total_num_scheduled_tokens,
+            "requests": len(step.plan.scheduled),
+            "device_wait_ms": round((t1 - t0) * 1e3, 2),
+        }  # fmt: skip
         received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
         logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs

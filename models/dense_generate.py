@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.model_config import ModelConfig
-from models.llama import Params, forward
+from models.families import forward
+from models.llama import Params
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -35,7 +36,7 @@ def dense_attention(cfg: ModelConfig, positions: jax.Array):
     """Attention over a contiguous cache for one sequence whose new tokens start at
     positions[0] and are contiguous. Keys at cache positions > the query's are masked."""
 
-    def attention(q, k, v, layer, cache: DenseKVCache):
+    def attention(q, k, v, layer, cache: DenseKVCache, sliding_window=cfg.sliding_window):
         start = positions[0]
         ck = jax.lax.dynamic_update_slice(
             cache.k, k[None].astype(cache.k.dtype), (layer, start, 0, 0)
@@ -50,8 +51,8 @@ def dense_attention(cfg: ModelConfig, positions: jax.Array):
         scores = jnp.einsum("TKGH,SKH->TKGS", qg, keys.astype(q.dtype)) / jnp.sqrt(hd)
         key_pos = jnp.arange(keys.shape[0])
         mask = key_pos[None, :] <= positions[:, None]  # [T, S]
-        if cfg.sliding_window is not None:
-            mask &= key_pos[None, :] > positions[:, None] - cfg.sliding_window
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > positions[:, None] - sliding_window
         scores = jnp.where(mask[:, None, None, :], scores.astype(jnp.float32), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("TKGS,SKH->TKGH", probs, values.astype(q.dtype))

@@ -32,8 +32,6 @@ row's adapter term to the seven projections; `lora=None` traces the plain model 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +39,9 @@ import jax
 import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
-from models.lora import LoraInputs, LoraWeights, lora_delta, lora_row_mask
-from models.quant import Int8Weight, int8_proj, linear
+from models import layers
+from models.decoder import decoder_forward
+from models.lora import LoraInputs
 
 Array = jax.Array
 
@@ -153,91 +152,41 @@ def cast_params(params: Params, dtype) -> Params:
     return jax.tree.map(cast, params)
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+# Building blocks live in models/layers.py (shared by every family); kept here by name.
+rms_norm = layers.rms_norm
+apply_rope = layers.apply_rope
+_proj = layers.proj
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Array:
     """Inverse frequencies [hd/2], with Llama-3 / linear scaling applied."""
-    hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    sc = cfg.rope_scaling
-    if sc is None:
-        return inv_freq
-    if sc.kind == "linear":
-        return inv_freq / sc.factor
-    # Llama 3.1: long wavelengths scaled by `factor`, short ones kept, a smooth ramp between.
-    low_freq_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
-    high_freq_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
-    wavelen = 2 * jnp.pi / inv_freq
-    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
-        sc.high_freq_factor - sc.low_freq_factor
-    )
-    smoothed = (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq
-    out = jnp.where(wavelen > low_freq_wavelen, inv_freq / sc.factor, inv_freq)
-    is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
-    return jnp.where(is_medium, smoothed, out)
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Rotary embedding, Hugging Face `rotate_half` layout. x [T, N, hd], positions [T]."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
-    sin = jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [T, N, hd/2] each
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return layers.scaled_inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)
 
 
 # attention(q [T,H,hd], k [T,K,hd], v [T,K,hd], layer int32, cache) -> (out [T,H,hd], cache)
-AttentionFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
+# Families with per-layer windows (Gemma 3) also pass `sliding_window=` (int or None).
+AttentionFn = Callable[..., tuple[Array, Any]]
 
 
-def _proj(x: Array, w: Array, num_in: int = 1) -> Array:
-    """x [T, *in] @ w [*in, *out] -> [T, *out] as one 2-D matmul (`num_in` = len(in)): the
-    reshapes of a contiguous weight (or of its scanned slice) are free."""
-    if isinstance(w, Int8Weight):  # int8 weights: pallas_kernels.int8_matmul
-        return int8_proj(x, w, num_in)
-    t = x.shape[0]
-    w2 = w.reshape(math.prod(w.shape[:num_in]), -1)
-    return (x.reshape(t, -1) @ w2).reshape(t, *w.shape[num_in:])
+def llama_layer(cfg: ModelConfig, attention: AttentionFn, inv_freq: Array, positions: Array):
+    """The Llama layer body for `models.decoder.decoder_forward`."""
 
+    def body(x, cache, w, layer, kind, proj):  # x [T, D]
+        h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+        q = proj("wq", h)  # [T, H, hd]
+        k = proj("wk", h)  # [T, K, hd]
+        v = proj("wv", h)  # [T, K, hd]
+        if w.bq is not None:
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
+        x = x + proj("wo", attn, 2)  # [T, D]
+        h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
+        x = x + proj("w_down", layers.gated_mlp(proj("w_gate", h), proj("w_up", h), "silu"))
+        return x, cache
 
-def _layer(
-    cfg: ModelConfig,
-    attention: AttentionFn,
-    inv_freq: Array,
-    positions: Array,
-    lora_mask: Array | None,
-    carry,
-    xs,
-):
-    x, cache = carry  # x [T, D]
-    w, layer, lw = xs  # one layer's LayerWeights (leading L axis removed); LoraWeights or None
-
-    def proj(field: str, h: Array, num_in: int = 1) -> Array:
-        y = _proj(h, getattr(w, field), num_in)
-        if lw is not None:  # static: without LoRA the traced program is unchanged
-            y = y + lora_delta(h, lw.a[field], lw.b[field], lora_mask)
-        return y
-
-    h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q = proj("wq", h)  # [T, H, hd]
-    k = proj("wk", h)  # [T, K, hd]
-    v = proj("wv", h)  # [T, K, hd]
-    if w.bq is not None:
-        q, k, v = q + w.bq, k + w.bk, v + w.bv
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
-    x = x + proj("wo", attn, num_in=2)  # [T, D]
-    h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
-    gate = proj("w_gate", h)  # [T, F]
-    up = proj("w_up", h)
-    x = x + proj("w_down", jax.nn.silu(gate) * up)
-    return (x, cache), None
+    return body
 
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -279,29 +228,42 @@ def forward(
     `lora`: the adapter slot stack and each row's slot (models/lora.py); None (no LoRA
     configured) traces exactly the plain model.
     """
-    x = params.embed[token_ids]  # [T, D]
-    inv_freq = rope_inv_freq(cfg)
-    lora_weights, lora_mask = None, None
-    if lora is not None:
-        lora_weights = lora.weights  # stacked, or one per layer (like params.layers)
-        first = lora_weights[0] if isinstance(lora_weights, tuple) else lora_weights
-        lora_mask = lora_row_mask(lora.row_slots, first.num_slots, first.max_rank, x.dtype)
-    body = functools.partial(_layer, cfg, attention, inv_freq, positions, lora_mask)
-    if isinstance(params.layers, LayerWeights):  # stacked [L, ...]: one traced layer body
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        xs = (params.layers, layer_ids, lora_weights)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
-    else:  # a tuple of per-layer weights: the layers unrolled, each reads its own arrays
-        for i, w in enumerate(params.layers):
-            lw = lora_weights
-            if isinstance(lw, LoraWeights):  # NOTE: a stacked slot stack: slice (copies)
-                lw = jax.tree.map(lambda a, i=i: a[i], lw)
-            elif lw is not None:
-                lw = lw[i]
-            (x, cache), _ = body((x, cache), (w, jnp.int32(i), lw))
-    if logits_indices is not None:
-        x = x[logits_indices]  # [R, D]
-    x = rms_norm(x, params.final_norm, cfg.norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
-    logits = linear(x, head, "RD,DV->RV", out_dtype=jnp.float32)
-    return logits, cache
+    body = llama_layer(cfg, attention, rope_inv_freq(cfg), positions)
+    return decoder_forward(params, cfg, token_ids, positions, cache, body, logits_indices, lora)
+
+
+# ---- the family's declarations (models/families.py) ---------------------------------------
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+NORMS = ("attn_norm", "mlp_norm")  # x * w norms: init to 1
+
+
+def config_from_hf(c: dict, path: str, directory: str, name: str | None) -> ModelConfig:
+    """Llama / Mistral / Qwen2 config.json (either RoPE dialect) -> ModelConfig."""
+    from models.hf_config import common_fields, rope_scaling, rope_settings, rope_theta
+
+    is_qwen = "Qwen2ForCausalLM" in (c.get("architectures") or [])
+    rope = rope_settings(c, path)
+    return ModelConfig(
+        **common_fields(c, path, directory, name),
+        rope_theta=rope_theta(rope, path, 10000.0),
+        rope_scaling=rope_scaling(rope, path),
+        attention_bias=bool(c.get("attention_bias", is_qwen)),
+        sliding_window=c.get("sliding_window")
+        if c.get("use_sliding_window", not is_qwen)
+        else None,
+    )
+
+
+def hf_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Per-layer tensors besides the seven projections: field -> (HF suffix, HF shape)."""
+    D, H, K, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out = {
+        "attn_norm": ("input_layernorm.weight", (D,)),
+        "mlp_norm": ("post_attention_layernorm.weight", (D,)),
+    }
+    if cfg.attention_bias:
+        out["bq"] = ("self_attn.q_proj.bias", (H * hd,))
+        out["bk"] = ("self_attn.k_proj.bias", (K * hd,))
+        out["bv"] = ("self_attn.v_proj.bias", (K * hd,))
+    return out

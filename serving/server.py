@@ -36,6 +36,7 @@ from engine.errors import WarmupCancelled
 from serving import flags as shared
 from serving.disagg import service as kv_transfer_service
 from serving.engine_host.build import StopFn, Warmup, build_engine, engine_warmup
+from serving.frontend import capacity_calibration
 from serving.frontend.admission import AdmissionConfig, WaitingQueue
 from serving.frontend.breaker import CircuitBreaker
 from serving.frontend.capacity_model import probe
@@ -67,9 +68,14 @@ class ServerConfig:
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
     slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
     max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
-    capacity_probe: bool = (
-        True  # measure step times at start-up (serving/frontend/capacity_model.py)
-    )
+    # Measure step times at start-up (serving/frontend/capacity_model.py).
+    capacity_probe: bool = True
+    # Where the capacity calibration persists (the compilation cache directory; the file
+    # goes beside it: serving/frontend/capacity_calibration.py); None: not kept across restarts.
+    capacity_calibration_dir: str | None = None
+    # Requests of a higher priority class than one in the engine fed past max_inflight (the
+    # engine must preempt for priority: SchedulerConfig.priority_preemption); 0: off.
+    priority_overflow: int = 0
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -92,6 +98,9 @@ class ServerConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str | None = None  # None: kv@<$POD_IP or host name>@<model name>
     kv_events_replay_endpoint: str | None = None
+    # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
+    # serving/frontend/request_trace.py
+    trace_requests: str | None = None
 
 
 class PagedJaxServer:
@@ -123,10 +132,14 @@ class PagedJaxServer:
         _warm_tokenizer(engine.tokenizer)
         # The capacity probe runs after warm-up (on the engine thread, see _warm_up) when there
         # is one, so that it measures compiled steps.
-        capacity = None
+        self._calibration = None
+        if config.capacity_calibration_dir:
+            key = capacity_calibration.calibration_key(identity, stats, max_inflight)
+            path = capacity_calibration.calibration_path(config.capacity_calibration_dir, key)
+            self._calibration = capacity_calibration.CalibrationStore(path, key)
+        self.waiting = WaitingQueue(admission)
         if config.capacity_probe and warmup is None:
-            capacity = probe(engine, max_inflight)
-        self.waiting = WaitingQueue(admission, capacity=capacity)
+            self.waiting.capacity = self._seed_capacity(engine, max_inflight)
         self.limiter = TenantLimiter()
         self.ledger = RequestLedger(self.metrics, self.limiter, convert.versions_dict(identity))
         self.dispatch = DispatchLedger(
@@ -143,7 +156,8 @@ class PagedJaxServer:
             self.metrics,
             max_inflight=max_inflight,
             on_breaker_change=self._set_health,
-            on_tick=self.dispatch.reap,
+            on_tick=self._tick,
+            priority_overflow=config.priority_overflow,
             slow_consumer=config.slow_consumer,
             on_start=self._warm_up,
         )
@@ -151,6 +165,13 @@ class PagedJaxServer:
         # A failed warm-up: its one-line cause, and who to tell (main stops and exits 1).
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[], None] | None = None
+        self.tracer = None
+        if config.trace_requests:
+            from serving.frontend.request_trace import RequestTrace
+
+            self.tracer = self.loop.tracer = self.ledger.tracer = RequestTrace(
+                config.trace_requests
+            )
         self.loop.last_stats = stats
         if self.metrics.compat is not None:  # gateway: vllm:lora_requests_info
             self.metrics.compat.lora_state = lambda: lora_state_of(self.loop)
@@ -245,6 +266,24 @@ class PagedJaxServer:
         )
         return self
 
+    def _seed_capacity(self, engine, max_inflight: int):
+        """The capacity model: the saved calibration of this model and engine shape if
+        there is one (a restart starts calibrated, online refinements and the measured
+        margin included), else a start-up probe."""
+        if self._calibration is not None:
+            model = self._calibration.load(max_inflight, self.waiting.tracker)
+            if model is not None:
+                return model
+        return probe(engine, max_inflight)
+
+    def _tick(self) -> None:
+        """Every stats interval, on the engine thread."""
+        self.dispatch.reap()
+        if self._calibration is not None:
+            self._calibration.maybe_save(
+                self.waiting.capacity, self.waiting.tracker, time.monotonic()
+            )
+
     def _warm_up(self) -> None:
         """On the engine thread, before its first iteration."""
         if self._warmup is None:
@@ -252,7 +291,9 @@ class PagedJaxServer:
         try:
             self._warmup(stop=lambda: self.generator.draining)
             if self.config.capacity_probe:
-                self.waiting.capacity = probe(self.loop.engine, self.limits.max_inflight)
+                self.waiting.capacity = self._seed_capacity(
+                    self.loop.engine, self.limits.max_inflight
+                )
         except WarmupCancelled:  # SIGTERM while warming: stop after the programs building
             log.warning("warm-up stopped: the server is shutting down")
             return
@@ -308,6 +349,8 @@ class PagedJaxServer:
             self._http.stop(grace_s + 5.0)
         self.grpc_server.stop(grace_s).wait()
         self.loop.stop()
+        if self._calibration is not None:
+            self._calibration.save(self.waiting.capacity, self.waiting.tracker)
         # -- overload (#17): an engine in a child process ends with the server
         close_engine(self.loop.engine)
         if self.kv_events is not None:
@@ -315,6 +358,8 @@ class PagedJaxServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        if self.tracer is not None:
+            self.tracer.close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -487,9 +532,9 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer(
         "warmup_max_shapes",
-        32,
+        56,
         "step shapes the engine pads every batch to and compiles before serving (0: none;"
-        " 32: 48 step programs for the default config, engine/runner/shapes.py)",
+        " 56: 70 step programs for the default config, engine/runner/shapes.py)",
     )
     flags.DEFINE_bool(
         "warmup_execute",
@@ -538,6 +583,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_tokens_ahead", 256, "slow consumer: tokens ahead of the transport")
     flags.DEFINE_float("stream_stall_timeout_s", 5.0, "slow consumer: one message unsent this long")
     flags.DEFINE_bool("capacity_probe", True, "measure step times at start-up for admission")
+    flags.DEFINE_string(
+        "trace_requests",
+        None,
+        "write a per-request timeline (parse, admit, queue, prefill, decode, deliver, and "
+        "every engine step with its shape) to this Chrome/Perfetto trace JSON file (off: None)",
+    )
     flags.DEFINE_bool(
         "engine_process",
         False,
@@ -749,6 +800,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         role=FLAGS.role,
         kv_transport=FLAGS.kv_transport,
         kv_jax_checksum=FLAGS.kv_jax_checksum,
+        trace_requests=FLAGS.trace_requests,
     )
 
 
@@ -776,10 +828,11 @@ def main(argv) -> None:
             raise shared.UsageError("distributed_env", FLAGS.distributed_env, str(e)) from None
     check_flags()
     _setup_request_log(FLAGS.request_log)
+    cache_dir = None  # the compilation cache in use; the capacity calibration goes beside it
     if FLAGS.model != "mock":
         from engine.runner.compilation_cache import enable as enable_compilation_cache
 
-        enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
+        cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)  # before compiling
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
     build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)
@@ -798,9 +851,12 @@ def main(argv) -> None:
         engine, warmup, FLAGS.role, FLAGS.kv_transport
     )
     try:
+        config = config_from_flags(options)
+        if cache_dir is not None:
+            config = dataclasses.replace(config, capacity_calibration_dir=cache_dir)
         server = PagedJaxServer(
             engine,
-            config_from_flags(options),
+            config,
             TenantRegistry.from_file(FLAGS.tenants_config),
             warmup=warmup,
         )

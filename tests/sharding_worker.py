@@ -119,6 +119,28 @@ def main(which: str) -> None:
             m, config=cfg, params=init_params(cfg, jax.random.key(1), scale=0.2)
         )
         res = run(m, ["Hello world", "abc"], ["model:8"])
+    elif which == "gemma3":  # a second family: QK-norm, local/global layers, (1 + w) norms
+        from models.families import init_params
+        from models.gemma3 import GLOBAL, LOCAL, Gemma3Config
+
+        m = load_model("tiny")
+        cfg = Gemma3Config(
+            **{f: getattr(m.config, f) for f in ("vocab_size", "bos_token_id", "eos_token_ids")},
+            name="tiny-gemma3",
+            num_layers=3,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            ffn_size=128,
+            sliding_window=8,
+            layer_types=(LOCAL, GLOBAL, LOCAL),
+            query_pre_attn_scalar=24.0,
+            tie_embeddings=True,
+        )
+        params = init_params(cfg, jax.random.key(2), scale=0.2)
+        m = dataclasses.replace(m, config=cfg, params=params)
+        res = run(m, ["Hello world, a prompt past the window", "abc"], ["model:2"])
     elif which == "smollm2":
         m = load_model("smollm2-135m")
         res = run(m, [[1, 504, 3458, 282, 4649, 314]], ["model:3"], "smollm2-135m")

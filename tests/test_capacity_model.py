@@ -53,8 +53,9 @@ def test_slot_wait_follows_the_waves_of_a_burst():
         mean_max_tokens=20,
         engine_remaining_tokens=[5, 10, 15, 20],  # free at 0.5, 1.0, 1.5, 2.0 s
     )
-    # 1 queued ahead takes the slot freed at 0.5 s; this one gets the one freed at 1.0 s
-    assert est.wait_s == pytest.approx(1.0)
+    # 1 queued ahead takes the slot freed at 0.5 s; this one gets the one freed at 1.0 s,
+    # 0.1 s later: the queued one's prefill (10 tokens at 100/s) stalls the running ones
+    assert est.wait_s == pytest.approx(1.1)
 
 
 def test_estimate_is_wait_plus_own_prefill_and_decode():
@@ -93,10 +94,12 @@ def _item(i, deadline_s=None, max_tokens=10):
 
 
 def test_a_cold_burst_is_shed_from_the_first_request():
-    """No drain measured yet: the model alone decides. 4 slots, 1.1 s per request (0.1 s
-    prefill + 10 tokens x 0.1 s), deadline 2.5 s: the burst runs in waves of 4 ending at
-    1.1 s and 2.2 s; a third wave would end at 3.3 s -> exactly 8 admitted (a uniform drain
-    rate said the 9th would wait 1.375 s and admitted it)."""
+    """No drain measured yet: the model alone decides. 4 slots, 10-token prompts (0.1 s of
+    prefill each at 100 tokens/s), 10 tokens x 0.1 s, deadline 2.5 s. The first wave's four
+    prompts prefill together (0.4 s), so all four end at 1.4 s; the fifth starts then and
+    ends at 1.4 + 0.1 + 1.0 = 2.5 s; a sixth would start 0.1 s later (the fifth's prefill
+    holds the slots) and end at 2.6 s -> exactly 5 admitted. (A uniform drain rate admitted
+    9; waves without the prompts' prefill, 8, and the second wave timed out.)"""
     model = CapacityModel({4: 0.1}, prefill_tokens_per_s=100.0, max_inflight=4)
     q = WaitingQueue(AdmissionConfig(deadline_margin=1.0), clock=lambda: 0.0, capacity=model)
     admitted, shed = 0, []
@@ -106,7 +109,7 @@ def test_a_cold_burst_is_shed_from_the_first_request():
             admitted += 1
         except Rejected as e:
             shed.append(e)
-    assert admitted == 8 and len(shed) == 22
+    assert admitted == 5 and len(shed) == 25
     assert all(e.reason == "deadline" and e.retry_after_ms > 0 for e in shed)
     assert "exceeds the deadline" in str(shed[0])
 

@@ -212,3 +212,13 @@ def test_smollm2_model_axis_3_matches_one_device():
     # (the first load in this run converted the GGUF and saved it when no cache existed)
     assert run["loaded_wq_spec"] == [None, None, "model"]
     assert "orbax_restore_s" in run["load_times"]
+
+
+@pytest.mark.subprocess
+def test_gemma3_family_model_axis_2_matches_one_device():
+    """A second family (models/gemma3.py: QK-norm params, local/global layers) shards by the
+    logical axes its LayerWeights subclass declares and matches one device."""
+    res = _worker("gemma3", 900)
+    run = res["model:2"]
+    assert run["same"] and run["again_same"] and run["recompiled"] == 0, res["ref"]
+    assert run["kv_bytes_per_device"] == [res["ref_kv_bytes"] // 2] * 2

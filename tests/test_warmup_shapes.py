@@ -92,15 +92,22 @@ def test_nothing_compiles_after_warmup_with_a_coarse_shape_set(tiny_model):
 
 def test_every_max_shapes_is_honoured_by_the_server_default_config():
     """The server's default scheduler config: the set never exceeds --warmup_max_shapes, and
-    its default (32) is 48 step programs (16 decode-only shapes x 2 + 16 with a prefill)."""
+    its default (56) is 70 step programs (16 decode-only shapes x 2 + 38 with a prefill,
+    of which 5 are a lone fresh prompt and the rest carry Sp = 1 and a wider Sp rung)."""
     from configs.engine_config import SchedulerConfig
-    from engine.runner.shapes import DEFAULT_MAX_SHAPES, step_shapes
+    from engine.batch.builder import BatchShape
+    from engine.runner.shapes import DEFAULT_MAX_SHAPES, ShapeSet, step_shapes
 
     sc = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=8192)
     for max_shapes in (1, 2, 3, 10, 20, 32, 50, 100, 500):
         assert len(step_shapes(sc, max_shapes)) <= max_shapes
     shapes = step_shapes(sc, DEFAULT_MAX_SHAPES)
-    assert sum(len(sampler_variants(s)) for s in shapes) == 48
+    assert sum(len(sampler_variants(s)) for s in shapes) == 70
+    # a 130-token prompt alone is padded to its own token bucket, not to a 32-sequence step
+    fit = ShapeSet(shapes, sc.page_size).fit(BatchShape(0, 130, 1, 9, 130))
+    assert (fit.num_decode, fit.num_prefill_tokens, fit.num_prefill_seqs) == (0, 256, 1)
+    # one prompt beside 15 decodes is padded to one prefill sequence, not to 32
+    assert ShapeSet(shapes, sc.page_size).fit(BatchShape(15, 256, 1, 24, 256)).num_prefill_seqs == 1
 
 
 class _CountingEngine:

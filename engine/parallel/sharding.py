@@ -190,7 +190,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, quant=None) -> Params:
     (they are repeated and resharded by `shard_params` afterwards). With a `quant` config
     (configs.quant_config), int8 weights get Int8Weight(q, scale) shardings: each scale
     split like its weight's output axes (models.quant.quantized_shardings)."""
-    from models.llama import param_shapes
+    from models.families import param_shapes
 
     shapes = param_shapes(cfg)
     float_shardings = _field_shardings(shapes, mesh)

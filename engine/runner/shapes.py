@@ -32,6 +32,13 @@ traffic does (`_needs_sample`; NOTE: a prior, not a measured trace; the figures 
 costs are in benchmarks/RESULTS.md). Padding never changes a result: padding rows write the
 null page and read nothing.
 
+Two additions on every level but the coarsest (issue 39): each prefill (Sd, Tp, P) rung
+keeps Sp = 1 beside its thinned Sp rungs, and `_lone_prefill_shapes` adds one shape per Tp
+rung up to the chunk for a fresh prompt computed alone (Sd 0, Sp 1, the narrowest page
+table). Measured: a 130-token prompt alone padded to (32, 256, 32, 32) took 1.1-1.4 s, to
+(0, 128, 1, 8) 0.2-0.4 s; Sp padding multiplies the reference ragged attention's query
+blocks, decode-row padding costs little (benchmarks/RESULTS.md, "Served path").
+
 `ShapeSet.fit` orders the candidates by an estimate of a step's cost: tokens through the
 weights plus attended key positions divided by `ATTENTION_POSITIONS_PER_TOKEN` (a decode
 row reads P * page_size positions, a prefill sequence max_query_len x that). The ratio is
@@ -57,7 +64,7 @@ import numpy as np
 from engine.batch.builder import BatchShape, pow2_bucket, query_len_bound
 
 ATTENTION_POSITIONS_PER_TOKEN = 4096
-DEFAULT_MAX_SHAPES = 32
+DEFAULT_MAX_SHAPES = 56
 MIN_PREFILL_TOKENS = 16
 MIN_PAGES = 4
 
@@ -121,9 +128,31 @@ def _shapes_at(sched_config, e: tuple[int, ...]) -> list[BatchShape]:
     for sd, tp, p in itertools.product(
         sds, _every(tokens, e[PREFILL_TP]), _every(pages, e[PREFILL_P])
     ):
-        sps = _every(_prefill_seqs(seqs, tp), e[PREFILL_SP])
-        shapes += [_shape(sd, tp, sp, p, chunk) for sp in sps]
+        sps = _prefill_seqs(seqs, tp)
+        # Sp = 1 is kept on every level but the coarsest: one prompt beside the decodes is
+        # the common prefill step, and padding it to Sp = 32 sequences cost 2.3x its step
+        # (benchmarks/RESULTS.md, "Served path", 2026-12-04).
+        kept = set(_every(sps, e[PREFILL_SP])) | ({sps[0]} if any(x < TOP for x in e) else set())
+        shapes += [_shape(sd, tp, sp, p, chunk) for sp in sorted(kept)]
+    if any(x < TOP for x in e):
+        shapes += _lone_prefill_shapes(sched_config)
     return sorted(set(shapes))
+
+
+def _lone_prefill_shapes(sched_config) -> list[BatchShape]:
+    """A fresh prompt computed alone (no decode row, one sequence) for every Tp rung up to
+    the prefill chunk, with the narrowest page table that holds it: a short prompt at low
+    concurrency pays for its own tokens, not for the largest prefill shape (issue 39)."""
+    seqs, tokens, pages = _ladders(sched_config)
+    chunk = sched_config.prefill_chunk_size
+    out = []
+    for tp in tokens:
+        if tp > pow2_bucket(chunk, MIN_PREFILL_TOKENS):
+            break
+        need = -(-tp // sched_config.page_size)
+        p = next((p for p in pages if p >= need), pages[-1])
+        out.append(_shape(0, tp, 1, p, chunk))
+    return out
 
 
 def _needs_sample(sched_config) -> np.ndarray:
@@ -257,7 +286,12 @@ class ShapeSet:
         if shape is None:
             if len(self._fit) > 4096:  # exact sizes: bound the memo
                 self._fit.clear()
-            shape = next((s for s in self.shapes if s.fits(needed)), None)
+            # a decode-only step stays on a decode-only shape (its greedy program) when one
+            # holds it, even where a narrow Sp = 1 prefill shape would be cheaper
+            decode = needed.num_prefill_tokens == 0
+            holds = [s for s in self.shapes if s.fits(needed)]
+            shape = next((s for s in holds if not (decode and s.num_prefill_tokens)), None)
+            shape = shape or (holds[0] if holds else None)
             if shape is None:
                 raise ValueError(
                     f"no compiled step shape holds {needed}; the largest is {max(self.shapes)}"

@@ -27,7 +27,8 @@ from configs.model_config import ModelConfig
 from engine.batch.builder import BatchShape, PackedBatch, StepBatch
 from engine.runner.kv_cache import PagedKVCache
 from engine.sampling.sampler import SamplingFlags, sample, update_counts
-from models.llama import Params, forward
+from models.families import forward
+from models.llama import Params
 from models.lora import LoraInputs
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
 
@@ -40,7 +41,7 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
     model shard holds H/m query heads and the KV heads they read (engine/parallel/sharding.py)."""
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     Sd = shape.num_decode
-    opts = dict(sm_scale=sm_scale, sliding_window=cfg.sliding_window, impl=impl)
+    opts = dict(sm_scale=sm_scale, impl=impl)
     meta = (
         batch.slot_mapping,
         batch.kv_lens_d,
@@ -51,7 +52,7 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
         batch.num_seqs_p,
     )
 
-    def local(q, k, v, layer, cache: PagedKVCache, meta):
+    def local(q, k, v, layer, cache: PagedKVCache, meta, sliding_window=cfg.sliding_window):
         slots, kv_lens_d, page_table_d, kv_lens_p, page_table_p, query_start_p, num_p = meta
         kp, vp, ks, vs = write_kv(
             cache.k_pages,
@@ -68,7 +69,15 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
         if Sd:
             outs.append(
                 decode_paged_attention(
-                    q[:Sd], kp, vp, kv_lens_d, page_table_d, layer, **opts, **scales
+                    q[:Sd],
+                    kp,
+                    vp,
+                    kv_lens_d,
+                    page_table_d,
+                    layer,
+                    **opts,
+                    **scales,
+                    sliding_window=sliding_window,
                 )
             )
         if shape.num_prefill_tokens:
@@ -83,6 +92,7 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
                     num_p,
                     layer,
                     max_query_len=shape.max_query_len,
+                    sliding_window=sliding_window,
                     **opts,
                     **scales,
                 )
@@ -91,12 +101,12 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
         return out.astype(q.dtype), PagedKVCache(kp, vp, ks, vs)
 
     if mesh is None:
-        return lambda q, k, v, layer, cache: local(q, k, v, layer, cache, meta)
+        return lambda q, k, v, layer, cache, **kw: local(q, k, v, layer, cache, meta, **kw)
     from jax.sharding import PartitionSpec as P
 
     heads = P(None, "model", None)  # q [T, H, hd], k/v [T, K, hd], out [T, H, hd]
 
-    def attention(q, k, v, layer, cache: PagedKVCache):
+    def attention(q, k, v, layer, cache: PagedKVCache, sliding_window=cfg.sliding_window):
         kv_spec = P(None, "model")
         cache_spec = PagedKVCache(
             kv_spec,
@@ -105,7 +115,7 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
             None if cache.v_scales is None else kv_spec,
         )
         sharded = jax.shard_map(
-            local,
+            functools.partial(local, sliding_window=sliding_window),
             mesh=mesh,
             in_specs=(heads, heads, heads, P(), cache_spec, P()),
             out_specs=(heads, cache_spec),

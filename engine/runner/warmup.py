@@ -6,8 +6,8 @@ The programs (engine/runner/shapes.py holds the design):
       "full" for a decode-only shape, "full" for a shape with a prefill. "full" covers
       sampling, top-k/top-p, logprobs, penalties and structured output's token bitmask, so
       no request needs a program of its own. With the server's default config (32
-      sequences, 512 tokens, 8,192-token context, --warmup_max_shapes 32) that is 16
-      decode-only + 16 prefill shapes = 48 step programs;
+      sequences, 512 tokens, 8,192-token context, --warmup_max_shapes 56) that is 16
+      decode-only + 38 prefill shapes = 70 step programs;
     the penalty state's per-slot reset (one program: token lists padded to max_model_len).
 LoRA adapters ride in the step's arguments (same programs). Not built here: speculative
 verify steps (engine/spec/decode.py's own shape set) and KV transfer gather/scatter

@@ -180,9 +180,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        for_priority = self._preempt_for_priority(now_s) if self.config.priority_preemption else []
         budget = self._schedule_running(now_s, budget, scheduled, preempted)
         if not preempted:
             self._admit_waiting(now_s, budget, scheduled)
+        preempted += for_priority
         total = sum([s.num_new_tokens for s in scheduled])  # a list: cheaper than a generator
         assert total <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
@@ -300,6 +302,20 @@ class Scheduler:
                 decodes.append(r)
         decodes += others
         return decodes
+
+    def _preempt_for_priority(self, now_s: float) -> list[str]:
+        """Slots full and a waiting request of a higher priority class than the lowest
+        running one: preempt that one (recompute), so the higher one is admitted this step.
+        Classes, not effective priorities: aging alone never preempts (no thrash)."""
+        preempted: list[str] = []
+        while self.waiting and len(self.running) >= self.config.max_num_seqs:
+            head = self.waiting[0]
+            victim = max(self.running, key=self._rank)
+            if head.priority <= victim.priority or head.num_pending_outputs:
+                break
+            self._preempt(victim, now_s)
+            preempted.append(victim.request_id)
+        return preempted
 
     def _admit_waiting(self, now_s: float, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -38,7 +38,8 @@ from configs.model_config import ModelConfig
 from engine.batch.builder import BatchShape, PackedBatch, StepBatch
 from engine.runner.kv_cache import PagedKVCache
 from engine.runner.step import paged_attention_fn
-from models.llama import Params, cast_params, forward, layer_layout
+from models.families import forward
+from models.llama import Params, cast_params, layer_layout
 
 
 class DraftTokenizerError(ValueError):

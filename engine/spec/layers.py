@@ -48,7 +48,8 @@ from engine.runner.kv_cache import PagedKVCache
 from engine.sampling.sampler import SamplingTensors
 from engine.sched.page_pool import NULL_PAGE
 from engine.spec.rule import target_probs
-from models.llama import LayerWeights, Params, forward
+from models.families import forward
+from models.llama import LayerWeights, Params
 from pallas_kernels import decode_paged_attention, write_kv
 
 DRAFT_SALT, ACCEPT_SALT, RESIDUAL_SALT = 1, 2, 3
@@ -68,8 +69,11 @@ def truncated(params: Params, cfg: ModelConfig, num_layers: int) -> tuple[Params
         layers = jax.tree.map(lambda a: a[:num_layers], params.layers)
     else:
         layers = tuple(params.layers[:num_layers])
+    per_layer = {}  # a family's per-layer config fields (Gemma 3's layer_types) are cut too
+    if getattr(cfg, "layer_types", None):
+        per_layer["layer_types"] = cfg.layer_types[:num_layers]
     return dataclasses.replace(params, layers=layers), dataclasses.replace(
-        cfg, num_layers=num_layers
+        cfg, num_layers=num_layers, **per_layer
     )
 
 
@@ -77,14 +81,14 @@ def _decode_attention(cfg: ModelConfig, slots, kv_lens, page_table, impl: str):
     """The model's attention for one token per sequence over the paged cache."""
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def attention(q, k, v, layer, cache: PagedKVCache):
+    def attention(q, k, v, layer, cache: PagedKVCache, sliding_window=cfg.sliding_window):
         kp, vp, ks, vs = write_kv(
             cache.k_pages, cache.v_pages, k, v, slots, layer,
             k_scales=cache.k_scales, v_scales=cache.v_scales,
         )  # fmt: skip
         out = decode_paged_attention(
             q, kp, vp, kv_lens, page_table, layer,
-            sm_scale=sm_scale, sliding_window=cfg.sliding_window, impl=impl,
+            sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
             k_scales=ks, v_scales=vs,
         )  # fmt: skip  # [Sv, H, hd]
         return out.astype(q.dtype), PagedKVCache(kp, vp, ks, vs)

@@ -50,7 +50,8 @@ from engine.sampling.sampler import (
 )
 from engine.spec.layers import ACCEPT_SALT, RESIDUAL_SALT, row_keys
 from engine.spec.rule import accept_drafts, accept_point_mass_drafts, processed_logits, target_probs
-from models.llama import Params, forward
+from models.families import forward
+from models.llama import Params
 
 
 @jax.tree_util.register_dataclass

@@ -8,6 +8,7 @@ can hand over int8 data it already has (GGUF Q8_0) without a float round trip.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -17,7 +18,8 @@ import numpy as np
 from configs.model_config import ModelConfig
 from configs.quant_config import QuantConfig
 from models.errors import ModelLoadError
-from models.llama import LayerWeights, Params
+from models.families import family_of
+from models.llama import Params
 from models.quant import Int8Weight, quantize_rows_np
 
 Getter = Callable[[str], np.ndarray]
@@ -84,28 +86,24 @@ def params_from_hf_tensors(
     quant = quant or QuantConfig()
     if quant.enabled and get_int8 is None:
         get_int8 = lambda name: quantize_rows_np(get(name))  # noqa: E731
-    D, H, K, hd, V = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.vocab_size,
-    )
+    D, V = cfg.hidden_size, cfg.vocab_size
     np_dtype = np.float32
 
     def t(name, shape):
         return _checked(get, name, shape, source).astype(np_dtype)
 
+    family = family_of(cfg)
+    if hasattr(family, "hf_getter"):  # fused tensors (Phi-3) split at load
+        get = family.hf_getter(get, cfg)
+    shapes = family.param_shapes(cfg)
+    layer_cls = type(shapes.layers)
     projections = _projections(cfg)
-    per_layer: dict[str, list] = {k: [] for k in LayerWeights.__dataclass_fields__}
+    per_layer: dict[str, list] = {f.name: [] for f in dataclasses.fields(layer_cls)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        per_layer["attn_norm"].append(t(p + "input_layernorm.weight", (D,)))
-        per_layer["mlp_norm"].append(t(p + "post_attention_layernorm.weight", (D,)))
-        if cfg.attention_bias:
-            per_layer["bq"].append(t(p + "self_attn.q_proj.bias", (H * hd,)).reshape(H, hd))
-            per_layer["bk"].append(t(p + "self_attn.k_proj.bias", (K * hd,)).reshape(K, hd))
-            per_layer["bv"].append(t(p + "self_attn.v_proj.bias", (K * hd,)).reshape(K, hd))
+        for field, (suffix, hf_shape) in family.hf_layer_tensors(cfg).items():
+            shape = getattr(shapes.layers, field).shape[1:]
+            per_layer[field].append(t(p + suffix, hf_shape).reshape(shape))
         for field, (suffix, in_axes, out_axes) in projections.items():
             if quant.enabled:
                 per_layer[field].append(
@@ -126,7 +124,7 @@ def params_from_hf_tensors(
     embed = t("model.embed_tokens.weight", (V, D))
     return Params(
         embed=jnp.asarray(embed, dtype),
-        layers=LayerWeights(**stacked),
+        layers=layer_cls(**stacked),
         final_norm=jnp.asarray(t("model.norm.weight", (D,)), dtype),
         lm_head=_lm_head(get, get_int8, cfg, quant, source, dtype),
     )

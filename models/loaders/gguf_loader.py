@@ -21,13 +21,14 @@ import numpy as np
 from configs.model_config import ModelConfig, RopeScaling
 from configs.quant_config import QuantConfig
 from models.errors import ModelLoadError
+from models.families import GGUF_ARCHITECTURES, family_for_gguf, family_of
 from models.llama import Params
 from models.loaders.convert import params_from_hf_tensors
 from models.quant import INT8_MAX, quantize_rows_np
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")  # qwen2's converter does not permute Q/K
 
 _NAME_MAP = {
@@ -76,12 +77,10 @@ def field(reader, key: str, default=None, *, path: str = "", required: bool = Fa
 
 
 def config_from_gguf(reader, path: str, name: str | None = None) -> ModelConfig:
+    """GGUF metadata -> the config of its family; an unknown `general.architecture` fails
+    here, before any tensor is read."""
     arch = field(reader, "general.architecture", path=path, required=True)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF file {path!r}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    family = family_for_gguf(arch, path)
     g = lambda key, default=None, required=True: field(  # noqa: E731
         reader, f"{arch}.{key}", default, path=path, required=required
     )
@@ -95,23 +94,46 @@ def config_from_gguf(reader, path: str, name: str | None = None) -> ModelConfig:
         scaling = RopeScaling("linear", float(g("rope.scaling.factor")))
     tensor_names = {t.name for t in reader.tensors}
     eos = field(reader, "tokenizer.ggml.eos_token_id", 2)
-    return ModelConfig(
+    num_layers = int(g("block_count"))
+    head_dim = int(g("attention.key_length", hidden // num_heads, required=False))
+    common = dict(
         name=name or os.path.splitext(os.path.basename(path))[0],
-        num_layers=int(g("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden,
         num_heads=num_heads,
         num_kv_heads=int(g("attention.head_count_kv", num_heads, required=False)),
-        head_dim=int(g("attention.key_length", hidden // num_heads, required=False)),
+        head_dim=head_dim,
         ffn_size=int(g("feed_forward_length")),
         vocab_size=int(vocab),
         max_seq_len=int(g("context_length", 4096, required=False)),
-        rope_theta=float(g("rope.freq_base", 10000.0, required=False)),
         rope_scaling=scaling,
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
         tie_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=(int(eos),),
+    )
+    if family == "gemma3":
+        from models.gemma3 import GLOBAL, LOCAL, Gemma3Config
+
+        # llama.cpp's gemma3 graph fixes what the GGUF does not store: every 6th layer
+        # global, local RoPE base 10000, query scale 1/sqrt(head_dim) (all sizes but 27B).
+        return Gemma3Config(
+            **common,
+            rope_theta=float(g("rope.freq_base", required=True)),
+            sliding_window=int(g("attention.sliding_window")),
+            layer_types=tuple(LOCAL if (i + 1) % 6 else GLOBAL for i in range(num_layers)),
+            rope_local_theta=float(g("rope.freq_base_swa", 10000.0, required=False)),
+            query_pre_attn_scalar=float(head_dim),
+            final_logit_softcap=g("final_logit_softcapping", None, required=False),
+        )
+    if family == "qwen3":
+        from models.qwen3 import Qwen3Config
+
+        return Qwen3Config(**common, rope_theta=float(g("rope.freq_base", required=True)))
+    return ModelConfig(
+        **common,
+        rope_theta=float(g("rope.freq_base", 10000.0, required=False)),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
     )
 
 
@@ -165,11 +187,14 @@ def load_gguf(
     reader = reader or open_gguf(path)
     cfg = config_from_gguf(reader, path, name)
     arch = field(reader, "general.architecture")
+    family = family_of(cfg)
+    name_map = {**_NAME_MAP, **getattr(family, "GGUF_NAMES", {})}
+    norms_plus_one = getattr(family, "GGUF_NORMS_PLUS_ONE", False)
     by_hf_name = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
         hf = (
-            f"model.layers.{m.group(1)}.{_NAME_MAP.get(m.group(2), m.group(2))}"
+            f"model.layers.{m.group(1)}.{name_map.get(m.group(2), m.group(2))}"
             if m
             else _TOP_LEVEL.get(t.name, t.name)
         )
@@ -193,6 +218,8 @@ def load_gguf(
                 f"could not be dequantized: {e}"
             ) from e
         w = np.asarray(w, np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if norms_plus_one and hf_name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma's (1 + w) norms as 1 + w
         return unpermute(hf_name, w)
 
     paths: Counter = Counter()

@@ -82,23 +82,29 @@ def tokenizer_from_gguf(
     reader, source = _open_gguf(path_or_reader)
     meta = _GGUFMetadata(reader, source)
     model_kind = meta.get("tokenizer.ggml.model", required=True)
-    if model_kind != "gpt2":
+    if model_kind not in ("gpt2", "llama"):
         raise ModelLoadError(
-            f"{source}: tokenizer.ggml.model = {model_kind!r} is not supported (only 'gpt2', "
-            "byte-level BPE); load the model's Hugging Face folder to use its tokenizer.json"
+            f"{source}: tokenizer.ggml.model = {model_kind!r} is not supported (supported: "
+            "'gpt2' byte-level BPE, 'llama' SentencePiece); load the model's Hugging Face "
+            "folder to use its tokenizer.json"
         )
     tokens = meta.get("tokenizer.ggml.tokens", required=True)
     token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend = _byte_level_backend(
-        tokens,
-        meta.get("tokenizer.ggml.merges", required=True),
-        token_types,
-        meta.get("tokenizer.ggml.pre"),
-        source,
-        compat,
-    )
     ids = {name: meta.token_id(key, len(tokens)) for name, key in _GGUF_ID_KEYS.items()}
     special = {name: tokens[i] if i is not None else None for name, i in ids.items()}
+    if model_kind == "llama":
+        from models.loaders.gguf_spm_tokenizer import spm_backend
+
+        backend = spm_backend(tokens, token_types, special["unk_token"] or "<unk>")
+    else:
+        backend = _byte_level_backend(
+            tokens,
+            meta.get("tokenizer.ggml.merges", required=True),
+            token_types,
+            meta.get("tokenizer.ggml.pre"),
+            source,
+            compat,
+        )
     _add_named_special_tokens(backend, special)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token")) and ids["bos_token"] is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token")) and ids["eos_token"] is not None
@@ -108,16 +114,32 @@ def tokenizer_from_gguf(
     )
     # End of turn / end of message also end a generation (Llama 3 writes <|eot_id|> there).
     eos_ids = [ids["eos_token"], *(meta.token_id(k, len(tokens)) for k in _GGUF_EXTRA_EOS_KEYS)]
+    from models.families import family_stop_tokens
+
+    stops = family_stop_tokens(meta.get("general.architecture"))
+    if stops:
+        index = {tok: i for i, tok in enumerate(tokens)}
+        eos_ids += [index[t] for t in stops if t in index]
     return Tokenizer(
         backend,
         bos_token_id=ids["bos_token"],
         eos_token_ids=[i for i in eos_ids if i is not None],
-        chat_template=load_chat_template(
-            meta.get("tokenizer.chat_template"), f"{source}: tokenizer.chat_template"
-        ),
+        chat_template=load_chat_template(*_chat_template(meta, source)),
         special_tokens=special,
         source=source,
     )
+
+
+def _chat_template(meta: _GGUFMetadata, source: str) -> tuple[str | None, str]:
+    """(template, where it came from): the file's, else its family's default (Gemma 3's GGUF
+    releases ship none; models/families.py `default_chat_template`)."""
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        return template, f"{source}: tokenizer.chat_template"
+    from models.families import default_chat_template
+
+    arch = meta.get("general.architecture")
+    return default_chat_template(arch), f"the {arch} family's default chat template"
 
 
 def _open_gguf(path_or_reader: Any) -> tuple[Any, str]:

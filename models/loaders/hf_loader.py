@@ -7,12 +7,13 @@ import os
 
 import jax.numpy as jnp
 
-from configs.model_config import ModelConfig, RopeScaling
+from configs.model_config import ModelConfig
 from models.errors import ModelLoadError
+from models.families import HF_ARCHITECTURES, family_for_hf, family_module
 from models.llama import Params
 from models.loaders.convert import params_from_hf_tensors
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 
 
 def _read_json(path: str) -> dict:
@@ -26,60 +27,12 @@ def _read_json(path: str) -> dict:
 
 
 def config_from_hf(directory: str, name: str | None = None) -> ModelConfig:
+    """config.json -> the config of its family (models/families.py); an unknown
+    architecture fails here, before any weight is read."""
     path = os.path.join(directory, "config.json")
     c = _read_json(path)
-    archs = c.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(
-            f"{path!r}: architectures {archs} not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    for key in (
-        "num_hidden_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "intermediate_size",
-        "vocab_size",
-    ):
-        if key not in c:
-            raise ModelLoadError(f"{path!r}: key {key!r} is missing")
-    rs = c.get("rope_scaling") or c.get("rope_parameters")
-    scaling = None
-    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
-        scaling = RopeScaling(
-            "llama3",
-            float(rs["factor"]),
-            float(rs["low_freq_factor"]),
-            float(rs["high_freq_factor"]),
-            int(rs["original_max_position_embeddings"]),
-        )
-    elif rs and rs.get("rope_type", rs.get("type")) == "linear":
-        scaling = RopeScaling("linear", float(rs["factor"]))
-    theta = c.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
-    eos = c.get("eos_token_id", 2)
-    is_qwen = "Qwen2ForCausalLM" in archs
-    heads = c["num_attention_heads"]
-    return ModelConfig(
-        name=name or os.path.basename(os.path.normpath(directory)),
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        ffn_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        max_seq_len=c.get("max_position_embeddings", 4096),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        norm_eps=c.get("rms_norm_eps", 1e-5),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=bool(c.get("attention_bias", is_qwen)),
-        sliding_window=c.get("sliding_window")
-        if c.get("use_sliding_window", not is_qwen)
-        else None,
-        bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-    )
+    family = family_module(family_for_hf(c.get("architectures") or [], path))
+    return family.config_from_hf(c, path, directory, name)
 
 
 def safetensors_files(directory: str) -> list[str]:

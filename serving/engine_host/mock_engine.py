@@ -28,6 +28,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
+from collections.abc import Callable
 
 from configs.engine_config import SchedulerConfig
 from engine.api_types import EngineRequest, RequestOutput
@@ -153,10 +154,14 @@ class MockEngine:
         self.scheduler = Scheduler(self.sched_config, self.pool)
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, vocab_size=VOCAB_SIZE)
         self.num_steps = 0
+        self.num_tokens_processed = 0  # prompt and decode tokens computed (as EngineCore's)
         self.num_failed_steps = 0
         self._fail_steps = 0
         self._pending_aborts: dict[str, int] = {}  # request id -> num_steps at abort_request
         self.abort_log: list[tuple[str, int, int]] = []
+        # Called with each step's plan before its fake device step (a test's virtual clock
+        # charges the step's cost from its rows and tokens: tests/capacity_sim.py).
+        self.on_plan: Callable[[SchedulerOutput], None] | None = None
 
     # ---- the engine interface -------------------------------------------------------------
     def add_request(self, request: EngineRequest, cache_salt: str | None = None) -> None:
@@ -184,6 +189,9 @@ class MockEngine:
         outputs = self.outputs.finished(plan)
         if plan.is_empty:
             return outputs
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        self.num_tokens_processed += plan.total_num_scheduled_tokens
         if self._fail_steps > 0:
             self._fail_steps -= 1
             self.num_failed_steps += 1

@@ -1,5 +1,6 @@
 """Transport-neutral request handling: admission, tenants, the engine thread, outcomes, metrics.
 
+    deadlines.py       a request's deadline: header, SDK timeout, tenant or server default
     generation.py      Generator: admission order, refusals, outcomes (gRPC and HTTP share it)
     admission.py       where a request is admitted: limits, the bounded WaitingQueue
     tenants.py         x-api-key -> tenant; concurrency and tokens-per-minute budgets
@@ -7,6 +8,7 @@
     request_state.py   per-request stream buffer, one-outcome ledger, JSON request log
     breaker.py         circuit breaker over engine steps
     capacity_model.py  the capacity model behind admission's estimates
+    capacity_calibration.py  its measured error (margin) and its file beside the XLA cache
     metrics.py         Prometheus metrics in a per-server registry
     shutdown.py        graceful drain on SIGTERM
 

@@ -15,6 +15,17 @@ popped by the engine thread), so a rejection is decided within milliseconds of a
                                            so a LOW request waiting 2 * aging_s ranks with HIGH
                                            (no starvation); FIFO among equals
 
+With a capacity model (issue 34), the estimate counts only the queued requests pop() takes
+before this one (a flood of lower priorities does not count against a higher one), is held
+against the deadline x the measured margin (`margin()`: the `confidence` quantile of actual
+/ predicted finish, serving/frontend/capacity_calibration.py), and admission also refuses a
+request that would make an admitted one of its class or above miss its deadline (the batch
+it joins grows, its prefill stalls them). Each admitted request's prediction is kept and
+updated as later admissions grow its batch; the engine thread settles it when the request ends
+(`settle_prediction`: the predicted-vs-actual histograms). Queued lower-priority requests
+that a higher one would make late leave the queue at once ("displaced": rejected{priority}
+with Retry-After, via `expire()`).
+
 The drain rate (DrainMeter: requests and tokens the saturated engine lets through per second,
 recorded by the engine thread) turns queue length into an estimated wait and a
 `retry-after-ms` hint; until it has measured one, the capacity model (seeded at start-up)
@@ -34,6 +45,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
+from serving.frontend.capacity_calibration import PredictionTracker
 from serving.frontend.capacity_model import CapacityModel, Estimate
 
 
@@ -59,6 +71,10 @@ class AdmissionConfig:
     # With a capacity model, a request is admitted only if its estimated completion x this
     # fits its deadline: estimates err, and a timed-out request wasted its whole run.
     deadline_margin: float = 1.2
+    # Once the model's own error is measured (serving/frontend/capacity_calibration.py), the margin
+    # is the `confidence` quantile of actual / predicted finish, within margin_bounds.
+    confidence: float = 0.9
+    margin_bounds: tuple[float, float] = (0.8, 2.0)
     # The deadline of a call that brings none (and whose tenant sets none):
     # serving/frontend/deadlines.py
     default_request_timeout_s: float | None = None
@@ -176,6 +192,40 @@ class QueuedRequest:
     seq: int = 0  # FIFO tie-break, set by the queue
     prompt_tokens: int = 0  # for the capacity model (0: unknown, num_tokens counts as prompt)
     max_tokens: int = 0
+    estimate: Estimate | None = None  # set by offer when a capacity model judged it
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What admission predicted for a request it let in (the engine thread compares it with
+    the finish it had: `WaitingQueue.settle_prediction`)."""
+
+    enqueued_s: float
+    wait_s: float
+    prefill_s: float
+    step_s: float
+    deadline_s: float | None = None
+    expected_tokens: float = 0.0  # what it is expected to produce (for its run's span)
+    concurrency: float = 1.0  # the mean batch it is expected to decode in
+    max_tokens: int = 0
+    priority: int = 1
+
+    @property
+    def latest_finish_s(self) -> float:
+        """Predicted seconds from admission to the end should it run to max_tokens."""
+        return self.finish_s(self.max_tokens)
+
+    @property
+    def begin_s(self) -> float:
+        return self.enqueued_s + self.wait_s
+
+    @property
+    def end_s(self) -> float:
+        return self.begin_s + self.prefill_s + self.expected_tokens * self.step_s
+
+    def finish_s(self, num_output_tokens: int) -> float:
+        """Predicted seconds from admission to the end, for the tokens it produced."""
+        return self.wait_s + self.prefill_s + num_output_tokens * self.step_s
 
 
 class WaitingQueue:
@@ -190,8 +240,12 @@ class WaitingQueue:
         self.cfg, self.clock, self.capacity = cfg, clock, capacity
         self.num_in_engine = 0  # set by the engine thread
         self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
-        # tokens each request in the engine may still generate (set by the engine thread)
-        self.engine_remaining_tokens: list[int] = []
+        # (max_tokens, tokens produced, priority) of each request in the engine (set by the
+        # engine thread)
+        self.engine_progress: list[tuple[int, int, int]] = []
+        # Engine slots a higher class may take from a lower one by preemption (the engine
+        # loop's priority_overflow): such a slot does not hold it back.
+        self.preemptible_slots = 0
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
         self._prompt_sum = 0
@@ -199,6 +253,9 @@ class WaitingQueue:
         self._lock = threading.Lock()
         self._counter = itertools.count()
         self.drain = DrainMeter(cfg.drain_window_s)
+        self.tracker = PredictionTracker()
+        self._predictions: dict[str, Prediction] = {}
+        self._displaced: list[QueuedRequest] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -227,19 +284,148 @@ class WaitingQueue:
                     f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
                     f"{self.cfg.max_queue_tokens}",
                 )
-            self._check_estimate(item, now, rates)
+            est = self._check_estimate(item, now, rates)
+            prediction, growth = None, []
+            if est is not None and self.capacity is not None:
+                prediction = Prediction(
+                    now,
+                    est.wait_s,
+                    est.service_s - item.max_tokens * est.step_s,
+                    est.step_s,
+                    item.deadline_s,
+                    self.capacity.expected_tokens(item.max_tokens),
+                    est.concurrency,
+                    item.max_tokens,
+                    item.priority,
+                )
+                stall_s = self.capacity.prefill_s(item.prompt_tokens or item.num_tokens)
+                growth = self._batch_growth(prediction, stall_s)
+                self._check_admitted_stay_in_time(item, now, growth)
             item.seq = next(self._counter)
             item.enqueued_s = now
+            item.estimate = est
+            if prediction is not None:
+                for p, updated in growth:
+                    p.wait_s, p.prefill_s, p.concurrency, p.step_s = updated
+                self._predictions[item.request_id] = prediction
+                self._displace_lower(item, now, est)
             self._items[item.request_id] = item
             self._tokens += item.num_tokens
             self._prompt_sum += item.prompt_tokens
             self._max_tokens_sum += item.max_tokens
 
-    def _check_estimate(self, item: QueuedRequest, now: float, rates) -> None:
-        est = self._estimate(item, rates)
+    def margin(self) -> float:
+        """The factor on an estimate before it is held against a deadline: the measured
+        `confidence` quantile of actual / predicted finish once known, else the configured
+        `deadline_margin` (1.0 without a capacity model: the drain alone is measured)."""
+        if self.capacity is None:
+            return 1.0
+        q = self.tracker.quantile(self.cfg.confidence)
+        if q is None:
+            return self.cfg.deadline_margin
+        low, high = self.cfg.margin_bounds
+        return min(max(q, low), high)
+
+    def settle_prediction(
+        self, request_id: str, num_output_tokens: int, now: float, finished: bool = True
+    ) -> tuple[float, float] | None:
+        """The request left the engine: (predicted, actual) seconds from admission to its end
+        for the tokens it produced, recorded in the tracker; None without a prediction.
+        `finished` False (timed out): the time it had is a lower bound, recorded as such."""
+        with self._lock:
+            p = self._predictions.pop(request_id, None)
+        if p is None or num_output_tokens < 1:
+            return None
+        predicted, actual = p.finish_s(num_output_tokens), now - p.enqueued_s
+        if not finished and p.deadline_s is not None:
+            actual = max(actual, p.deadline_s - p.enqueued_s)
+        self.tracker.observe(predicted, actual)
+        return predicted, actual
+
+    def forget_prediction(self, request_id: str) -> None:
+        with self._lock:
+            self._predictions.pop(request_id, None)
+
+    def _batch_growth(self, new: Prediction, stall_s: float) -> list[tuple[Prediction, tuple]]:
+        """The batch grows as requests arrive: every admitted request whose predicted run
+        overlaps `new`'s decodes in a batch larger by the overlapped fraction of its run;
+        one running when `new` starts waits for `new`'s prefill (`stall_s`), and one still
+        waiting gets its slot that much later. Returns (prediction, (wait_s, prefill_s,
+        concurrency, step_s) updated) for those it changes; `offer` applies them once
+        `new` is admitted, so the finish histogram compares the prediction as updated by
+        everything admitted after a request (without this the first requests of a burst,
+        judged by the batch of one they were admitted into, finished up to 40% late)."""
+        assert self.capacity is not None
+        growth = []
+        for p in self._predictions.values():
+            wait_s, prefill_s, concurrency, step_s = p.wait_s, p.prefill_s, p.concurrency, p.step_s
+            begin = p.enqueued_s + wait_s
+            if begin > new.begin_s:  # the slot it waits for frees later
+                wait_s += stall_s
+                begin += stall_s
+            end = begin + prefill_s + p.expected_tokens * step_s
+            shared = min(end, new.end_s) - max(begin, new.begin_s)
+            if shared > 0 and end > begin:
+                concurrency = min(self.capacity.max_inflight, concurrency + shared / (end - begin))
+                step_s = self.capacity.step_s(round(concurrency))
+                if begin <= new.begin_s:
+                    prefill_s += stall_s
+            if (wait_s, prefill_s, concurrency, step_s) != (
+                p.wait_s,
+                p.prefill_s,
+                p.concurrency,
+                p.step_s,
+            ):
+                growth.append((p, (wait_s, prefill_s, concurrency, step_s)))
+        return growth
+
+    def _check_admitted_stay_in_time(self, item: QueuedRequest, now: float, growth) -> None:
+        """Admitting `item` must not make an admitted request of its priority or above miss
+        its deadline (run to max_tokens, x margin): else `item` is shed, not them."""
+        margin = self.margin()
+        for p, (wait_s, prefill_s, _, step_s) in growth:
+            if p.deadline_s is None or p.priority < item.priority:
+                continue
+            finish = p.enqueued_s + (wait_s + prefill_s + p.max_tokens * step_s) * margin
+            if finish > p.deadline_s and p.enqueued_s + p.latest_finish_s * margin <= p.deadline_s:
+                raise Rejected(
+                    "deadline",
+                    self._clamp(1000 * (finish - p.deadline_s)),
+                    f"admitting it would make admitted requests miss their deadline "
+                    f"(one by {finish - p.deadline_s:.3f}s, margin {margin:g})",
+                )
+
+    def _displace_lower(self, item: QueuedRequest, now: float, est: Estimate) -> None:
+        """Lower priorities are shed first: `item` goes ahead of every queued request of a
+        lower effective priority, pushing each one's start back by its service over the
+        slots (the mean shift of a c-slot drain); one whose deadline its new prediction x
+        margin then passes leaves the queue now ("displaced", with Retry-After) rather than
+        timing out in it, so the slot time goes to work that can finish."""
+        assert self.capacity is not None
+        shift_s = est.service_s / max(1, self.capacity.max_inflight)
+        margin = self.margin()
+        for other in list(self._items.values()):
+            if self._effective(other, now) >= item.priority or other.estimate is None:
+                continue
+            p = self._predictions.get(other.request_id)
+            if p is not None:
+                p.wait_s += shift_s
+            other.estimate = dataclasses.replace(
+                other.estimate, wait_s=other.estimate.wait_s + shift_s
+            )
+            if other.deadline_s is None:
+                continue
+            finish = other.enqueued_s + other.estimate.completion_s * margin
+            if finish > other.deadline_s:
+                self._take(other)
+                self._predictions.pop(other.request_id, None)
+                self._displaced.append(other)
+
+    def _check_estimate(self, item: QueuedRequest, now: float, rates) -> Estimate | None:
+        est = self._estimate(item, rates, now)
         if est is None:
-            return
-        margin = self.cfg.deadline_margin if self.capacity is not None else 1.0
+            return None
+        margin = self.margin()
         completion_s = est.completion_s * margin
         if item.deadline_s is not None and now + completion_s > item.deadline_s:
             late_s = now + completion_s - item.deadline_s
@@ -260,29 +446,45 @@ class WaitingQueue:
                 f"estimated queue wait {est.wait_s:.3f}s exceeds the queue timeout "
                 f"({self.cfg.queue_timeout_s}s)",
             )
+        return est
 
-    def _estimate(self, item: QueuedRequest, rates) -> Estimate | None:
-        """Completion estimate for `item` behind everything queued and in the engine; without
-        a capacity model, the wait alone from the measured drain (None before one)."""
-        ahead = self.num_in_engine + len(self._items)
+    def _estimate(self, item: QueuedRequest, rates, now: float) -> Estimate | None:
+        """Completion estimate for `item` behind everything in the engine and the queued
+        requests pop() takes before it (effective priority >= its class: a flood of lower
+        priorities does not count against it); without a capacity model, the wait alone
+        from the measured drain (None before one)."""
         if self.capacity is None:
             if rates is None:
                 return None
             return Estimate(len(self._items) / rates[0], 0.0, 0.0)
-        n = max(1, len(self._items))
+        queued = [q for q in self._items.values() if self._effective(q, now) >= item.priority]
+        progress = self.engine_progress[: self.num_in_engine]
+        if self.preemptible_slots:  # the lowest classes below it give up their slots
+            lower = sorted((p for p in progress if p[2] < item.priority), key=lambda p: p[2])
+            for gone in lower[: self.preemptible_slots]:
+                progress.remove(gone)
+        in_engine = self.num_in_engine - (
+            len(self.engine_progress[: self.num_in_engine]) - len(progress)
+        )
+        ahead = in_engine + len(queued)
+        n = max(1, len(queued))
+        prompt_sum = sum(q.prompt_tokens for q in queued)
         prefill_ahead = self.unprefilled_engine_tokens
         if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
-            prefill_ahead += self._prompt_sum
-        mean_max_tokens = self._max_tokens_sum / n if self._items else item.max_tokens
-        remaining = list(self.engine_remaining_tokens)[: self.num_in_engine]
-        remaining += [round(mean_max_tokens)] * (self.num_in_engine - len(remaining))
+            prefill_ahead += prompt_sum
+        mean_max_tokens = sum(q.max_tokens for q in queued) / n if queued else item.max_tokens
+        # Those ahead hold their slots for the tokens they are expected to produce (the
+        # measured fraction of max_tokens), not their max_tokens: replies end at EOS.
+        expected = self.capacity.expected_tokens
+        remaining = [round(expected(m, p)) for m, p, _ in progress]
+        remaining += [round(expected(mean_max_tokens))] * (in_engine - len(remaining))
         return self.capacity.estimate(
             prefill_tokens_ahead=prefill_ahead,
             ahead=ahead,
             prompt_tokens=item.prompt_tokens or item.num_tokens,
             max_tokens=item.max_tokens,
-            mean_prompt_tokens=self._prompt_sum / n if self._items else item.prompt_tokens,
-            mean_max_tokens=mean_max_tokens,
+            mean_prompt_tokens=prompt_sum / n if queued else item.prompt_tokens,
+            mean_max_tokens=expected(mean_max_tokens),
             drain_per_s=None if rates is None else rates[0],
             engine_remaining_tokens=remaining,
         )
@@ -318,25 +520,43 @@ class WaitingQueue:
             self._take(best)
             return best
 
+    def pop_above(self, priority: int) -> QueuedRequest | None:
+        """The request pop() would take, only if its class is above `priority` (a request
+        fed past the engine's inflight limit to preempt a lower one)."""
+        with self._lock:
+            if not self._items:
+                return None
+            now = self.clock()
+            best = max(self._items.values(), key=lambda q: (self._effective(q, now), -q.seq))
+            if best.priority <= priority:
+                return None
+            self._take(best)
+            return best
+
     def remove(self, request_id: str) -> QueuedRequest | None:
         with self._lock:
             item = self._items.get(request_id)
             if item is not None:
                 self._take(item)
+                self._predictions.pop(request_id, None)
             return item
 
     def expire(self) -> list[tuple[QueuedRequest, str]]:
-        """Take out requests past their deadline ("timed_out") or the queue timeout."""
+        """Take out requests past their deadline ("timed_out") or the queue timeout, and
+        hand over those displaced by higher priorities ("displaced")."""
         with self._lock:
             now = self.clock()
-            gone = []
+            gone = [(item, "displaced") for item in self._displaced]
+            self._displaced.clear()
+            taken = len(gone)
             for item in list(self._items.values()):
                 if item.deadline_s is not None and now >= item.deadline_s:
                     gone.append((item, "timed_out"))
                 elif now - item.enqueued_s >= self.cfg.queue_timeout_s:
                     gone.append((item, "queue_timeout"))
-            for item, _ in gone:
+            for item, _ in gone[taken:]:
                 self._take(item)
+                self._predictions.pop(item.request_id, None)
             return gone
 
     def _effective(self, q: QueuedRequest, now: float) -> float:

@@ -40,10 +40,11 @@ import bisect
 import dataclasses
 import heapq
 import logging
+import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -58,6 +59,7 @@ class Estimate:
     wait_s: float  # until the request gets a slot in the engine
     service_s: float  # its own prefill + max_tokens decode steps
     step_s: float  # expected seconds per decode step at the expected concurrency
+    concurrency: float = 1.0  # the mean batch it is expected to decode in
 
     @property
     def completion_s(self) -> float:
@@ -73,6 +75,7 @@ class CapacityModel:
         prefill_tokens_per_s: float,
         max_inflight: int,
         smoothing: float = 0.1,
+        length_fraction: float = 1.0,
     ):
         assert step_s_by_concurrency and prefill_tokens_per_s > 0, (
             step_s_by_concurrency,
@@ -82,6 +85,9 @@ class CapacityModel:
         self.max_jump = 2.0  # one observation counts at most this x the current estimate
         self._step_s = dict(step_s_by_concurrency)
         self._prefill_tokens_per_s = prefill_tokens_per_s
+        # Mean tokens a request produces / its max_tokens (chat replies end at EOS well
+        # before max_tokens): what the requests ahead are expected to hold a slot for.
+        self._length_fraction = length_fraction
         self._lock = threading.Lock()
 
     def step_s(self, concurrency: int) -> float:
@@ -111,15 +117,37 @@ class CapacityModel:
     def service_s(self, prompt_tokens: int, max_tokens: int, concurrency: int) -> float:
         return self.prefill_s(prompt_tokens) + max_tokens * self.step_s(concurrency)
 
-    def observe_step(self, concurrency: int, step_s: float) -> None:
-        """A real step's wall time, at `concurrency` requests in the engine. One observation
-        counts at most `max_jump` x the current estimate (see `_bounded`)."""
+    def observe_step(self, concurrency: int, step_s: float, prefill_tokens: int = 0) -> None:
+        """A real step's wall time, at `concurrency` requests in the engine, `prefill_tokens`
+        of them prompt tokens (those of the requests that got their first token in it).
+        The step is split: decode time at `concurrency` + prefill_tokens x seconds per
+        prompt token; what exceeds the decode estimate is the prefill's (an estimate of the
+        per-token cost), the rest the decode's. One observation counts at most `max_jump` x
+        the current estimate (see `_bounded`).
+
+        NOTE: filing prefill-heavy steps whole under their batch size made the decode step
+        of mid-size batches ~1.5x too slow (2048 prompt tokens cost a SmolLM2-like step 20x
+        a decode row), while prefill, timed per request from entering the engine, counted
+        the other prompts and decode steps it waited on: both predicted late."""
         if concurrency < 1 or step_s <= 0:
             return
-        # 1, 2, 4, ...: few, well-fed points. NOTE: rounded down: a step of 18 rows filed
-        # as 32 made the 32-row estimate optimistic, and the next burst admitted 41 calls
-        # that all timed out (benchmarks/RESULTS.md); filed as 16 it errs on the safe side.
-        bucket = 1 << (concurrency.bit_length() - 1)
+        if prefill_tokens > 0:
+            decode_s = self.step_s(concurrency)
+            extra_s = step_s - decode_s
+            if extra_s > 0:
+                with self._lock:
+                    old = 1.0 / self._prefill_tokens_per_s
+                    per_token = self._bounded(old, extra_s / prefill_tokens)
+                    self._prefill_tokens_per_s = 1.0 / per_token
+            step_s -= prefill_tokens / self._prefill_tokens_per_s
+            if step_s <= 0:
+                return
+        # Filed under its exact batch size, interpolated between sizes seen. NOTE: sizes
+        # were once rounded down to a power of two (a step of 18 rows filed as 32 had made
+        # the 32-row estimate optimistic); rounded down, a 15-row step counted as 8 and the
+        # model over-predicted the decode of mid-size batches by ~20%, shedding work that
+        # fitted. The measured margin (admission.WaitingQueue.margin) covers what remains.
+        bucket = concurrency
         with self._lock:
             old = self._step_s.get(bucket)
             if old is None:
@@ -128,6 +156,26 @@ class CapacityModel:
                 self._step_s[bucket] = step_s
             else:
                 self._step_s[bucket] = self._bounded(old, step_s)
+
+    @property
+    def length_fraction(self) -> float:
+        with self._lock:
+            return self._length_fraction
+
+    def observe_length(self, num_tokens: int, max_tokens: int) -> None:
+        """A request ended after `num_tokens` of its `max_tokens` (stop or length)."""
+        if max_tokens < 1 or num_tokens < 0:
+            return
+        with self._lock:
+            f = min(1.0, num_tokens / max_tokens)
+            self._length_fraction += self.smoothing * (f - self._length_fraction)
+
+    def expected_tokens(self, max_tokens: float, produced: int = 0) -> float:
+        """Tokens a request with `max_tokens` (having produced `produced`) is expected to
+        still generate: the mean fraction of max_tokens, at least one more, at most what
+        is left."""
+        left = max(0.0, max_tokens - produced)
+        return min(left, max(1.0, self.length_fraction * max_tokens - produced))
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A real request's prompt: from entering the engine to its first token (bounded
@@ -166,27 +214,54 @@ class CapacityModel:
         ahead each holding one for a mean service time), else the uniform drain."""
         c = self.max_inflight
         concurrency = min(c, ahead + 1)
-        step_s = self.step_s(concurrency)
         wait_s = 0.0
-        if ahead >= c:
-            mean_service_s = self.service_s(round(mean_prompt_tokens), round(mean_max_tokens), c)
-            if engine_remaining_tokens is not None:
-                step_c = self.step_s(c)
-                free_at_s = [r * step_c for r in engine_remaining_tokens]
-                wait_s = slot_wait_s(free_at_s, ahead - len(free_at_s), mean_service_s, c)
-            else:
-                if drain_per_s is None or drain_per_s <= 0:
-                    drain_per_s = c / max(mean_service_s, 1e-9)
-                wait_s = (ahead - c + 1) / drain_per_s
+        mean_service_s = self.service_s(round(mean_prompt_tokens), round(mean_max_tokens), c)
+        if engine_remaining_tokens is not None:
+            # The slots as the known work leaves them: the engine's requests end after
+            # their expected remaining tokens, the queued ones ahead take the earliest free
+            # slot each for a mean service. This one starts on the earliest; the others'
+            # overlap with its decode is the batch it decodes in (it shrinks as they end).
+            step_c = self.step_s(c)
+            free_at_s = [r * step_c for r in engine_remaining_tokens]
+            stall_s = self.prefill_s(round(mean_prompt_tokens))
+            slots = slots_after(free_at_s, ahead - len(free_at_s), mean_service_s, c, stall_s)
+            wait_s = slots[0]
+            own_s = self.expected_tokens(max_tokens) * self.step_s(concurrency)
+            overlap = sum(min(1.0, max(0.0, (u - wait_s) / own_s)) for u in slots[1:])
+            concurrency = min(c, 1 + overlap)
+        elif ahead >= c:
+            if drain_per_s is None or drain_per_s <= 0:
+                drain_per_s = c / max(mean_service_s, 1e-9)
+            wait_s = (ahead - c + 1) / drain_per_s
+        step_s = self.step_s(round(concurrency))
         service_s = self.prefill_s(prompt_tokens + prefill_tokens_ahead) + max_tokens * step_s
-        return Estimate(wait_s, service_s, step_s)
+        return Estimate(wait_s, service_s, step_s, concurrency)
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 "step_s_by_concurrency": dict(sorted(self._step_s.items())),
                 "prefill_tokens_per_s": self._prefill_tokens_per_s,
+                "length_fraction": self._length_fraction,
             }
+
+
+def prefill_tokens_of_step(
+    outputs, processed_before: int | None, processed_after: int | None, first_token_prompts: int
+) -> int:
+    """Prompt tokens a step computed: the engine's token counter's advance
+    (`num_tokens_processed`, EngineCore and MockEngine) less one decode token per request
+    that received a later token; without the counter (an engine in a child process), the
+    computed prompts of the requests whose first token came in it (chunks of a longer
+    prompt then count in the step that finishes it)."""
+    if processed_before is None or processed_after is None:
+        return first_token_prompts
+    decodes = sum(
+        len(out.new_token_ids)
+        for out in outputs
+        if out.new_token_ids and out.num_output_tokens > len(out.new_token_ids)
+    )
+    return max(0, processed_after - processed_before - decodes)
 
 
 def slot_wait_s(
@@ -200,11 +275,34 @@ def slot_wait_s(
     staggered traffic but not for a burst, which runs in waves: 32 slots, 4.5 s per request,
     the 65th of a burst starts at 9 s (when the second wave ends), not at 4.6 s; the uniform
     rate admitted a fourth wave of a mock burst that then timed out (52 of 300)."""
-    free = [0.0] * max(0, slots - len(engine_free_at_s)) + sorted(engine_free_at_s)
-    heapq.heapify(free)
+    return slots_after(engine_free_at_s, queued_ahead, service_s, slots)[0]
+
+
+def slots_after(
+    engine_free_at_s: Sequence[float],
+    queued_ahead: int,
+    service_s: float,
+    slots: int,
+    stall_s: float = 0.0,
+) -> list[float]:
+    """The slots' free times (a heap: earliest first) once the queued ones ahead took theirs
+    (see `slot_wait_s`). `stall_s`: what each one's prefill delays the requests running
+    when it starts (they share its steps), so every other slot frees that much later."""
+    # A slot free now is taken at once; its request's first token comes after the prompts
+    # started before it (they prefill together). Busy slots are all still busy at each
+    # later start, so one offset carries the stalls to every entry of the heap.
+    free_now = max(0, slots - len(engine_free_at_s))
+    offset = 0.0  # added to every heap entry: the stalls so far
+    busy = sorted(engine_free_at_s)
     for _ in range(max(0, queued_ahead)):
-        heapq.heappush(free, heapq.heappop(free) + service_s)
-    return free[0]
+        if free_now:  # starts now, its first token after the prompts started before it
+            free_now -= 1
+            start = offset
+        else:
+            start = heapq.heappop(busy) + offset
+        offset += stall_s
+        heapq.heappush(busy, start + service_s - offset)
+    return [0.0] * free_now + [f + offset for f in busy]
 
 
 def probe(
@@ -215,6 +313,7 @@ def probe(
     prompt_tokens: int = 96,
     decode_steps: int = 3,
     token_id: int = 65,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CapacityModel:
     """Measure step times on `engine` (no other thread may use it meanwhile).
     NOTE: 96-token prompts: the context of a one-line chat call (~40 templated tokens) part
@@ -226,8 +325,11 @@ def probe(
     for b in sizes:
         # The first pass pays any one-time cost (a shape compiled on first use, caches);
         # the second is measured.
-        _probe_batch(engine, b, prompt_tokens, 1, token_id)
-        decode_s, prefill_rate = _probe_batch(engine, b, prompt_tokens, decode_steps, token_id)
+        # (and counts the steps this batch's prompts take: its stagger)
+        _, _, stagger = _probe_batch(engine, b, prompt_tokens, 1, token_id, clock, 0)
+        decode_s, prefill_rate, _ = _probe_batch(
+            engine, b, prompt_tokens, decode_steps, token_id, clock, stagger
+        )
         step_s[b] = decode_s
         prefill_rates.append(prefill_rate)
     model = CapacityModel(step_s, float(np.median(prefill_rates)), max_inflight)
@@ -235,28 +337,42 @@ def probe(
     return model
 
 
-def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int):
+def _probe_batch(
+    engine, batch: int, prompt_tokens: int, decode_steps: int, token_id: int, clock, stagger: int
+):
     ids = [f"capacity-probe-{uuid.uuid4().hex}" for _ in range(batch)]
     # They run to max_tokens on their own: no aborts in the engine's books. NOTE: sampled,
     # not greedy: chat traffic samples (temperature 1 by default), which runs the step's
     # "full" sampler program (engine/runner/shapes.py), ~10-20 ms more per SmolLM2 step at 32 rows
     # than greedy's argmax; a greedy probe seeded 64-token calls ~20% too fast and the
     # calls a cold burst admitted timed out at 56-57 of 64 tokens (benchmarks/RESULTS.md).
-    sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=1.0, seed=0, ignore_eos=True)
+    # NOTE: max_tokens was decode_steps + 1; but a batch whose prompts take several
+    # prefill steps (64 x 96 tokens in a 2048-token budget) staggers: the first ones ended
+    # during the "decode" steps, which then timed a third of the batch (step_s(64)
+    # measured 0.057 s where a 64-row step took 0.129 s). Now + `stagger`: the prefill
+    # steps the first pass took.
+    sampling = SamplingParams(
+        max_tokens=decode_steps + 1 + stagger, temperature=1.0, seed=0, ignore_eos=True
+    )
     produced = dict.fromkeys(ids, 0)
-    for i, request_id in enumerate(ids):
-        # distinct prompts, so the prefix cache cannot shorten the prefill
-        prompt = [token_id + (i + k) % 50 for k in range(prompt_tokens)]
+    for request_id in ids:
+        # distinct prompts, so the prefix cache cannot shorten the prefill. NOTE: they were
+        # distinct within a pass but equal across the two passes of a size, so the measured
+        # pass hit the cache the first one had filled and timed a prefill of the last page
+        # only (~6x too fast for 96-token prompts in 16-token pages).
+        rng = random.Random(request_id)
+        prompt = [token_id + rng.randrange(50) for _ in range(prompt_tokens)]
         engine.add_request(EngineRequest(request_id, prompt, sampling, tenant="capacity-probe"))
     try:
-        start = time.perf_counter()
+        start, prefill_steps = clock(), 0
         while min(produced.values()) == 0:
             _count(engine.step(), produced)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
+            prefill_steps += 1
+        prefill_s = clock() - start
+        start = clock()
         for _ in range(decode_steps):
             _count(engine.step(), produced)
-        decode_s = (time.perf_counter() - start) / decode_steps
+        decode_s = (clock() - start) / decode_steps
     except BaseException:
         for request_id in ids:
             engine.abort_request(request_id)
@@ -264,7 +380,9 @@ def _probe_batch(engine, batch: int, prompt_tokens: int, decode_steps: int, toke
     finally:
         while engine.has_unfinished():
             engine.step()
-    return decode_s, batch * prompt_tokens / max(prefill_s, 1e-9)
+    # the prompts' own cost: their steps less the decode work those steps also did
+    prefill_rate = batch * prompt_tokens / max(prefill_s - prefill_steps * decode_s, 1e-9)
+    return decode_s, prefill_rate, prefill_steps
 
 
 def _count(outputs, produced: dict[str, int]) -> None:

@@ -45,6 +45,7 @@ from engine.errors import InvalidRequestError
 from engine.lora.refs import request_identity
 from serving.frontend.admission import WaitingQueue
 from serving.frontend.breaker import CircuitBreaker
+from serving.frontend.capacity_model import prefill_tokens_of_step
 from serving.frontend.request_state import (
     ActiveRequest,
     RequestLedger,
@@ -68,6 +69,8 @@ _FINISH = {
 
 
 class EngineLoop:
+    tracer = None  # serving/frontend/request_trace.py RequestTrace (--trace_requests), else None
+
     def __init__(
         self,
         engine,
@@ -83,7 +86,13 @@ class EngineLoop:
         on_tick=None,
         slow_consumer: SlowConsumerPolicy | None = None,
         on_start=None,
+        priority_overflow: int = 0,
     ):
+        """`priority_overflow`: requests a higher priority class than one in the engine may
+        be fed past `max_inflight` (the engine's scheduler, with `priority_preemption`,
+        preempts the lowest-priority running one to run them: issue 34)."""
+        self.priority_overflow = priority_overflow
+        waiting.preemptible_slots = priority_overflow
         self.engine, self.waiting, self.ledger = engine, waiting, ledger
         self.breaker, self.metrics, self.max_inflight = breaker, metrics, max_inflight
         self.stats_interval_s, self.idle_wait_s = stats_interval_s, idle_wait_s
@@ -101,6 +110,8 @@ class EngineLoop:
         self._breaker_state = "closed"
         self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # run_on_engine_thread
+        self._first_tokens = 0  # prompt tokens of this step's first tokens
+        self._last_prefill_tokens = 0  # prompt tokens the last step computed
         self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
         self.on_swap = None  # called on the engine thread with the new engine
         self.on_iteration = None  # called on the engine thread after each iteration (KV events)
@@ -117,6 +128,7 @@ class EngineLoop:
     def unregister(self, request_id: str) -> None:
         with self._active_lock:
             self._active.pop(request_id, None)
+        self.waiting.forget_prediction(request_id)
 
     def is_active(self, request_id: str) -> bool:
         with self._active_lock:
@@ -216,7 +228,7 @@ class EngineLoop:
             self._feed()
         self.waiting.num_in_engine = len(self._in_engine)
         self.waiting.unprefilled_engine_tokens = self._unprefilled_tokens()
-        self.waiting.engine_remaining_tokens = self._remaining_tokens()
+        self.waiting.engine_progress = self._progress()
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
         )
@@ -271,6 +283,16 @@ class EngineLoop:
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     "deadline passed while queued",
                 )
+            elif why == "displaced":  # a higher priority took its time (admission.py)
+                self._end(
+                    r,
+                    "rejected",
+                    "priority",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "shed for higher-priority requests: it could no longer finish before "
+                    "its deadline",
+                    self.waiting.retry_after_hint_ms(),
+                )
             else:
                 self._end(
                     r,
@@ -283,8 +305,13 @@ class EngineLoop:
             self.unregister(item.request_id)
 
     def _feed(self) -> None:
-        while len(self._in_engine) < self.max_inflight:
-            item = self.waiting.pop()
+        while True:
+            if len(self._in_engine) < self.max_inflight:
+                item = self.waiting.pop()
+            elif len(self._in_engine) < self.max_inflight + self.priority_overflow:
+                item = self.waiting.pop_above(self._lowest_priority_in_engine())
+            else:
+                return
             if item is None:
                 return
             r = self._lookup(item.request_id)
@@ -310,19 +337,36 @@ class EngineLoop:
             self._in_engine.add(r.request_id)
             self.metrics.prompt_tokens.inc(len(r.engine_request.prompt_token_ids))
 
+    def _lowest_priority_in_engine(self) -> int:
+        priorities = [
+            r.engine_request.priority for r in map(self._lookup, self._in_engine) if r is not None
+        ]
+        return min(priorities, default=0)
+
     def _step(self) -> None:
         concurrency, start = len(self._in_engine), time.monotonic()
         self._observe_iteration(concurrency, start)
+        processed = getattr(self.engine, "num_tokens_processed", None)
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_step(exc)
             return
         self.metrics.observe_step(outputs)
+        if self.tracer is not None:
+            info = getattr(self.engine, "last_step_info", None)
+            self.tracer.step(start, time.monotonic(), info, len(outputs))
         failed = False
+        self._first_tokens = 0
         for out in outputs:
             failed |= out.finish_reason == "failed"
             self._route(out)
+        self._last_prefill_tokens = prefill_tokens_of_step(
+            outputs,
+            processed,
+            getattr(self.engine, "num_tokens_processed", None),
+            self._first_tokens,
+        )
         if failed:
             self.breaker.record_failure()
         else:
@@ -336,7 +380,9 @@ class EngineLoop:
         if previous is not None and self.waiting.capacity is not None:
             prev_concurrency, prev_start = previous
             if start - prev_start < 10.0:  # not across an idle spell
-                self.waiting.capacity.observe_step(prev_concurrency, start - prev_start)
+                self.waiting.capacity.observe_step(
+                    prev_concurrency, start - prev_start, self._last_prefill_tokens
+                )
 
     def _unprefilled_tokens(self) -> int:
         """Prompt tokens of the requests in the engine that have no first token yet."""
@@ -347,20 +393,20 @@ class EngineLoop:
                 total += len(r.engine_request.prompt_token_ids)
         return total
 
-    def _remaining_tokens(self) -> list[int]:
-        """Tokens each request in the engine may still generate (its max_tokens left)."""
-        remaining = []
+    def _progress(self) -> list[tuple[int, int, int]]:
+        """(max_tokens, tokens produced, priority) of each request in the engine."""
+        progress = []
         for request_id in self._in_engine:
             r = self._lookup(request_id)
             if r is not None:
-                sp = r.engine_request.sampling
-                remaining.append(max(0, sp.max_tokens - len(r.token_times_s)))
-        return remaining
+                er = r.engine_request
+                progress.append((er.sampling.max_tokens, len(r.token_times_s), er.priority))
+        return progress
 
-    def _observe_prefill(self, r: ActiveRequest, first_token_s: float) -> None:
-        if self.waiting.capacity is not None:
-            num_tokens = len(r.engine_request.prompt_token_ids)
-            self.waiting.capacity.observe_prefill(num_tokens, first_token_s - r.added_s)
+    def _observe_prefill(self, r: ActiveRequest, out: RequestOutput) -> None:
+        """Prompt tokens computed for a request whose first token came this step (the
+        step's prefill when the engine does not count its tokens)."""
+        self._first_tokens += len(r.engine_request.prompt_token_ids) - out.num_cached_tokens
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail the requests of the failed step: those named by the engine's exception
@@ -408,7 +454,7 @@ class EngineLoop:
         if r is None:
             return
         if not r.token_times_s and out.token_times_s and r.added_s is not None:
-            self._observe_prefill(r, out.token_times_s[0])
+            self._observe_prefill(r, out)
         r.token_times_s.extend(out.token_times_s)
         r.num_prompt_tokens, r.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         if out.finished:
@@ -432,6 +478,18 @@ class EngineLoop:
             )
 
     def _finish(self, r: ActiveRequest, out: RequestOutput) -> None:
+        if out.finish_reason in ("stop", "length") and self.waiting.capacity is not None:
+            max_tokens = r.engine_request.sampling.max_tokens
+            self.waiting.capacity.observe_length(len(r.token_times_s), max_tokens)
+        if out.finish_reason in ("stop", "length", "timed_out"):
+            settled = self.waiting.settle_prediction(
+                r.request_id,
+                len(r.token_times_s),
+                time.monotonic(),
+                finished=out.finish_reason != "timed_out",
+            )
+            if settled is not None:
+                self.metrics.observe_prediction(*settled)
         if out.metrics is not None:
             r.engine_queue_s = out.metrics.queue_s
             r.spec_drafted_tokens = out.metrics.spec_drafted_tokens

@@ -110,7 +110,7 @@ class GenerateCall:
     sampling: Callable[[int], SamplingParams]
     model: str = ""
     revision: str = ""
-    priority: int = 1  # engine priority: 0 low, 1 normal, 2 high
+    priority: int | None = None  # engine class: 0 low, 1 normal, 2 high; None: the tenant's
     time_left_s: float | None = None  # None: no deadline (then the tenant's or server's default)
     deadline_source: str = ""  # where time_left_s came from (serving/frontend/deadlines.py)
     stream_listener: Callable[[], None] | None = None  # called when the stream has news
@@ -335,11 +335,12 @@ class Generator:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e), e.retry_after_ms
             ) from e
+        priority = tenant.priority if call.priority is None else call.priority
         engine_request = EngineRequest(
             call.request_id,
             prompt,
             sp,
-            priority=call.priority,
+            priority=priority,
             tenant=tenant.name,
             deadline_s=deadline_s,
             adapter=None if adapter is None else adapter.name,
@@ -348,7 +349,7 @@ class Generator:
         r = ActiveRequest(call.request_id, tenant, reservation, engine_request, arrival_s, stream)
         r.success_on_delivery = call.success_on_delivery
         r.log_extra = _log_extra(call)
-        self._enqueue(r, call.priority)
+        self._enqueue(r, priority)
         return r
 
     def _enqueue(self, r: ActiveRequest, priority: int) -> None:

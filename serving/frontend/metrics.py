@@ -54,6 +54,8 @@ ITL_BUCKETS_S = (
     2.5,
     5.0,
 )
+# actual / predicted finish of an admitted request (the admission model's error)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 OUTCOMES = ("success", "cancelled", "rejected", "timed_out", "failed")
 
@@ -183,6 +185,22 @@ class ServerMetrics:
             names + ["outcome", "reason"],
             registry=r,
         )
+        # The admission model's error (serving/frontend/capacity_calibration.py): for each admitted
+        # request that finished or timed out, actual / predicted time from admission to its
+        # end (predicted for the tokens it produced).
+        self.prediction_ratio = hist(
+            "pagedjax_admission_finish_ratio",
+            "Actual / predicted finish of admitted requests (1 = exact)",
+            RATIO_BUCKETS,
+        )
+        self.predicted_finish = hist(
+            "pagedjax_admission_predicted_finish_seconds",
+            "Predicted seconds from admission to the end of admitted requests",
+        )
+        self.actual_finish = hist(
+            "pagedjax_admission_actual_finish_seconds",
+            "Actual seconds from admission to the end of admitted requests",
+        )
         self._last_stats: dict[str, float] = {}
         self.compat = None
         if compat == "vllm":  # gateway model-server protocol (GIE, llm-d, KServe)
@@ -193,6 +211,12 @@ class ServerMetrics:
             r.register(self.compat)
         elif compat != "none":
             raise ValueError(f"metrics_compat={compat!r} is invalid: one of vllm, none")
+
+    def observe_prediction(self, predicted_s: float, actual_s: float) -> None:
+        self.predicted_finish.observe(predicted_s)
+        self.actual_finish.observe(actual_s)
+        if predicted_s > 0:
+            self.prediction_ratio.observe(actual_s / predicted_s)
 
     def record_outcome(self, outcome: str, reason: str = "") -> None:
         assert outcome in OUTCOMES, outcome

@@ -163,6 +163,8 @@ class ActiveRequest:
 class RequestLedger:
     """Records outcomes (metrics + tenant refund + one JSON log line). Thread-safe."""
 
+    tracer = None  # serving/frontend/request_trace.py RequestTrace (--trace_requests), else None
+
     def __init__(self, metrics, limiter: TenantLimiter, versions: dict):
         self.metrics, self.limiter, self.versions = metrics, limiter, versions
 
@@ -234,6 +236,8 @@ class RequestLedger:
         if details:
             record["details"] = bounded(details)
         self._log(record)
+        if self.tracer is not None:
+            self.tracer.request(r, outcome, now)
         return True
 
     def _log(self, record: dict) -> None:

@@ -4,9 +4,13 @@ Config file (`--tenants_config`, JSON):
 
     {"tenants": [{"name": "acme", "api_keys": ["k-acme-1"],
                   "max_concurrency": 4, "tokens_per_minute": 60000,
-                  "default_request_timeout_s": 30}],
+                  "default_request_timeout_s": 30, "priority": "low"}],
      "allow_anonymous": false,
      "default": {"max_concurrency": 64, "tokens_per_minute": null}}
+
+`priority` (low | normal | high; default normal) is the class of a tenant's calls that name
+none (gRPC PRIORITY_UNSPECIFIED, no `priority` in an HTTP body): under overload lower classes
+are shed first and may be preempted (serving/frontend/admission.py).
 
 With no config, every call is tenant "default" with no limits. With a config, a call without
 a key is "default" only if allow_anonymous; an unknown key is UnknownApiKey (UNAUTHENTICATED).
@@ -50,6 +54,17 @@ class TenantPolicy:
     tokens_per_minute: int | None = None  # None: unlimited
     # the deadline of its calls that bring none (serving/frontend/deadlines.py); None: the server's
     default_request_timeout_s: float | None = None
+    priority: int = 1  # engine class of its calls that name none: 0 low, 1 normal, 2 high
+
+
+PRIORITY_CLASSES = {"low": 0, "normal": 1, "high": 2}
+
+
+def _priority(cfg: dict) -> int:
+    name = cfg.get("priority", "normal")
+    if name not in PRIORITY_CLASSES:
+        raise InvalidRequestError("priority", name, f"one of {sorted(PRIORITY_CLASSES)}")
+    return PRIORITY_CLASSES[name]
 
 
 class TenantRegistry:
@@ -75,6 +90,7 @@ class TenantRegistry:
                 t.get("tokens_per_minute"),
                 _timeout_s(t),
             )
+            policy = dataclasses.replace(policy, priority=_priority(t))
             tenants[policy.name] = policy
             for key in t.get("api_keys", []):
                 keys[key] = policy.name
@@ -82,6 +98,7 @@ class TenantRegistry:
         default = TenantPolicy(
             DEFAULT_TENANT, d.get("max_concurrency"), d.get("tokens_per_minute"), _timeout_s(d)
         )
+        default = dataclasses.replace(default, priority=_priority(d))
         return cls(tenants, keys, bool(cfg.get("allow_anonymous", not tenants)), default)
 
     @classmethod

@@ -13,7 +13,7 @@ from serving.proto import pagedjax_pb2 as pb
 
 # Priority class -> engine priority (larger = more important).
 ENGINE_PRIORITY = {
-    pb.PRIORITY_UNSPECIFIED: 1,
+    pb.PRIORITY_UNSPECIFIED: None,  # the tenant's default (serving/frontend/tenants.py)
     pb.PRIORITY_LOW: 0,
     pb.PRIORITY_NORMAL: 1,
     pb.PRIORITY_HIGH: 2,

@@ -101,7 +101,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             model=request.model,
             revision=request.revision,
             adapter=request.adapter,
-            priority=convert.ENGINE_PRIORITY.get(request.priority, 1),
+            priority=convert.ENGINE_PRIORITY.get(request.priority),
             time_left_s=_time_left_s(context),
             deadline_source=GRPC_SOURCE,  # meaningful only with time_left_s
         )

@@ -107,6 +107,8 @@ class HttpApi:
             tenant = self.generator.authenticate(resp.api_key(self.generator.tenants, request)).name
             body = schemas.parse_body(model_cls, await request.body())
             prompts = self._prompts(body, chat)
+            if self.generator.ledger.tracer is not None:  # --trace_requests
+                self.generator.ledger.tracer.mark(request_id, "parse")
             deadline = _deadline(request)
         except Refusal as e:
             e.tenant = tenant
@@ -123,6 +125,8 @@ class HttpApi:
                 choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return resp.refusal_response(e)
+        if self.generator.ledger.tracer is not None:  # --trace_requests
+            self.generator.ledger.tracer.mark(request_id, "admit")
         headers = resp.identity_headers(self.identity)
         if body.stream:
             gone = asyncio.Event()  # overload (#17): set when the client disconnects

@@ -104,7 +104,7 @@ class _GenerationFields(_Strict):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int | None = None  # None: the tenant's default class
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # pagedjax: the revision this request must run on; per-token server times in chunks
@@ -201,8 +201,11 @@ def parse_body(model_cls: type[BaseModel], raw: bytes):
 
 
 # ---- engine inputs --------------------------------------------------------------------------
-def engine_priority(vllm_priority: int) -> int:
-    """vLLM's priority (lower = earlier) -> the engine's class (larger = more important)."""
+def engine_priority(vllm_priority: int | None) -> int | None:
+    """vLLM's priority (lower = earlier) -> the engine's class (larger = more important);
+    None (not given) stays None: the tenant's default class applies."""
+    if vllm_priority is None:
+        return None
     return 2 if vllm_priority < 0 else 1 if vllm_priority == 0 else 0
 
 
