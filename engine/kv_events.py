@@ -1,7 +1,7 @@
 """KV-cache events: the prefix cache's own transitions, in the shape llm-d's KV-cache indexer
 (and vLLM) uses, recorded on the engine thread for serving/kv_events_publisher.py to send.
 
-The page pool (engine/page_pool.py) calls a recorder, when one is attached, at exactly the
+The page pool (engine/sched/page_pool.py) calls a recorder, when one is attached, at exactly the
 transitions that change what a prefix lookup can hit:
 
     cache_full_pages  a full page gets its key       -> ["BlockStored", hashes, parent,

@@ -1,6 +1,6 @@
 """llm-d's prefill/decode flow over the OpenAI API: the `kv_transfer_params` fields its
 routing sidecar sends (vLLM's NIXL connector protocol), served by our KV transfer
-(serving/kv_transfer_service.py).
+(serving/disagg/service.py).
 
 The sidecar, beside a decode pod, makes two calls for one client request:
 

@@ -20,7 +20,7 @@ and the latency histograms and token counters under vLLM's names:
 `vllm:prefix_cache_hits_total` (the prefix-cache counters count tokens, as vLLM's do).
 
 Every one of them is an ALIAS: `VllmCompatCollector.collect` re-labels, at scrape time, the
-samples of a `pagedjax_*` family the server already keeps (serving/metrics.py), so the two
+samples of a `pagedjax_*` family the server already keeps (serving/frontend/metrics.py), so the two
 name sets cannot disagree and the hot path pays nothing for the second set. Labels are
 vLLM's (`model_name`, `engine`) instead of ours (`model`, `revision`). Histogram buckets are
 ours (PromQL's histogram_quantile does not care). `--metrics_compat=none` registers none

@@ -3,9 +3,9 @@ on a multi-host TPU slice, deploy/k8s/gateway/leaderworkerset.yaml).
 
     python -m serving.server --distributed_env=lws --mesh=model:16 ...   # on every pod
 
-    every pod:   jax.distributed.initialize(engine/distributed.config_from_env("lws"))
-                 the engine built in the same order (engine/distributed.py's
-                 create_multihost_engine through serving/engine_build.py)
+    every pod:   jax.distributed.initialize(engine/parallel/distributed.config_from_env("lws"))
+                 the engine built in the same order (engine/parallel/distributed.py's
+                 create_multihost_engine through serving/engine_host/build.py)
     process 0:   serves (gRPC, HTTP, metrics, KV events) as a single-host server does; its
                  LeaderEngineCore broadcasts every device step to the others
     others:      follow(engine): run process 0's steps until it stops, then exit 0
