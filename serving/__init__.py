@@ -15,6 +15,7 @@ Sub-packages (each __init__ maps its own folder):
     engine_host/    building the engine, in or out of process; the mock engine
     router/         the cache-aware router and the local cluster launcher
     disagg/         prefill/decode disaggregation: the KVTransfer service
+    gateway/        Kubernetes inference gateways: vLLM metric names, llm-d KV events, P/D sidecar
 
 One Generate call (an HTTP choice is the same with the event loop as its handler):
 handler thread -> admission (reject at once, or WaitingQueue) -> engine

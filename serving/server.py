@@ -46,6 +46,7 @@ from serving.frontend.metrics import ServerMetrics, start_metrics_http
 from serving.frontend.request_state import RequestLedger, SlowConsumerPolicy
 from serving.frontend.shutdown import install_signal_handlers
 from serving.frontend.tenants import TenantLimiter, TenantRegistry
+from serving.gateway.metrics_compat import COMPAT_MODES, lora_state_of
 from serving.grpc_api import convert
 from serving.grpc_api.dispatch import DispatchLedger
 from serving.grpc_api.guard import RequestGuard
@@ -91,6 +92,12 @@ class ServerConfig:
     kv_jax_checksum: bool = True  # jax transport: device digest of pages (kv_transfer/digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http/lora.py)
     allow_runtime_lora: bool = False
+    # -- gateway (serving/gateway/metrics_compat.py): vLLM's metric names as aliases, or "none"
+    metrics_compat: str = "vllm"
+    # -- gateway (serving/gateway/kv_events_publisher.py): llm-d KV-cache events over ZMQ; None: off
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str | None = None  # None: kv@<$POD_IP or host name>@<model name>
+    kv_events_replay_endpoint: str | None = None
     # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
     # serving/frontend/request_trace.py
     trace_requests: str | None = None
@@ -123,7 +130,7 @@ class PagedJaxServer:
             )
         max_inflight = config.max_inflight or int(stats.get("max_num_seqs", 64))
         identity = engine.identity
-        self.metrics = ServerMetrics(identity.name, identity.revision)
+        self.metrics = ServerMetrics(identity.name, identity.revision, config.metrics_compat)
         self.metrics.set_cache_config(stats)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         _warm_tokenizer(engine.tokenizer)
@@ -170,6 +177,12 @@ class PagedJaxServer:
                 config.trace_requests
             )
         self.loop.last_stats = stats
+        if self.metrics.compat is not None:  # gateway: vllm:lora_requests_info
+            self.metrics.compat.lora_state = lambda: lora_state_of(self.loop)
+        self.kv_events = None  # gateway: llm-d KV-cache events
+        if config.kv_events_endpoint:
+            self.kv_events = _kv_event_publisher(engine, config, self.metrics.registry)
+            self.loop.on_iteration = self.kv_events.flush
         self.loop.on_swap = self._on_swap
         self.limits = ServiceLimits(admission, config.stream_buffer_messages, max_inflight)
         tenants = tenants or TenantRegistry()
@@ -213,6 +226,7 @@ class PagedJaxServer:
         self.http_port: int | None = None
         self._http = None
         if config.http_port is not None:
+            from serving.gateway.http_kv_transfer import KvTransferParams
             from serving.http.api import HttpApi
             from serving.http.server import HttpServer
 
@@ -223,6 +237,8 @@ class PagedJaxServer:
                 tool_call_parser=config.tool_call_parser,
                 reasoning_parser=config.reasoning_parser,
             )
+            # llm-d's routing sidecar: kv_transfer_params (serving/gateway/http_kv_transfer.py)
+            self.http_api.kv_transfer = KvTransferParams(self)
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
 
@@ -325,6 +341,8 @@ class PagedJaxServer:
 
     def _on_swap(self, engine) -> None:
         self.ledger.versions = convert.versions_dict(engine.identity)
+        if self.kv_events is not None:
+            self.kv_events.replace_engine(engine)
 
     def begin_drain(self) -> None:
         """Refuse new Generate calls (UNAVAILABLE) and report NOT_SERVING; admitted requests
@@ -344,6 +362,8 @@ class PagedJaxServer:
             self._calibration.save(self.waiting.capacity, self.waiting.tracker)
         # -- overload (#17): an engine in a child process ends with the server
         close_engine(self.loop.engine)
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -354,13 +374,30 @@ class PagedJaxServer:
         self.grpc_server.wait_for_termination()
 
 
+def _kv_event_publisher(engine, config: ServerConfig, registry):
+    from serving.gateway.kv_events_publisher import KvEventPublisher, default_topic
+
+    return KvEventPublisher(
+        engine,
+        config.kv_events_endpoint,
+        config.kv_events_topic or default_topic(engine.identity.name),
+        replay_endpoint=config.kv_events_replay_endpoint,
+        registry=registry,
+    )
+
+
 # -- overload (#17): the engine in a child process (serving/engine_host/process.py) ---------------
 def close_engine(engine) -> None:
-    """Stop an engine's child process (in-process engines have nothing to stop)."""
+    """Stop an engine's child process (in-process engines have nothing to stop; a multi-host
+    leader tells its followers to stop)."""
     from serving.engine_host.process import ProcessEngine
 
     if isinstance(engine, ProcessEngine):
         engine.close()
+        return
+    from serving.engine_host.multihost import stop_followers
+
+    stop_followers(engine)
 
 
 def build_serving_engine(
@@ -442,6 +479,32 @@ def define_flags() -> None:
     flags.DEFINE_integer("metrics_port", 9090, "Prometheus /metrics port (-1: none, 0: any)")
     flags.DEFINE_integer(
         "http_port", 0, "OpenAI-compatible HTTP API port (0: off; it also serves /metrics)"
+    )
+    flags.DEFINE_enum(  # gateway: serving/gateway/metrics_compat.py
+        "metrics_compat",
+        "vllm",
+        list(COMPAT_MODES),
+        "also expose vLLM's metric names (the Gateway API Inference Extension's model-server "
+        "protocol, vLLM dashboards); none: only the pagedjax_* names",
+    )
+    flags.DEFINE_enum(  # gateway: serving/engine_host/multihost.py
+        "distributed_env",
+        None,
+        ["lws"],
+        "multi-host: jax.distributed from the launcher's environment (lws: LeaderWorkerSet's "
+        "LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX); process 0 serves",
+    )
+    flags.DEFINE_string(  # gateway: serving/gateway/kv_events_publisher.py
+        "kv_events_endpoint",
+        None,
+        "publish llm-d KV-cache events on this ZMQ address (tcp://*:5557 binds, "
+        "tcp://HOST:PORT connects); unset: off",
+    )
+    flags.DEFINE_string(
+        "kv_events_topic", None, "KV events topic (unset: kv@<$POD_IP or host>@<model name>)"
+    )
+    flags.DEFINE_string(
+        "kv_events_replay_endpoint", None, "ZMQ ROUTER address replaying recent event batches"
     )
     flags.DEFINE_string("tenants_config", None, "JSON file of tenants and API keys")
     flags.DEFINE_enum(
@@ -615,6 +678,9 @@ def check_flags() -> None:
     if FLAGS.model != "mock":
         shared.check_mesh(FLAGS.mesh)
     _check_role()  # disaggregation
+    _check_kv_events()  # gateway
+    if FLAGS.distributed_env:  # gateway: multi-host serving
+        _check_multihost()
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
@@ -642,6 +708,29 @@ def _check_role() -> None:
         else None
     )
     shared.require("role", FLAGS.role, why is None, why or "")
+
+
+def _check_kv_events() -> None:
+    """-- gateway: the events come from the page pool, which must be in this process."""
+    for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(FLAGS, flag)
+        if value is None:
+            continue
+        shared.require(
+            flag,
+            value,
+            value.startswith(("tcp://", "ipc://", "inproc://")),
+            "a ZMQ address: tcp://HOST:PORT, tcp://*:PORT, ipc://PATH",
+        )
+        shared.require(flag, value, not FLAGS.engine_process, "not with --engine_process")
+        shared.require(flag, value, FLAGS.prefix_caching, "needs --prefix_caching")
+
+
+def _check_multihost() -> None:
+    from serving.engine_host import multihost
+
+    for flag, value, why in multihost.refusals(FLAGS):
+        raise shared.UsageError(flag, value, why)
 
 
 def _mesh_sizes(spec: str) -> dict:
@@ -722,6 +811,10 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         allow_runtime_lora=FLAGS.allow_runtime_lora,
         tool_call_parser=FLAGS.tool_call_parser,
         reasoning_parser=FLAGS.reasoning_parser,
+        metrics_compat=FLAGS.metrics_compat,
+        kv_events_endpoint=FLAGS.kv_events_endpoint,
+        kv_events_topic=FLAGS.kv_events_topic,
+        kv_events_replay_endpoint=FLAGS.kv_events_replay_endpoint,
         host=FLAGS.host,
         port=FLAGS.port,
         metrics_port=None if FLAGS.metrics_port < 0 else FLAGS.metrics_port,
@@ -748,6 +841,14 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise shared.UsageError("", " ".join(argv[1:]), "the server takes no arguments, only flags")
     shared.setup_logging(FLAGS.log_level)
+    from serving.engine_host import multihost
+
+    if FLAGS.distributed_env:  # gateway: before check_flags counts the (global) devices
+        _check_multihost()
+        try:
+            multihost.initialize(FLAGS.distributed_env)
+        except ValueError as e:  # a launcher variable missing or malformed
+            raise shared.UsageError("distributed_env", FLAGS.distributed_env, str(e)) from None
     check_flags()
     _setup_request_log(FLAGS.request_log)
     cache_dir = None  # the compilation cache in use; the capacity calibration goes beside it
@@ -765,6 +866,9 @@ def main(argv) -> None:
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         **build_kwargs,
     )
+    if FLAGS.distributed_env and multihost.is_follower():
+        multihost.follow(engine)  # gateway: process != 0 runs the leader's steps, serves nothing
+        return
     engine = kv_transfer_service.wrap_engine(engine)  # disaggregation: KV export/import
     warmup = kv_transfer_service.with_transfer_warmup(
         engine, warmup, FLAGS.role, FLAGS.kv_transport
@@ -800,7 +904,9 @@ def main(argv) -> None:
             warm()
         return engine
 
-    stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=rebuild)
+    # NOTE: multi-host: no SIGHUP reload (a new engine would be built on process 0 only)
+    reload = None if FLAGS.distributed_env else rebuild
+    stopped = install_signal_handlers(server, FLAGS.drain_timeout_s, build_engine=reload)
     server.on_fatal = stopped.set
     server.start()
     print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)

@@ -63,6 +63,10 @@ def test_grpc_and_http_serve_the_named_adapter(lora_engine):
         assert res.ok, res.details
         assert res.token_ids == want
         assert res.versions["adapter"] == "a1" and res.versions["adapter_hash"] == ref.content_hash
+        # the gateway protocol's rule: a `model` naming a loaded adapter runs it (gRPC too)
+        by_model = client.generate(PROMPT, max_tokens=8, temperature=0.0, model="a1")
+        assert by_model.ok and by_model.token_ids == want, by_model.details
+        assert by_model.versions["adapter"] == "a1"
         plain = client.generate(PROMPT, max_tokens=8, temperature=0.0)
         assert plain.token_ids == base and "adapter" not in plain.versions
         missing = client.generate(PROMPT, max_tokens=8, adapter="nope")
@@ -77,6 +81,10 @@ def test_grpc_and_http_serve_the_named_adapter(lora_engine):
         assert r.json()["choices"][0]["text"] == want_text
         r = httpx.post(url, json={**body, "model": "nope"}, timeout=60)
         assert r.status_code == 404, r.text
+        chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "model": "a1"}
+        r = httpx.post(url.replace("completions", "chat/completions"), json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["pagedjax"]["versions"]["adapter"] == "a1"
 
 
 def test_lora_flags_parse_and_reject_bad_values(tmp_path):

@@ -100,3 +100,97 @@ def test_single_process_needs_no_initialize():
 def test_bad_distributed_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DistributedConfig(**kwargs)
+
+
+def test_leaderworkerset_env_gives_the_initialize_arguments():
+    from engine.parallel.distributed import config_from_env
+
+    env = {"LWS_LEADER_ADDRESS": "lws-0.lws", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "3"}
+    cfg = config_from_env("lws", env)
+    assert cfg == DistributedConfig("lws-0.lws:8476", 4, 3)
+    assert (
+        config_from_env("lws", {**env, "PAGEDJAX_COORDINATOR_PORT": "9000"}).coordinator_address
+        == "lws-0.lws:9000"
+    )
+    assert (
+        config_from_env("lws", {**env, "LWS_LEADER_ADDRESS": "fd00::1"}, port=1).coordinator_address
+        == "[fd00::1]:1"
+    )
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"LWS_GROUP_SIZE": ""}, "LWS_GROUP_SIZE='' is invalid"),
+        ({"LWS_WORKER_INDEX": "x"}, "LWS_WORKER_INDEX='x' is invalid: an integer"),
+        ({"LWS_WORKER_INDEX": "4"}, "process_id=4 is invalid"),
+    ],
+)
+def test_bad_leaderworkerset_env_names_the_variable(change, message):
+    from engine.parallel.distributed import config_from_env
+
+    env = {"LWS_LEADER_ADDRESS": "l", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "0", **change}
+    with pytest.raises(ValueError, match=message):
+        config_from_env("lws", env)
+
+
+@pytest.mark.subprocess
+@pytest.mark.compile
+def test_a_leaderworkerset_group_serves_like_one_process(tiny_model):
+    """Two `serving.server --distributed_env=lws` processes given the variables
+    LeaderWorkerSet sets: process 0 serves gRPC and its tokens equal one engine's; process 1
+    follows its steps and exits 0 once the leader stops."""
+    from serving.client import GenerateClient
+
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES="2",
+        LWS_LEADER_ADDRESS="127.0.0.1",
+        LWS_GROUP_SIZE="2",
+        PAGEDJAX_COORDINATOR_PORT=str(_free_port()),
+    )
+    args = [
+        sys.executable, "-m", "serving.server", "--model=tiny", "--mesh=model:4",
+        "--distributed_env=lws", "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+        "--warmup_max_shapes=0", "--capacity_probe=false", "--num_pages=32",
+        "--max_num_seqs=4", "--compilation_cache_dir=none", "--drain_timeout_s=1",
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**env, "LWS_WORKER_INDEX": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        line = ""
+        while not line.startswith("serving on"):
+            line = procs[0].stdout.readline()
+            assert line or procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+        port = int(line.split()[2])
+        client = GenerateClient(f"127.0.0.1:{port}")
+        prompts = [[int(t) for t in s.split(",")] for s in PROMPTS.split(";")]
+        got = [
+            client.generate(token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            for p in prompts
+        ]
+        client.close()
+        assert all(r.ok for r in got), [r.details for r in got]
+        procs[0].send_signal(subprocess.signal.SIGTERM)
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    config = EngineConfig(
+        model="tiny", num_pages=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128
+    )
+    expected = generate_ids(EngineCore(tiny_model, config), prompts, MAX_TOKENS)
+    assert [r.token_ids for r in got] == expected

@@ -57,6 +57,44 @@ class DistributedConfig:
             raise ValueError(f"process_id={i} is invalid: must be in [0, {n})")
 
 
+# -- gateway: LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) gives every pod of a group these
+LWS_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+COORDINATOR_PORT = 8476  # the leader's jax.distributed coordinator (JAX's usual port)
+DISTRIBUTED_ENVS = ("lws",)
+
+
+def config_from_env(source: str, env=None, port: int | None = None) -> DistributedConfig:
+    """The DistributedConfig a launcher's environment describes. "lws": a LeaderWorkerSet
+    pod, LWS_LEADER_ADDRESS (the leader pod's DNS name) -> coordinator `address:port`,
+    LWS_GROUP_SIZE -> num_processes, LWS_WORKER_INDEX -> process_id (the leader is 0).
+    `port`: None reads PAGEDJAX_COORDINATOR_PORT, default 8476. A missing or non-integer
+    variable raises ValueError naming it."""
+    env = os.environ if env is None else env
+    if source not in DISTRIBUTED_ENVS:
+        raise ValueError(f"distributed_env={source!r} is invalid: one of {DISTRIBUTED_ENVS}")
+    values = {}
+    for name in LWS_ENV:
+        value = env.get(name)
+        if not value:
+            raise ValueError(f"{name}={value!r} is invalid: set by LeaderWorkerSet on its pods")
+        values[name] = value
+    ints = {}
+    for name in LWS_ENV[1:]:
+        try:
+            ints[name] = int(values[name])
+        except ValueError:
+            raise ValueError(f"{name}={values[name]!r} is invalid: an integer") from None
+    if port is None:
+        port = int(env.get("PAGEDJAX_COORDINATOR_PORT") or COORDINATOR_PORT)
+    host = values["LWS_LEADER_ADDRESS"]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 literal
+    return DistributedConfig(
+        coordinator_address=f"{host}:{port}",
+        num_processes=ints["LWS_GROUP_SIZE"],
+        process_id=ints["LWS_WORKER_INDEX"],
+    )
+
+
 def initialize(cfg: DistributedConfig) -> bool:
     """`jax.distributed.initialize` unless this is a single-process run. Returns whether it
     ran. With every field None it still runs when PAGEDJAX_MULTIHOST=1 (auto-detection on
@@ -86,6 +124,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator_address", default=None, help="host:port of process 0")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
+    parser.add_argument(
+        "--distributed_env",
+        choices=DISTRIBUTED_ENVS,
+        default=None,
+        help="read the three above from a launcher's environment (lws: LeaderWorkerSet)",
+    )
+
+
+def config_from_args(args) -> DistributedConfig:
+    if args.distributed_env:
+        return config_from_env(args.distributed_env)
+    return DistributedConfig(args.coordinator_address, args.num_processes, args.process_id)
 
 
 # ---- the step channel ---------------------------------------------------------------------
@@ -212,7 +262,7 @@ def main(argv=None) -> None:
 
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    initialize(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
+    initialize(config_from_args(args))
     from configs.engine_config import EngineConfig
     from models.registry import load_model
 

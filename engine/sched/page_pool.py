@@ -119,6 +119,7 @@ class PagePool:
         self._cached: dict[int, CachedPage] = {}  # page -> content, in use or free
         self._page_of_key: dict[int, int] = {}
         self.stats = PagePoolStats()
+        self.events = None  # engine/sched/kv_events.KvEventRecorder: cache transitions, for llm-d
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig, model_keys: tuple = ()) -> PagePool:
@@ -260,6 +261,11 @@ class PagePool:
                 keys[i], keys[i - 1] if i else None, tuple(tokens[i * ps : (i + 1) * ps]), extra
             )
             self._page_of_key[keys[i]] = page
+            if self.events is not None:
+                cached = self._cached[page]
+                self.events.page_stored(
+                    keys[i], cached.parent_key, cached.token_ids, request.adapter_id
+                )
         request.num_registered_pages = num_full
 
     def expire(self, now_s: float) -> int:
@@ -285,6 +291,8 @@ class PagePool:
         if model_keys is not None:
             self.model_keys = tuple(model_keys)
         self.generation += 1
+        if self.events is not None:
+            self.events.cleared()
         self._free_plain.extend(self._free_cached)
         self._free_cached.clear()
         self._cached.clear()
@@ -293,6 +301,18 @@ class PagePool:
     def _uncache(self, page: int) -> None:
         cached = self._cached.pop(page)
         del self._page_of_key[cached.key]
+        if self.events is not None:
+            self.events.page_removed(cached.key)
+
+    @property
+    def cached_keys(self) -> frozenset[int]:
+        """The keys a prefix lookup can hit now (pages in use or free cached)."""
+        return frozenset(self._page_of_key)
+
+    @property
+    def cached_pages(self) -> list[CachedPage]:
+        """What every cached page holds, in the order they were cached (parents first)."""
+        return list(self._cached.values())
 
     # ---- checks ------------------------------------------------------------------------------
     def check_invariants(self) -> None:

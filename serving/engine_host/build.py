@@ -57,6 +57,8 @@ def build_engine(
 
     if "build_engine" in dir(engine_pkg):
         return engine_pkg.build_engine(model, **options)
+    import jax
+
     from configs.engine_config import EngineConfig
     from engine.factory import create_engine
     from engine.parallel.sharding import loader_shardings
@@ -77,7 +79,12 @@ def build_engine(
         shardings_for=loader_shardings(mesh) if mesh else None,
         quantization=config.quant_config,
     )
-    core = create_engine(loaded, config, mesh=mesh)
+    if jax.process_count() > 1:  # multi-host (serving/engine_host/multihost.py): leader or follower
+        from engine.parallel.distributed import create_multihost_engine
+
+        core = create_multihost_engine(loaded, config, mesh=mesh)
+    else:
+        core = create_engine(loaded, config, mesh=mesh)
     for name, path in loras.items():  # before the engine thread starts: no lock needed
         for replica in getattr(core, "replicas", [core]):
             ref = replica.load_adapter(name, path)
@@ -113,7 +120,7 @@ def _warmup_with_progress(engine, num_reports: int = 8, stop=None, execute: bool
     from engine.runner import compiles
     from engine.runner.warmup import step_programs, warmup
 
-    shapes = engine.shapes.shapes
+    shapes = engine.runner.shapes.shapes
     num_programs = len(step_programs(engine, shapes))
     chunk = max(1, -(-len(shapes) // num_reports))
     t0, hits0 = time.perf_counter(), compiles.stats()["compilation_cache_hits_total"]

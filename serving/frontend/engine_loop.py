@@ -114,6 +114,7 @@ class EngineLoop:
         self._last_prefill_tokens = 0  # prompt tokens the last step computed
         self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
         self.on_swap = None  # called on the engine thread with the new engine
+        self.on_iteration = None  # called on the engine thread after each iteration (KV events)
         self.slow_consumer = slow_consumer or SlowConsumerPolicy()
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
         self.reap_interval_s = 0.02
@@ -237,6 +238,8 @@ class EngineLoop:
             self._last_step = None  # idle: the next step does not follow this one
             self.wake.wait(self.idle_wait_s)
             self.wake.clear()
+        if self.on_iteration is not None:
+            self.on_iteration()
         self._publish_stats()
 
     def _try_swap(self) -> None:

@@ -54,6 +54,7 @@ from serving.frontend.generation import (
     is_done,
 )
 from serving.frontend.request_state import Terminal
+from serving.gateway import http_kv_transfer
 from serving.grpc_api import convert
 from serving.http import delivery, schemas
 from serving.http import responses as resp
@@ -80,6 +81,7 @@ class HttpApi:
         self, generator: Generator, metrics, tool_call_parser: str = "", reasoning_parser: str = ""
     ):
         self.generator, self.metrics = generator, metrics
+        self.kv_transfer = None  # http_kv_transfer.KvTransferParams (set by the server)
         self.identity = generator.identity
         self.tokenizer = generator.engine.tokenizer
         # tools and reasoning (serving/http/tool_calling.py): the formats, from flags or template
@@ -143,7 +145,13 @@ class HttpApi:
         wake = asyncio.Event()
         try:
             calls = self._calls(request, body, setup, prompts, request_id, wake, deadline)
-            choices = self._submit_all(calls, arrival_s)
+            # llm-d's P/D sidecar: serving/gateway/http_kv_transfer.py
+            kv = self._kv_transfer_params(body)
+            if kv is not None and kv.get("do_remote_prefill"):
+                calls = [self.kv_transfer.with_remote_prefill(c, kv, body) for c in calls]
+                choices = await asyncio.to_thread(self._submit_pulling, calls, arrival_s)
+            else:
+                choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
             return resp.refusal_response(e)
         if self.generator.ledger.tracer is not None:  # --trace_requests
@@ -219,6 +227,34 @@ class HttpApi:
                     )
                 )
         return calls
+
+    def _kv_transfer_params(self, body) -> dict | None:
+        """The request's kv_transfer_params, checked (None: none); Refusal when invalid or
+        when this server cannot serve its side."""
+        try:
+            kv = http_kv_transfer.parse(body.kv_transfer_params, stream=body.stream, n=body.n)
+        except InvalidRequestError as e:
+            raise invalid(e) from e
+        if kv is not None and self.kv_transfer is None:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "kv_transfer_unavailable",
+                "kv_transfer_params: this server moves no K/V",
+                param="kv_transfer_params",
+            )
+        if kv is not None and kv.get("do_remote_decode"):
+            self.kv_transfer.check_prefill()
+        return kv
+
+    def _submit_pulling(self, calls: list[GenerateCall], arrival_s: float) -> list:
+        """_submit_all off the event loop (each admission pulls K/V from the prefill pod);
+        a refused call's staged K/V is dropped."""
+        try:
+            return self._submit_all(calls, arrival_s)
+        except Refusal:
+            for c in calls:
+                self.kv_transfer.unstage(c.request_id)
+            raise
 
     def _submit_all(self, calls: list[GenerateCall], arrival_s: float) -> list:
         """One engine request per choice. If choice k is refused, the choices already
@@ -325,6 +361,8 @@ class HttpApi:
         summaries = [c.summary for c in choices]
         out["usage"] = self._usage(choices, num_prompts, body.n)
         out["pagedjax"] = resp.extension(_answered_by(choices, self.identity), summaries)
+        if (body.kv_transfer_params or {}).get("do_remote_decode"):  # llm-d P/D: call 1
+            out["kv_transfer_params"] = self.kv_transfer.response_params(request_id)
         return out
 
     def _usage(self, choices, num_prompts: int, n: int) -> dict:

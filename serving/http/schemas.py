@@ -140,6 +140,8 @@ class _GenerationFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an opaque end-user id; accepted, not used
+    # llm-d's routing sidecar (prefill/decode): serving/gateway/http_kv_transfer.py
+    kv_transfer_params: dict | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
