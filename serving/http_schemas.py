@@ -174,7 +174,7 @@ def validation_message(err: pydantic.ValidationError) -> tuple[str, str | None]:
     """(message, param) for the first problem: unsupported fields are named as such."""
     e = err.errors(include_url=False)[0]
     loc = [str(p) for p in e["loc"]]
-    param = ".".join(loc) or None
+    param = ".".join(loc) or "body"  # the body itself (JSON, but not an object)
     if e["type"] == "extra_forbidden":
         return f"unsupported field {param!r}: this server does not implement it", param
     if e["type"] == "missing":
