@@ -16,7 +16,12 @@ os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE_DIR", "")
 # 2026-12-01, test_engine + test_prefix_cache_engine + test_engine_faults 298 -> 200 CPU s,
 # SmolLM2 parity + detokenize 164 -> 161 CPU s (matmul-bound), same pass counts. Benchmarks
 # and the server keep XLA's default; subprocesses the tests start inherit this.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# PAGEDJAX_XLA_DEFAULT_OPT=1 keeps XLA's default level: tests/test_default_opt_level.py runs
+# a small exactness subset that way, so a difference the level makes would show.
+_keep_default_opt = os.environ.get("PAGEDJAX_XLA_DEFAULT_OPT") == "1"
+if not _keep_default_opt and "xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
     _flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     os.environ["XLA_FLAGS"] = _flags.strip()
 

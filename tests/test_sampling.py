@@ -368,3 +368,68 @@ def test_nucleus_wider_than_the_candidate_cap_is_truncated_to_the_cap():
         logits, functools.partial(seeded, top_p=0.99), 2 * S, SamplingFlags(max_candidates=V)
     )
     assert not set(np.unique(exact)) <= top
+
+
+# ---- top-k / top-p / min-p against an independent NumPy reference (issue 36 item 4) ----------
+_HALF = float(np.float32(np.log(0.5)))  # a logit exactly at min_p=0.5 below a max of 0
+
+
+def filtered_probs_reference(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """float64 NumPy: the distribution a sampler must draw from. p = softmax(logits / T);
+    top-k keeps the k largest; top-p keeps the shortest prefix (by descending p, renormalised
+    over what top-k kept) whose mass reaches top_p; min-p keeps p >= min_p * max p. Tokens
+    tied with the last token a prefix rule keeps are kept too (the engine's documented tie
+    rule, engine/sampling/sampler.py); then renormalise over what is kept."""
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.isfinite(z)
+    order = np.argsort(-z, kind="stable")
+    if top_k:
+        keep &= z >= z[order[top_k - 1]]
+    if top_p < 1.0:
+        q = np.where(keep, p, 0.0)
+        q_sorted = q[order] / q.sum()
+        before = np.cumsum(q_sorted) - q_sorted  # mass strictly above each sorted token
+        last = order[np.flatnonzero(keep[order] & (before < top_p))[-1]]
+        keep &= z >= z[last]
+    if min_p > 0:
+        keep &= p >= min_p * p.max() * (1 - 1e-6)  # inclusive at the threshold
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+FILTER_CASES = {  # name -> (logits, temperature, top_k, top_p, min_p)
+    # p = .3 .2 .2 .1 .1 .05 .05, top_p .4: the prefix ends at the first .2; its twin is kept.
+    "top_p_tie": (np.log([0.3, 0.2, 0.2, 0.1, 0.1, 0.05, 0.05]), 1.0, 0, 0.4, 0.0),
+    "top_p_temperature": (np.arange(12)[::-1] * 0.35, 0.7, 0, 0.8, 0.0),
+    "min_p_temperature": (np.arange(12)[::-1] * 0.3, 1.5, 0, 1.0, 0.3),
+    # Two tokens exactly at min_p * max p (logit max + log 0.5): both kept, the next one not.
+    "min_p_tie": (np.array([0.0, _HALF, _HALF, _HALF - 0.05, -3.0, -4.0]), 1.0, 0, 1.0, 0.5),
+    "top_k_then_top_p": (np.arange(12)[::-1] * 0.25, 0.9, 5, 0.7, 0.0),
+    "top_p_and_min_p": (np.arange(12)[::-1] * 0.2, 0.8, 0, 0.95, 0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(FILTER_CASES))
+def test_filtered_sampling_matches_the_numpy_reference_chi_square(name):
+    """2048 seeded draws per case against `filtered_probs_reference` (chi-square, p = 0.001;
+    a token outside the reference's allowed set fails at once). Shown (2026-12-04) to catch
+    these planted bugs in engine/sampling/sampler.py, one at a time: top-p on the unscaled logits
+    (`probs` from `cand` instead of `scaled` in _top_k_top_p_threshold: top_p_temperature),
+    min-p without the temperature (`row_max + log(min_p)`: min_p_temperature), top-p
+    renormalised over the whole row when top-k is on (`norm = lse_scaled`:
+    top_k_then_top_p), min-p exclusive at its threshold (`>` for `>=`: min_p_tie), and
+    ties at the top-p cut broken by position (only the first candidate tied with the cut
+    value kept: top_p_tie)."""
+    from scipy.stats import chi2
+
+    logits, temperature, top_k, top_p, min_p = FILTER_CASES[name]
+    probs = filtered_probs_reference(logits, temperature, top_k, top_p, min_p)
+    params = functools.partial(
+        seeded, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    toks = draw_many(np.asarray(logits, np.float32), params, 4 * S)
+    support = int((probs > 0).sum())
+    assert 2 <= support < len(probs)  # the filter cuts something and leaves a choice
+    assert chi_square(toks, probs) < chi2.ppf(0.999, support - 1)

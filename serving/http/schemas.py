@@ -228,7 +228,8 @@ def validation_message(err: pydantic.ValidationError) -> tuple[str, str | None]:
     e = err.errors(include_url=False)[0]
     loc = [str(p) for p in e["loc"]]
     name = ".".join(loc)
-    param = bounded(name, MAX_ECHO_CHARS) or None  # a field's name may be the bad value
+    # a field's name may be the bad value; no name: the body itself (JSON, not an object)
+    param = bounded(name, MAX_ECHO_CHARS) or "body"
     msg = bounded(e["msg"])
     if e["type"] == "extra_forbidden":
         return f"unsupported field {echo(name)}: this server does not implement it", param
