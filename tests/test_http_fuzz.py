@@ -6,8 +6,8 @@ that are not UTF-8 or not JSON. The server must never answer 5xx, and every 4xx 
 what it refuses (`error.param`, a field of the body or the body itself).
 
 The engine is the MockEngine (serving/engine_host/mock_engine.py) with the real tokenizer
-swapped in, so everything from the HTTP parser through the chat template, tokenization, admission and the
-scheduler is the production code; only the device step is the mock's. FUZZ_EXAMPLES sets
+swapped in, so everything from the HTTP parser through the chat template, tokenization,
+admission and the scheduler is the production code; only the device step is the mock's. FUZZ_EXAMPLES sets
 the examples per property (as in tests/test_serving_fuzz.py; the mostly-valid properties
 run 8x as many, they are cheap).
 
