@@ -7,9 +7,9 @@ what it refuses (`error.param`, a field of the body or the body itself).
 
 The engine is the MockEngine (serving/engine_host/mock_engine.py) with the real tokenizer
 swapped in, so everything from the HTTP parser through the chat template, tokenization,
-admission and the scheduler is the production code; only the device step is the mock's. FUZZ_EXAMPLES sets
-the examples per property (as in tests/test_serving_fuzz.py; the mostly-valid properties
-run 8x as many, they are cheap).
+admission and the scheduler is the production code; only the device step is the mock's.
+FUZZ_EXAMPLES sets the examples per property (as in tests/test_serving_fuzz.py; the
+mostly-valid properties run 8x as many, they are cheap).
 
 Shown (2026-12-04) to catch: a planted 500 (serving/http/api.py raising a plain ValueError
 for stream_options without stream: found by the mostly-valid chat property as
