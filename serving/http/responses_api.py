@@ -50,10 +50,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from engine.errors import InvalidRequestError
-from serving import http_delivery as delivery
-from serving import http_responses as resp
-from serving import http_schemas as schemas
 from serving.frontend.generation import Refusal, invalid
+from serving.http import delivery, schemas
+from serving.http import responses as resp
 from serving.http.chat_output import ChatOutput
 from serving.http.tool_calling import ChatSetup
 
