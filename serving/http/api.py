@@ -58,6 +58,7 @@ from serving.gateway import http_kv_transfer
 from serving.grpc_api import convert
 from serving.http import delivery, schemas
 from serving.http import responses as resp
+from serving.http.delivery import StreamEnded
 from serving.http.endpoints import InfoEndpoints
 from serving.http.lora import LoraEndpoints
 from serving.http.responses_api import ResponsesApi
@@ -66,14 +67,6 @@ from serving.http.tool_calling import ChatOptions, ChatSetup, message_dicts
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
 _EXPIRED = "deadline passed before the response was complete"
-
-
-class StreamEnded(Exception):
-    """A choice's stream closed without a successful final delta."""
-
-    def __init__(self, terminal: Terminal):
-        self.terminal = terminal
-        super().__init__(terminal.details)
 
 
 class HttpApi:

@@ -30,6 +30,17 @@ from collections.abc import Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from serving.frontend.request_state import Terminal
+
+
+class StreamEnded(Exception):
+    """A choice's stream closed without a successful final delta (raised by the HTTP API's
+    relay, caught by the Responses API's)."""
+
+    def __init__(self, terminal: Terminal):
+        self.terminal = terminal
+        super().__init__(terminal.details)
+
 
 def sending(r) -> None:
     """A chunk with `r`'s tokens is about to be handed to the transport."""

@@ -54,6 +54,7 @@ from serving.frontend.generation import Refusal, invalid
 from serving.http import delivery, schemas
 from serving.http import responses as resp
 from serving.http.chat_output import ChatOutput
+from serving.http.delivery import StreamEnded
 from serving.http.tool_calling import ChatSetup
 
 MAX_STORED = 1024  # responses kept per server (all tenants), oldest dropped first
@@ -438,8 +439,6 @@ class _Run:
         self.owner.store.put(self.tenant, response, [*self.conversation, said])
 
     async def complete(self, request: Request, wake: asyncio.Event) -> Response:
-        from serving.http.api import StreamEnded
-
         api, c = self.owner.api, self.choice
         try:
             async for _ in api.relay([c], wake):
@@ -461,8 +460,6 @@ class _Run:
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
     async def events(self, wake: asyncio.Event, gone: asyncio.Event):
-        from serving.http.api import StreamEnded
-
         api, c = self.owner.api, self.choice
         items = _ItemEvents(self)
         try:
