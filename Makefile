@@ -30,10 +30,11 @@ test: install
 	$(VPY) -m tests.lanes --lanes=2
 
 # The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
-# the SmolLM2 + peft adapter oracle).
+# the SmolLM2 + peft adapter oracle), and the 300-call SmolLM2 HTTP burst (issue 37).
 test-full-sizes: install
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py \
 	  tests/test_engine.py tests/test_model_parity.py -k "smollm2"
+	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_http_deadline_burst.py
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of
 # benchmarks/reliability.py, e.g. make reliability RELIABILITY_ARGS="--soak_model_n=200".

@@ -14,7 +14,7 @@ the others):
    (target >= 70%), and JAX's shipped Pallas paged attention on the same inputs.
 5. ragged prefill: 8 fresh 2k-token prompts in one ragged batch, causal: TFLOP/s.
 6. model: Llama-3.1-8B shape (configs preset), random bf16 weights built on the device (no
-   file): the engine's jitted step (`engine.step.engine_step`, the same code the server
+   file): the engine's jitted step (`engine.runner.step.engine_step`, the same code the server
    runs), batch-1 decode tok/s vs the floor (weight bytes / measured copy bandwidth) and
    64-way decode tok/s; all shapes warmed first, then the step's compile count must not
    move while timing ("recompiles_after_warmup": 0).
@@ -40,7 +40,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import kernels_bench
-from engine import compiles
+from engine.runner import compiles
 from pallas_kernels import testing
 
 DECODE_BW_TARGET = 0.7  # fraction of the measured copy bandwidth
@@ -268,9 +268,9 @@ def random_params(cfg, dtype, key):
 def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
     from benchmarks.step_profile import Case, make_batch
     from configs.model_config import from_name
-    from engine import step as step_module
-    from engine.kv_cache import PagedKVCache
-    from engine.sampling import GREEDY_FLAGS
+    from engine.runner import step as step_module
+    from engine.runner.kv_cache import PagedKVCache
+    from engine.sampling.sampler import GREEDY_FLAGS
     from models.llama import layer_layout
 
     cfg = from_name(sizes.model)

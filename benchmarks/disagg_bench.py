@@ -12,7 +12,7 @@ Sections (each prints its figures with os.getloadavg() as soon as they exist):
                 with the export's engine-thread time (metadata + gather dispatch) and its
                 host copy + sha256 (handler thread; none with jax). Each length runs once
                 untimed first (compiles).
-  affinity      3 `both` replicas (serving.cluster), 20 shared system prompts x questions,
+  affinity      3 `both` replicas (serving.router.cluster), 20 shared system prompts x questions,
                 once through the affinity router and once through a round-robin router
                 (each with its own 20 system prompts, so one phase cannot warm the other):
                 prefix-cache hit rate (cached / prompt tokens, from each answer's usage)
@@ -121,13 +121,13 @@ def transfer_rows(model, config, transport: str, o: Options) -> list[dict]:
 
     from engine.api_types import EngineRequest
     from engine.core import EngineCore
-    from engine.kv_engine import KVTransferEngine
-    from engine.kv_transfer import import_request
-    from engine.sampling_params import SamplingParams
-    from serving.admission import AdmissionConfig
+    from engine.kv_transfer.transfer import import_request
+    from engine.kv_transfer.transfer_engine import KVTransferEngine
+    from engine.sampling.params import SamplingParams
     from serving.client import build_request
-    from serving.kv_transfer_jax import TRANSPORT_METADATA, JaxTransport
-    from serving.kv_transfer_wire import receive_payload
+    from serving.disagg.jax_transfer import TRANSPORT_METADATA, JaxTransport
+    from serving.disagg.wire import receive_payload
+    from serving.frontend.admission import AdmissionConfig
     from serving.proto import kv_transfer_pb2_grpc as kv_grpc
     from serving.testing import running_server
 
@@ -228,8 +228,8 @@ def run_phase(target: str, prompts: list[str], concurrency: int = 3) -> list:
 
 
 def affinity(results: dict, o: Options) -> None:
-    from serving.cluster import LocalCluster
-    from serving.router import Router
+    from serving.router.cluster import LocalCluster
+    from serving.router.server import Router
 
     n_sys, n_q = (6, 3) if o.smoke else (o.num_system_prompts, o.questions)
     figures = {}
@@ -331,7 +331,7 @@ def compiled_steps(cluster) -> int:
 
 
 def interference(results: dict, o: Options) -> None:
-    from serving.cluster import LocalCluster
+    from serving.router.cluster import LocalCluster
 
     long_tokens = o.long_prompt_tokens or (960 if o.model == "tiny" else 2000)
     if o.smoke:

@@ -11,7 +11,7 @@ How each figure is measured:
   2048^3 f32 matmul (FLOP/s), median of warm runs, measured in this run.
 - Concurrency c: c requests (prompt `--prompt_len` tokens, `--output_len` tokens with
   ignore_eos) submitted together to one EngineCore (prefix cache off). Its step programs are
-  built ahead of time (engine.warmup), then the workload runs twice on the same engine and
+  built ahead of time (engine.runner.warmup), then the workload runs twice on the same engine and
   only the second run is timed: no compile is timed (`compiles` in the table counts step
   compilations during the timed run: should be 0), and neither is a program's first
   execution, which on XLA:CPU costs 0.3-0.7 s more per SmolLM2 prefill program (the
@@ -77,9 +77,9 @@ import numpy as np
 from benchmarks.step_profile import weights_only_fn
 from configs.engine_config import EngineConfig
 from configs.kv_memory import kv_bytes_per_token
-from engine import compiles
 from engine.api_types import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.runner import compiles
+from engine.sampling.params import SamplingParams
 
 
 def load_avg() -> float:
@@ -352,7 +352,7 @@ def warm_and_run(
     warm: bool = True,
     probe: PeakProbe | None = None,
 ) -> RunResult:
-    """Compiles every shape the run reaches (engine.warmup over the dry run's shapes), runs
+    """Compiles every shape the run reaches (engine.runner.warmup over the dry run's shapes), runs
     the workload once untimed, then times a second run.
 
     The untimed run is needed because an ahead-of-time built program is slower on its first
@@ -361,7 +361,7 @@ def warm_and_run(
     kept as `first_run`. `probe`: pair the timed run's steps with peak measurements."""
     if not warm:
         return run_workload(engine, workload, static_batch, probe)
-    from engine.warmup import warmup
+    from engine.runner.warmup import warmup
 
     warmup(engine, reached_shapes(engine, workload, static_batch), sampling=("greedy",))
     first = run_workload(engine, workload, static_batch)

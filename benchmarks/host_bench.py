@@ -51,7 +51,7 @@ import jax
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 PROMPT_TOKENS = 8
 MODES = ("sync", "overlap")
@@ -128,7 +128,7 @@ def _run_engine(
 def device_loop(engine: EngineCore, steps: list) -> float:
     """Steps/s of the jitted step alone over the engine's own batches (the same shapes in
     the same order), pipelined: step k+1 dispatched before step k's results are copied."""
-    from engine.sampling import GREEDY_FLAGS
+    from engine.sampling.sampler import GREEDY_FLAGS
 
     def run() -> float:
         t0 = time.perf_counter()

@@ -43,8 +43,8 @@ import numpy as np
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
-from engine.sampling import MAX_LOGPROBS
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import MAX_LOGPROBS
 
 PROMPT_TOKENS = 8
 # Tiny tokenizer: id = 3 + byte. ASCII letters and spaces, the two bytes of "é" and the
@@ -71,7 +71,7 @@ def fake_tokens(batch) -> np.ndarray:
 
 
 def fake_packed(batch) -> np.ndarray:
-    """[R, 2 + 2K] float32, as engine/sampling.py SampleResult.pack lays it out."""
+    """[R, 2 + 2K] float32, as engine/sampling/sampler.py SampleResult.pack lays it out."""
     tokens = fake_tokens(batch)
     R, K = len(tokens), MAX_LOGPROBS
     packed = np.zeros((R, 2 + 2 * K), np.float32)

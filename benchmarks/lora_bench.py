@@ -134,7 +134,7 @@ def forward_cost(model, rank: int, num_tokens: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from engine.adapters import AdapterManager
+    from engine.lora.adapters import AdapterManager
     from models.dense_generate import DenseKVCache, dense_attention
     from models.llama import LayerWeights, forward, layer_layout
 

@@ -1,6 +1,6 @@
 """What a prefill step's static `max_query_len` (Qm) costs (issue 21.1): the same batch of
 short prompts at the Qm the engine's shapes give it today (min(Tp, prefill_chunk_size),
-engine/batch.py `query_len_bound`) and at a small Qm, timed alternately in one process.
+engine/batch/builder.py `query_len_bound`) and at a small Qm, timed alternately in one process.
 
     python -m benchmarks.prefill_qm_ab [--cases=13x40,32x16] [--iters=8] [--stub]
     python -m benchmarks.prefill_qm_ab --smoke       # tiny model, two iterations
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.step_profile import PAGE_SIZE, Case, _stub_attention, make_batch
-from engine import step as step_module
-from engine.kv_cache import PagedKVCache
-from engine.sampling import GREEDY_FLAGS
+from engine.runner import step as step_module
+from engine.runner.kv_cache import PagedKVCache
+from engine.sampling.sampler import GREEDY_FLAGS
 from models.llama import layer_layout
 from pallas_kernels import layout
 from pallas_kernels.reference import ragged_block_q

@@ -35,10 +35,10 @@ import time
 import numpy as np
 
 from configs.engine_config import EngineConfig
-from engine import compiles
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+from engine.runner import compiles
+from engine.sampling.params import SamplingParams
 
 CORPUS_DIR = os.path.join(os.path.dirname(__file__), "loadgen", "corpus")
 QUESTIONS = [

@@ -191,7 +191,7 @@ def memory(models: dict, cfg, kv_budget_bytes: int, device_bytes: int, seq_token
 
 def measured_kv_bytes_per_token(cfg, kv_dtype: str) -> float:
     """Bytes per token of the cache the engine really allocates (shapes only, no memory)."""
-    from engine.kv_cache import PagedKVCache
+    from engine.runner.kv_cache import PagedKVCache
 
     shapes = jax.eval_shape(lambda: PagedKVCache.zeros(cfg, 2, PAGE_SIZE, kv_dtype))
     total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))

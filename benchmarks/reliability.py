@@ -143,12 +143,12 @@ def section_burst(a) -> dict:
 
 
 def _mock_server(max_num_seqs: int, step_time_s: float, engine_process: bool = False):
-    from serving.admission import AdmissionConfig
-    from serving.mock_engine import MockEngine
+    from serving.engine_host.mock_engine import MockEngine
+    from serving.frontend.admission import AdmissionConfig
     from serving.server import PagedJaxServer, ServerConfig
 
     if engine_process:  # the same MockEngine, built in a child process
-        from serving.engine_process import ProcessEngine
+        from serving.engine_host.process import ProcessEngine
 
         options = {"max_num_seqs": max_num_seqs, "num_pages": 4096, "page_size": 16}
         build = {"mock_step_time_s": step_time_s}
@@ -180,7 +180,7 @@ _ENGINES: dict = {}
 
 
 def _model_server(a, tenants=None):
-    from serving.admission import AdmissionConfig
+    from serving.frontend.admission import AdmissionConfig
     from serving.server import PagedJaxServer, ServerConfig, build_engine
 
     options = dict(
@@ -223,7 +223,7 @@ def section_soak_model(a) -> dict:
 
 def section_timing(a) -> dict:
     from benchmarks.reliability_probes import timing_report
-    from serving.tenants import TenantRegistry
+    from serving.frontend.tenants import TenantRegistry
 
     tenants = TenantRegistry.from_dict(
         {
@@ -401,7 +401,7 @@ def main(argv=None) -> int:
         "--soak_engine_process",
         type=int,
         default=0,
-        help="1: soak_fake's MockEngine runs in a child process (serving/engine_process.py)",
+        help="1: soak_fake's MockEngine runs in a child process (serving/engine_host/process.py)",
     )
     p.add_argument("--cancel_fraction", type=float, default=0.2)
     p.add_argument("--model", default="smollm2-135m")

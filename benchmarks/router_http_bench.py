@@ -1,6 +1,6 @@
 r"""What the router's HTTP front costs per request: one MockEngine replica (no JAX, steps
 of `--step_ms`), asked the same completions directly over its own HTTP API, through the
-router's HTTP front (serving/router_http.py) and through the router's gRPC front; the
+router's HTTP front (serving/router/http_front.py) and through the router's gRPC front; the
 medians of `--requests` sequential calls each, with the load average.
 
     python -m benchmarks.router_http_bench [--requests=100] [--max_tokens=16] [--step_ms=1]
@@ -46,8 +46,8 @@ def measure(requests: int, max_tokens: int, step_s: float) -> dict:
     import openai
 
     from serving.client import GenerateClient
-    from serving.mock_engine import ByteTokenizer, MockEngine
-    from serving.router import Router
+    from serving.engine_host.mock_engine import ByteTokenizer, MockEngine
+    from serving.router.server import Router
     from serving.testing import running_server
 
     kwargs = dict(model="mock", prompt="the same prompt", max_tokens=max_tokens)

@@ -60,10 +60,10 @@ def measure(model, mesh: str | None, args) -> dict:
     import numpy as np
 
     from configs.engine_config import EngineConfig
-    from engine import sharding
     from engine.api_types import EngineRequest
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from engine.parallel import sharding
+    from engine.sampling.params import SamplingParams
 
     config = EngineConfig(
         model=model.config.name,

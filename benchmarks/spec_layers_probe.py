@@ -1,5 +1,5 @@
 """How often the `layers` proposer's first draft would be accepted, by N (greedy), without
-the engine: the target's first N layers + its final norm and head (engine/spec_layers.py
+the engine: the target's first N layers + its final norm and head (engine/spec/layers.py
 `truncated`) against the whole model, over the tokens of a prompt and its greedy
 continuation, in one dense pass per N. The share of positions where both argmaxes agree
 is the greedy acceptance of draft position 0; pick `num_draft_layers` from it.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.spec_bench import WORKLOADS, load_avg
-from engine.spec_layers import truncated
+from engine.spec.layers import truncated
 from models.dense_generate import DenseKVCache, dense_attention, generate_dense
 from models.llama import forward
 from models.registry import load_model

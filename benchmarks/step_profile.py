@@ -1,4 +1,4 @@
-"""Where the device step's time goes: timing variants of `engine.step.engine_step` on
+"""Where the device step's time goes: timing variants of `engine.runner.step.engine_step` on
 hand-built batches (no scheduler), each against the same machine's floors.
 
     python -m benchmarks.step_profile [--model=smollm2-135m] [--cases=decode64,...]
@@ -43,10 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import step as step_module
-from engine.batch import BatchShape, StepBatch, pow2_bucket
-from engine.kv_cache import PagedKVCache
-from engine.sampling import FULL_FLAGS, GREEDY_FLAGS, SamplingTensors
+from engine.batch.builder import BatchShape, StepBatch, pow2_bucket
+from engine.runner import step as step_module
+from engine.runner.kv_cache import PagedKVCache
+from engine.sampling.sampler import FULL_FLAGS, GREEDY_FLAGS, SamplingTensors
 from models.llama import LAYER_LOOPS, forward, layer_layout
 
 PAGE_SIZE = 16

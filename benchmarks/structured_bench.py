@@ -19,7 +19,7 @@ How each figure is measured:
   step), summed over the timed run / steps; its share of the step wall time.
 - `--compare`: random constrained walks (a token drawn uniformly among the allowed ones,
   EOS taken with probability 0.3 where allowed) over three JSON Schemas with llguidance and
-  xgrammar built from the same token bytes (engine/structured_vocab.py): per-token mask
+  xgrammar built from the same token bytes (engine/structured/vocab.py): per-token mask
   time (median, p90), grammar compile time, and whether every finished walk validates.
 Load average is printed with every figure: other processes share this CPU.
 """
@@ -38,7 +38,7 @@ import numpy as np
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 LONG_SCHEMA = {
     "type": "array",
@@ -207,8 +207,8 @@ def compare(tokenizer, vocab_size: int, walks: int) -> None:
     import llguidance
     import llguidance.numpy as llnp
 
-    from engine.structured_matcher import ll_tokenizer
-    from engine.structured_vocab import token_vocab
+    from engine.structured.matcher import ll_tokenizer
+    from engine.structured.vocab import token_vocab
 
     vocab = token_vocab(tokenizer, vocab_size)
     eos = set(vocab.eos_token_ids)

@@ -4,7 +4,7 @@
 `SchedulerConfig` is the host-side subset the scheduler and page pool read, derived from it by
 `EngineConfig.scheduler_config(model_cfg)` (which resolves a KV memory budget into pages).
 `CacheSharingPolicy` says which tenants may share prefix-cache pages (see
-`engine.page_pool.cache_salt_for`). Tests build tiny variants with `dataclasses.replace`.
+`engine.sched.page_pool.cache_salt_for`). Tests build tiny variants with `dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -119,12 +119,12 @@ class EngineConfig:
     # step N's tokens (engine/core.py). False: the synchronous loop (same outputs).
     async_scheduling: bool = True
     # The compiled step shapes: at most this many (the coarsest set if that is larger);
-    # every batch is padded to one of them (engine/shapes.py).
+    # every batch is padded to one of them (engine/runner/shapes.py).
     max_step_shapes: int = 32
-    # Speculative decoding (configs/spec_config.py; engine/spec_decode.py): None = off, or
+    # Speculative decoding (configs/spec_config.py; engine/spec/decode.py): None = off, or
     # a SpeculativeConfig / dict / string such as "ngram:k=4".
     speculative: SpeculativeConfig | None = None
-    # ---- LoRA (engine/adapters.py): device slots for this many adapters of rank <= R;
+    # ---- LoRA (engine/lora/adapters.py): device slots for this many adapters of rank <= R;
     # 0 = no LoRA (the step programs are exactly the plain model's).
     max_loras: int = 0
     max_lora_rank: int = 16

@@ -4,11 +4,11 @@
                       prompt_lookup_min=1, prompt_lookup_max=4, disable_by_batch_size=8)
     SpeculativeConfig(method="layers", num_speculative_tokens=4, num_draft_layers=8)
 
-`method`: "ngram" (prompt lookup, model-free, engine/spec_ngram.py) or "layers"
+`method`: "ngram" (prompt lookup, model-free, engine/spec/ngram.py) or "layers"
 (self-speculation from the target's first `num_draft_layers` layers plus its own head,
-engine/spec_layers.py; checked against the model's layer count by the engine) or "draft"
+engine/spec/layers.py; checked against the model's layer count by the engine) or "draft"
 (a separate `draft_model`, a preset name or path for models.registry.load_model, with the
-target's tokenizer: engine/spec_draft.py). `disable_by_batch_size`: the engine stops speculating
+target's tokenizer: engine/spec/draft.py). `disable_by_batch_size`: the engine stops speculating
 while more than this many requests run (None: always speculate); the default comes from
 benchmarks/spec_bench.py's measurement on this CPU (see benchmarks/RESULTS.md).
 """

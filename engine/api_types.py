@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "timed_out", "failed", "rejected"]
 # Outcome of a finished request, as recorded in metrics: "stop" and "length" are successes.
@@ -29,12 +29,12 @@ class EngineRequest:
     tenant: str = "default"
     deadline_s: float | None = None  # absolute, time.monotonic() clock
     arrival_s: float | None = None  # time.monotonic(); set by the engine if None
-    adapter: str | None = None  # LoRA adapter name (engine/adapters.py); None = base model
+    adapter: str | None = None  # LoRA adapter name (engine/lora/adapters.py); None = base model
 
 
 @dataclasses.dataclass(frozen=True)
 class AdapterRef:
-    """A loaded LoRA adapter as responses name it (engine/adapters.py)."""
+    """A loaded LoRA adapter as responses name it (engine/lora/adapters.py)."""
 
     name: str
     content_hash: str  # "sha256:<hex>" of its files: part of every prefix-cache key
@@ -54,7 +54,7 @@ class RequestMetrics:
     e2e_s: float | None = None  # arrival -> finish
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
-    # speculative decoding (engine/spec_decode.py): drafts verified / accepted
+    # speculative decoding (engine/spec/decode.py): drafts verified / accepted
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
 

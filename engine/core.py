@@ -17,8 +17,8 @@ while the host processes N and then schedules and builds N+2:
     device:          ... step N ........][........ step N+1 ...........][ step N+2 ...
 
 Step N+1 does not need N's tokens on the host: the scheduler counts N's sampled tokens as
-*pending* (engine/request.py), a decode whose input is pending reads it on the device from
-`last_tokens[slot]` (engine/step.py), and the host learns the token one step later for
+*pending* (engine/sched/request.py), a decode whose input is pending reads it on the device from
+`last_tokens[slot]` (engine/runner/step.py), and the host learns the token one step later for
 streaming, stop checks and the prefix cache. A request that stops at step N (EOS, stop
 string) was already scheduled in N+1: that one token is computed, discarded and never
 emitted; its pages and slot are released while processing N (the device runs N+1 before any
@@ -32,18 +32,18 @@ tokens are known) all work overlapped; outputs are identical either way
 the caller sees each token one call later; `has_unfinished()` stays true while a step is
 in flight.
 
-Structured output (engine/structured*.py) runs NOT overlapped: a constrained row's token
+Structured output (engine/structured/) runs NOT overlapped: a constrained row's token
 mask needs the token sampled the step before, on the host, before the next step is
 dispatched. While any constrained request is in the engine, `step()` first waits for the
 step in flight and then runs synchronously (every row of the batch, free ones too: their
 tokens are unchanged, only the overlap is lost); with none left it overlaps again. Such
 steps pass a [rows, ceil(V/32)] int32 bitmask to the jitted step's "full" sampler program,
-which every non-greedy step runs with an all-ones mask anyway (engine/shapes.py), so a
+which every non-greedy step runs with an all-ones mask anyway (engine/runner/shapes.py), so a
 constrained step needs no program of its own.
 
 Host time per phase is summed in `self.timings` (benchmarks/host_bench.py).
 The host half of a step (validation, stop checks, RequestOutput deltas, metrics) is
-engine/outputs.py's OutputProcessor, shared with serving's MockEngine. The serving layer
+engine/sched/outputs.py's OutputProcessor, shared with serving's MockEngine. The serving layer
 drives the engine from its engine thread through engine/interface.py's `Engine` Protocol.
 """
 
@@ -60,23 +60,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.engine_config import EngineConfig
-from engine import compiles, sharding
 from engine.api_types import EngineRequest, RequestOutput
-from engine.batch import BatchBuilder, BuiltStep
-from engine.engine_adapters import EngineAdapters
-from engine.kv_cache import PagedKVCache
-from engine.logprobs import step_logprobs
-from engine.outputs import OutputProcessor
-from engine.page_pool import PagePool, model_keys_of
-from engine.penalty_state import PenaltyState, _reset_counts_jit  # noqa: F401 (warmup.py)
-from engine.request import Request
-from engine.sampling import FULL_FLAGS, SampleResult, resolve_seed, uses_penalties
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.shapes import ShapeSet, sampler_variants
-from engine.spec_decode import SpecDecoder
-from engine.step import NONFINITE_TOKEN
-from engine.step_programs import StepPrograms, structured_bitmask
-from engine.structured_matcher import StructuredRequests
+from engine.batch.builder import BatchBuilder, BuiltStep
+from engine.lora.core_adapters import EngineAdapters
+from engine.parallel import sharding
+from engine.runner import compiles
+from engine.runner.kv_cache import PagedKVCache
+from engine.runner.penalties import PenaltyState, _reset_counts_jit  # noqa: F401 (warmup.py)
+from engine.runner.programs import StepPrograms, structured_bitmask
+from engine.runner.shapes import ShapeSet, sampler_variants
+from engine.runner.step import NONFINITE_TOKEN
+from engine.sampling.logprobs import step_logprobs
+from engine.sampling.sampler import FULL_FLAGS, SampleResult, resolve_seed, uses_penalties
+from engine.sched.outputs import OutputProcessor
+from engine.sched.page_pool import PagePool, model_keys_of
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerOutput
+from engine.spec.decode import SpecDecoder
+from engine.structured.matcher import StructuredRequests
 from models.llama import cast_params, layer_layout
 from models.registry import engine_model
 
@@ -112,7 +113,7 @@ class _Launched:
     plan: SchedulerOutput
     built: BuiltStep
     packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
-    # speculative decoding (engine/spec_decode.py): (packed, spec_packed, num_accepted) on
+    # speculative decoding (engine/spec/decode.py): (packed, spec_packed, num_accepted) on
     # device, the plan indices of the verified requests, and when it was dispatched
     spec_results: tuple | None = None
     spec_batch: list | None = None
@@ -120,8 +121,8 @@ class _Launched:
 
 
 class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
-    """The step loop. Mixins: the step programs it dispatches (engine/step_programs.py),
-    the penalty token counts (engine/penalty_state.py), LoRA (engine/engine_adapters.py)."""
+    """The step loop. Mixins: the step programs it dispatches (engine/runner/programs.py),
+    the penalty token counts (engine/runner/penalties.py), LoRA (engine/lora/core_adapters.py)."""
 
     def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
@@ -194,7 +195,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.warmup_s: float | None = None
         self._compiles_at_warmup: int | None = None
         self._logged_compiles = 0
-        spec = config.speculative  # speculative decoding (engine/spec_decode.py)
+        spec = config.speculative  # speculative decoding (engine/spec/decode.py)
         self.spec = None if spec is None else SpecDecoder(self, spec)
 
     # ---- the interface ------------------------------------------------------------------
@@ -253,7 +254,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         # NOTE: structured output turns speculation off while constrained requests run
         # (drafts are not checked against the grammar matcher).
         if self.spec is not None and not self.structured.active and self.spec.should_speculate():
-            return self.spec.step()  # synchronous speculative step (engine/spec_decode.py)
+            return self.spec.step()  # synchronous speculative step (engine/spec/decode.py)
         outputs: list[RequestOutput] = []
         if not self.config.async_scheduling or self.structured.active:
             if self._in_flight is not None:  # constrained rows need every token on the host
@@ -287,7 +288,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
         t2 = time.perf_counter()
         try:
-            # NOTE: two sampler programs per shape, what warm-up builds (engine/shapes.py
+            # NOTE: two sampler programs per shape, what warm-up builds (engine/runner/shapes.py
             # sampler_variants); flags never change a row's token.
             flags, use_penalties, bitmask = self._sampler_program(
                 built, structured_bitmask(self.structured, plan, built)
@@ -355,7 +356,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.num_failed_steps += 1
         outputs += self.outputs.fail(plan, e, time.monotonic())
 
-    # ---- a request's slot in the persistent batch (engine/batch.py) ---------------------
+    # ---- a request's slot in the persistent batch (engine/batch/builder.py) ---------------------
     def _take_slot(self, req: Request) -> None:
         slot, is_new = self.builder.assign(req, self._seeds[req.request_id])
         if self.adapters is not None:

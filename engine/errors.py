@@ -25,6 +25,6 @@ class EngineStepError(PagedJaxError):
 
 
 class WarmupCancelled(PagedJaxError):
-    """Warm-up's `stop()` returned True (engine/warmup.py): the programs not yet started
-    were not built. Here, not in engine/warmup.py, so the serving layer catches it without
+    """Warm-up's `stop()` returned True (engine/runner/warmup.py): the programs not yet started
+    were not built. Here, not in engine/runner/warmup.py, so the serving layer catches it without
     importing jax (the router imports serving.server)."""

@@ -2,9 +2,10 @@
 
     create_engine(model, config)                          EngineCore, one device
     create_engine(model, config, mesh="model:4")          EngineCore, tensor parallel
-    create_engine(model, config, mesh="data:2,model:4")   DataParallelEngine (engine/replicas.py)
+    create_engine(model, config, mesh="data:2,model:4")   DataParallelEngine
+                                                          (engine/parallel/replicas.py)
 
-Multi-host engines: engine/distributed.py's `create_multihost_engine`.
+Multi-host engines: engine/parallel/distributed.py's `create_multihost_engine`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from engine.core import EngineCore
-from engine.replicas import DataParallelEngine
-from engine.sharding import DATA, make_mesh
+from engine.parallel.replicas import DataParallelEngine
+from engine.parallel.sharding import DATA, make_mesh
 
 
 def create_engine(model, config, *, impl: str = "auto", mesh: str | Mesh | None = None):

@@ -1,13 +1,14 @@
 """The engine interface the serving layer drives, defined once.
 
-Implemented by engine.core.EngineCore (one model replica), engine.replicas.DataParallelEngine
-(several) and serving.mock_engine.MockEngine (the real Scheduler, PagePool, StopChecker and
-output code of engine/outputs.py with only the device step replaced by a hand-checkable
-rule). engine.kv_engine.KVTransferEngine wraps an EngineCore for prefill/decode
-disaggregation (K/V export and import; serving/kv_transfer_service.py also calls its
+Implemented by engine.core.EngineCore (one model replica),
+engine.parallel.replicas.DataParallelEngine (several) and
+serving.engine_host.mock_engine.MockEngine (the real Scheduler, PagePool, StopChecker and
+output code of engine/sched/outputs.py with only the device step replaced by a hand-checkable
+rule). engine.kv_transfer.transfer_engine.KVTransferEngine wraps an EngineCore for prefill/decode
+disaggregation (K/V export and import; serving/disagg/service.py also calls its
 mailboxes). serving/ calls nothing else on an engine.
 
-All methods are called from ONE thread (serving/engine_loop.py's engine thread).
+All methods are called from ONE thread (serving/frontend/engine_loop.py's engine thread).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class EngineTokenizer(Protocol):
     def new_detokenizer(
         self, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
     ) -> Any:
-        """An object whose add_token(id) returns the new complete text (engine.stop_checker)."""
+        """An object whose add_token(id) returns the new complete text
+        (engine.sched.stop_checker)."""
         ...
 
 
@@ -63,5 +65,5 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def stats(self) -> dict:
-        """At least engine.scheduler.Scheduler.stats()' keys, plus "num_steps"."""
+        """At least engine.sched.scheduler.Scheduler.stats()' keys, plus "num_steps"."""
         ...

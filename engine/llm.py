@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from configs.engine_config import EngineConfig
-from engine.adapters import UnknownAdapterError
 from engine.api_types import (
     AdapterRef,
     CompletionOutput,
@@ -54,8 +53,9 @@ from engine.llm_options import (
     mesh_from,
     with_memory_fraction,
 )
-from engine.sampling_params import SamplingParams
-from engine.sharding import loader_shardings
+from engine.lora.adapters import UnknownAdapterError
+from engine.parallel.sharding import loader_shardings
+from engine.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class ResolvedPrompt:
 
 
 class LLM:
-    # mesh: None (one device), "model:4", "data:2,model:4" (engine/sharding.py)
+    # mesh: None (one device), "model:4", "data:2,model:4" (engine/parallel/sharding.py)
     def __init__(
         self,
         model="smollm2-135m",
@@ -90,17 +90,17 @@ class LLM:
         `generate` compiles only the few shapes it reaches (seconds) instead of the engine's
         whole shape set (minutes for a real model on CPU): what a notebook wants. Every
         program compiled is kept in JAX's persistent compilation cache
-        (`compilation_cache_dir`, default engine/compilation_cache.py: ~/.cache/pagedjax/xla;
+        (`compilation_cache_dir`, default engine/runner/compilation_cache.py: ~/.cache/pagedjax/xla;
         "" turns it off), so the next `LLM(...)` on this machine loads it.
         `warmup=True` builds every program up front (a server's choice: no compile while
         serving): 2 per decode-only shape and 1 per prefill shape of the engine's shape set
-        (`max_step_shapes`, engine/shapes.py; 48 programs for 32 shapes), several minutes
+        (`max_step_shapes`, engine/runner/shapes.py; 48 programs for 32 shapes), several minutes
         on a 2-core CPU the first time, seconds once they are in the cache. NOTE: the
         default stays False because a notebook's first cell runs a handful of shapes, not
         the whole set; a later shape costs one compile stall in that call, not an error.
         Built programs are not run: on XLA:CPU each one's first execution still sets up its
-        dot calls (0.2-0.7 s); `engine.warmup.warmup(engine, execute=True)` runs them too."""
-        from engine.compilation_cache import enable as enable_compilation_cache
+        dot calls (0.2-0.7 s); `engine.runner.warmup.warmup(engine, execute=True)` runs them too."""
+        from engine.runner.compilation_cache import enable as enable_compilation_cache
         from models.registry import load_model
         from models.source import check_model_source
 
@@ -136,7 +136,7 @@ class LLM:
         self._ids = itertools.count()
         log.info("LLM(%s) ready in %.1fs", name, time.perf_counter() - t0)
         if warmup:
-            from engine.warmup import warmup as run_warmup
+            from engine.runner.warmup import warmup as run_warmup
 
             for engine in getattr(self.engine, "replicas", [self.engine]):  # data replicas
                 run_warmup(engine)
@@ -321,7 +321,7 @@ class LLM:
             if bar is not None:
                 bar.close()
 
-    # ---- LoRA adapters (engine/adapters.py) ------------------------------------------------
+    # ---- LoRA adapters (engine/lora/adapters.py) ------------------------------------------------
     def load_adapter(self, name: str, path: str) -> AdapterRef:
         """Loads a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)
         under `name` into every engine replica; needs LLM(..., max_loras >= 1). Loading a

@@ -124,7 +124,7 @@ class IncrementalDetokenizer:
 def detokenize_next(d, token_id: int) -> str:
     """`d.add_token(token_id)`, same result; an IncrementalDetokenizer whose window is one
     emitted token with nothing held gets its delta from the pair memo (module docstring)
-    without a tokenizer call. Called once per generated token (engine/outputs.py)."""
+    without a tokenizer call. Called once per generated token (engine/sched/outputs.py)."""
     memo = d.pair_memo if d.__class__ is IncrementalDetokenizer else None
     if memo is None:
         return d.add_token(token_id)

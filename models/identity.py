@@ -49,7 +49,7 @@ class ModelIdentity:
     # Speculative decoding, e.g. "ngram:k=4" (set by the engine; configs/spec_config.py).
     # Not part of the revision: speculation never changes what is sampled.
     speculative: str = "off"
-    # LoRA: the adapter a response came from (engine.adapters.request_identity); "" = base
+    # LoRA: the adapter a response came from (engine.lora.adapters.request_identity); "" = base
     adapter: str = ""
     adapter_hash: str = ""  # "sha256:<hex>" of the adapter's files
 

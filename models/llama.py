@@ -11,7 +11,7 @@ Data flow of one forward call over a flat batch of T tokens (any mix of sequence
 
 `attention` is the one seam between the model and the KV cache: the dense oracle passes a
 contiguous cache (`models.dense_generate`), the engine passes the paged one
-(`engine.step`).
+(`engine.runner.step`).
 
 Layer loop (`Params.layers`, one forward for both; `layer_layout` converts):
 - stacked `LayerWeights` (leaves [L, ...]): `jax.lax.scan`, one traced layer, compile time
@@ -49,7 +49,7 @@ Array = jax.Array
 
 def _param(*axes: str):
     """A params field declared with its logical axes, one name per array dim. The names are
-    model-side; `engine.sharding.LOGICAL_RULES` maps them to mesh axes."""
+    model-side; `engine.parallel.sharding.LOGICAL_RULES` maps them to mesh axes."""
     return dataclasses.field(metadata={"axes": axes})
 
 

@@ -18,7 +18,7 @@ A quantized weight is an `Int8Weight(q, scale)` pytree in place of the float arr
 
 so `lax.scan` over layers slices q and scale together, jit sees two leaves, the Orbax cache
 stores two arrays, and the sharding rules give the scale the weight's output axes (see
-`engine.sharding`). Every weight matmul of the model goes through `linear(x, w, spec)`,
+`engine.parallel.sharding`). Every weight matmul of the model goes through `linear(x, w, spec)`,
 which runs `jnp.einsum` for float weights and `pallas_kernels.int8_matmul` for Int8Weight.
 
 The identity of a quantized model names its scheme (`QuantConfig.descriptor`, e.g.
@@ -175,7 +175,7 @@ def _drop_axes(sharding, rank: int, lead: int, n_in: int):
 
 
 def quantized_shardings(float_shardings, abstract, qcfg: QuantConfig):
-    """Shardings for quantized params, from the float layout's (`engine.sharding`): q takes
+    """Shardings for quantized params, from the float layout's (`engine.parallel.sharding`): q takes
     its float weight's sharding, scale that sharding without the contracted axes. A
     quantized LM head with tied embeddings takes the embedding's sharding, transposed."""
     if not qcfg.enabled:
@@ -200,7 +200,8 @@ def quantized_shardings(float_shardings, abstract, qcfg: QuantConfig):
 
 
 def repeat_heads(w, repeats: int, axis: int):
-    """jnp.repeat along a weight's head axis (KV-head replication in engine.sharding); for an
+    """jnp.repeat along a weight's head axis (KV-head replication in
+    engine.parallel.sharding); for an
     Int8Weight the scale repeats along the same output axis (one contracted axis fewer)."""
     if w is None:
         return None

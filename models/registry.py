@@ -158,7 +158,7 @@ def load_model(
     quantization: QuantConfig | str | None = None,
 ) -> LoadedModel:
     """Loads a preset name, a GGUF file or a Hugging Face directory (see module doc).
-    `shardings_for(cfg) -> Params of Shardings` places the params (engine/sharding.py).
+    `shardings_for(cfg) -> Params of Shardings` places the params (engine/parallel/sharding.py).
     `quantization`: "none" (default), "int8", "w8a8" or a QuantConfig (models/quant.py);
     the identity's revision names it."""
     check_model_source(name_or_path)

@@ -143,7 +143,7 @@ def check_speculative(value: str, mock: bool = False):
 
 
 def define_lora() -> None:
-    """--lora=name=path (repeatable), --max_loras, --max_lora_rank (engine/adapters.py)."""
+    """--lora=name=path (repeatable), --max_loras, --max_lora_rank (engine/lora/adapters.py)."""
     _define_once(
         flags.DEFINE_multi_string,
         "lora",
@@ -228,7 +228,7 @@ def check_mesh(spec: str | None) -> None:
         return
     import jax
 
-    from engine.sharding import ShardingConfigError, parse_mesh_spec
+    from engine.parallel.sharding import ShardingConfigError, parse_mesh_spec
 
     try:
         sizes = parse_mesh_spec(spec)
@@ -241,7 +241,7 @@ def check_mesh(spec: str | None) -> None:
 def check_sampling(**fields) -> None:
     """The SamplingParams limits, reported against the flag names."""
     from engine.errors import InvalidRequestError
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     try:
         SamplingParams(**fields)

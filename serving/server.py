@@ -1,6 +1,7 @@
 """The pagedjax server: assembles engine, engine thread, admission, tenants, metrics, gRPC
 health and reflection, and the OpenAI-compatible HTTP API beside gRPC (threads and queues:
-see serving/engine_loop.py; both transports call one Generator, serving/generation.py).
+see serving/frontend/engine_loop.py; both transports call one Generator,
+serving/frontend/generation.py).
 
     python -m serving.server --model=smollm2-135m --port=50051 --metrics_port=9090 --http_port=8000
     python -m serving.server --model=mock --port=0          # MockEngine, no JAX needed
@@ -32,24 +33,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import WarmupCancelled
-from serving import convert, kv_transfer_service
 from serving import flags as shared
-from serving.admission import AdmissionConfig, WaitingQueue
-from serving.breaker import CircuitBreaker
-from serving.capacity_model import probe
-from serving.dispatch import DispatchLedger
-from serving.engine_build import StopFn, Warmup, build_engine, engine_warmup
-from serving.engine_loop import EngineLoop
-from serving.generation import Generator, ServiceLimits
-from serving.guard import RequestGuard
-from serving.metrics import ServerMetrics, start_metrics_http
+from serving.disagg import service as kv_transfer_service
+from serving.engine_host.build import StopFn, Warmup, build_engine, engine_warmup
+from serving.frontend.admission import AdmissionConfig, WaitingQueue
+from serving.frontend.breaker import CircuitBreaker
+from serving.frontend.capacity_model import probe
+from serving.frontend.engine_loop import EngineLoop
+from serving.frontend.generation import Generator, ServiceLimits
+from serving.frontend.metrics import ServerMetrics, start_metrics_http
+from serving.frontend.request_state import RequestLedger, SlowConsumerPolicy
+from serving.frontend.shutdown import install_signal_handlers
+from serving.frontend.tenants import TenantLimiter, TenantRegistry
+from serving.grpc_api import convert
+from serving.grpc_api.dispatch import DispatchLedger
+from serving.grpc_api.guard import RequestGuard
+from serving.grpc_api.service import PagedJaxService
+from serving.grpc_api.transport import PortInUseError, bind_port, grpc_options
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
-from serving.request_state import RequestLedger, SlowConsumerPolicy
-from serving.service import PagedJaxService
-from serving.shutdown import install_signal_handlers
-from serving.tenants import TenantLimiter, TenantRegistry
-from serving.transport import PortInUseError, bind_port, grpc_options
 
 EXIT_FATAL = 1  # the server cannot become ready (a failed warm-up); usage errors exit 2
 
@@ -64,7 +66,9 @@ class ServerConfig:
     stream_buffer_messages: int = 256  # undelivered deltas before a slow reader is cancelled
     slow_consumer: SlowConsumerPolicy = dataclasses.field(default_factory=SlowConsumerPolicy)
     max_request_bytes: int = 1 << 20  # a request message's size limit (INVALID_ARGUMENT past it)
-    capacity_probe: bool = True  # measure step times at start-up (serving/capacity_model.py)
+    capacity_probe: bool = (
+        True  # measure step times at start-up (serving/frontend/capacity_model.py)
+    )
     max_inflight: int | None = None  # requests in the engine at once; None: its max_num_seqs
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
@@ -75,11 +79,11 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP endpoint (metrics still in the registry)
     http_port: int | None = None  # OpenAI-compatible HTTP API; None: off, 0: ephemeral
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
-    # -- disaggregation (serving/kv_transfer_service.py): prefill | decode | both
+    # -- disaggregation (serving/disagg/service.py): prefill | decode | both
     role: str = "both"
     kv_transport: str = "grpc"  # or "jax": jax.experimental.transfer (kv_transfer_jax.py)
-    kv_jax_checksum: bool = True  # jax transport: device digest of the pages (engine/kv_digest)
-    # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http_lora.py)
+    kv_jax_checksum: bool = True  # jax transport: device digest of pages (kv_transfer/digest)
+    # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http/lora.py)
     allow_runtime_lora: bool = False
 
 
@@ -94,7 +98,7 @@ class PagedJaxServer:
         """`warmup(stop)`: called on the engine thread before it serves (compiles the step
         shapes); generation is refused as warming_up until it returns. `stop()` turns True
         when the server starts shutting down; a warm-up that honours it raises
-        engine.warmup.WarmupCancelled (serving/engine_build.py's does)."""
+        engine.runner.warmup.WarmupCancelled (serving/engine_host/build.py's does)."""
         config = config or ServerConfig()
         self.engine, self.config = engine, config
         stats = dict(engine.stats())
@@ -184,8 +188,8 @@ class PagedJaxServer:
         self.http_port: int | None = None
         self._http = None
         if config.http_port is not None:
-            from serving.http_api import HttpApi
-            from serving.http_server import HttpServer
+            from serving.http.api import HttpApi
+            from serving.http.server import HttpServer
 
             self.generator.allow_runtime_lora = config.allow_runtime_lora
             self.http_api = HttpApi(self.generator, self.metrics)
@@ -274,7 +278,7 @@ class PagedJaxServer:
 
     def begin_drain(self) -> None:
         """Refuse new Generate calls (UNAVAILABLE) and report NOT_SERVING; admitted requests
-        go on (serving/shutdown.py finishes the job)."""
+        go on (serving/frontend/shutdown.py finishes the job)."""
         self.generator.draining = True
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -296,10 +300,10 @@ class PagedJaxServer:
         self.grpc_server.wait_for_termination()
 
 
-# -- overload (#17): the engine in a child process (serving/engine_process.py) ---------------
+# -- overload (#17): the engine in a child process (serving/engine_host/process.py) ---------------
 def close_engine(engine) -> None:
     """Stop an engine's child process (in-process engines have nothing to stop)."""
-    from serving.engine_process import ProcessEngine
+    from serving.engine_host.process import ProcessEngine
 
     if isinstance(engine, ProcessEngine):
         engine.close()
@@ -324,7 +328,7 @@ def build_serving_engine(
     if in_process:
         engine = build_engine(model, {**options, **shapes}, **build_kwargs)
         return engine, engine_warmup(engine, max_shapes, execute=execute)
-    from serving.engine_process import ProcessEngine
+    from serving.engine_host.process import ProcessEngine
 
     engine = ProcessEngine.start(
         model,
@@ -365,7 +369,7 @@ def define_flags() -> None:
     shared.define_log_level()
     flags.DEFINE_string("host", "[::]", "address to bind")
     flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port)")
-    flags.DEFINE_enum(  # disaggregation: serving/kv_transfer_service.py
+    flags.DEFINE_enum(  # disaggregation: serving/disagg/service.py
         "role", "both", list(kv_transfer_service.ROLES), "prefill, decode or both (replica)"
     )
     flags.DEFINE_enum(
@@ -422,14 +426,14 @@ def define_flags() -> None:
         "warmup_max_shapes",
         32,
         "step shapes the engine pads every batch to and compiles before serving (0: none;"
-        " 32: 48 step programs for the default config, engine/shapes.py)",
+        " 32: 48 step programs for the default config, engine/runner/shapes.py)",
     )
     flags.DEFINE_bool(
         "warmup_execute",
         False,
         "also run each warmed step program once before serving: no first-execution set-up"
         " (0.2-0.7 s per SmolLM2 program on CPU) on a first real step, for a longer start"
-        " (a second start ready in ~88 s instead of ~29 s on 2 CPU cores; engine/warmup.py)",
+        " (a second start ready in ~88 s instead of ~29 s on 2 CPU cores; engine/runner/warmup.py)",
     )
     # admission
     flags.DEFINE_integer("max_prompt_tokens", 8192, "longest prompt accepted (tokens)")
@@ -443,6 +447,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_queue_tokens", 2_000_000, "waiting queue bound (prompt + max_tokens)")
     flags.DEFINE_float(
         "queue_timeout_s", 60.0, "a request waiting longer than this is rejected (seconds)"
+    )
+    flags.DEFINE_float(
+        "default_request_timeout_s",
+        None,
+        "deadline (seconds) of a call that brings none and whose tenant sets none "
+        "(None: no deadline; serving/frontend/deadlines.py)",
     )
     flags.DEFINE_float(
         "aging_s", 10.0, "seconds of waiting that raise a request one priority class"
@@ -511,6 +521,9 @@ def check_flags() -> None:
         )
     for name in ("queue_timeout_s", "aging_s"):
         shared.check_positive(name, getattr(FLAGS, name))
+    shared.check_positive(
+        "default_request_timeout_s", FLAGS.default_request_timeout_s, allow_none=True
+    )
     shared.require(
         "default_max_tokens",
         FLAGS.default_max_tokens,
@@ -543,7 +556,8 @@ def check_flags() -> None:
 
 def _check_role() -> None:
     """-- disaggregation: K/V moves between workers that are one in-process EngineCore each
-    (engine/kv_engine.py wraps only that); refuse at start what every transfer would refuse."""
+    (engine/kv_transfer/transfer_engine.py wraps only that);
+    refuse at start what every transfer would refuse."""
     if FLAGS.role == "both":
         return
     why = (
@@ -559,7 +573,7 @@ def _check_role() -> None:
 
 
 def _mesh_sizes(spec: str) -> dict:
-    from engine.sharding import parse_mesh_spec
+    from engine.parallel.sharding import parse_mesh_spec
 
     return parse_mesh_spec(spec)
 
@@ -621,6 +635,7 @@ def config_from_flags(engine_config: dict) -> ServerConfig:
         queue_timeout_s=FLAGS.queue_timeout_s,
         aging_s=FLAGS.aging_s,
         max_prompt_bytes=FLAGS.max_prompt_bytes,
+        default_request_timeout_s=FLAGS.default_request_timeout_s,
     )
     return ServerConfig(
         max_request_bytes=FLAGS.max_request_bytes,
@@ -661,7 +676,7 @@ def main(argv) -> None:
     check_flags()
     _setup_request_log(FLAGS.request_log)
     if FLAGS.model != "mock":
-        from engine.compilation_cache import enable as enable_compilation_cache
+        from engine.runner.compilation_cache import enable as enable_compilation_cache
 
         enable_compilation_cache(FLAGS.compilation_cache_dir)  # before anything compiles
     options = engine_options_from_flags()
@@ -712,7 +727,7 @@ def main(argv) -> None:
     print(f"serving on {server.port} (metrics port {server.metrics_port})", flush=True)
     if server.http_port is not None:
         print(f"http on {server.http_port}", flush=True)
-    stopped.wait()  # SIGTERM / SIGINT: drained and stopped (serving/shutdown.py)
+    stopped.wait()  # SIGTERM / SIGINT: drained and stopped (serving/frontend/shutdown.py)
     if server.fatal_error is not None:  # a server that can never become ready exits loudly
         server.stop(grace_s=0.0)
         print(f"error: {server.fatal_error}", file=sys.stderr, flush=True)

@@ -6,11 +6,11 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-from serving.admission import AdmissionConfig
 from serving.client import GenerateClient
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.tenants import TenantRegistry
 from serving.server import PagedJaxServer, ServerConfig
-from serving.tenants import TenantRegistry
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# NOTE: the persistent compilation cache is on by default (engine/compilation_cache.py); the
+# NOTE: the persistent compilation cache is on by default (engine/runner/compilation_cache.py); the
 # suite turns it off (set the variable to a directory to run it with one) so tests never
 # write to the user's ~/.cache and one test's programs cannot change another's path. The
 # cache's own tests (tests/test_compilation_cache.py) load from it in fresh processes.

@@ -22,13 +22,13 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 
 from configs.engine_config import EngineConfig
-from engine import compiles
 from engine.api_types import EngineRequest
 from engine.factory import create_engine
-from engine.kv_engine import KVTransferEngine
-from engine.kv_transfer import prefill_sampling
-from engine.sampling_params import SamplingParams
-from engine.sharding import loader_shardings
+from engine.kv_transfer.transfer import prefill_sampling
+from engine.kv_transfer.transfer_engine import KVTransferEngine
+from engine.parallel.sharding import loader_shardings
+from engine.runner import compiles
+from engine.sampling.params import SamplingParams
 from models.registry import load_model
 
 MESH = "model:2"

@@ -22,9 +22,9 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from engine import compiles  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.runner import compiles  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 from models.lora_random import write_peft_adapter  # noqa: E402
 from models.registry import load_model  # noqa: E402
 

@@ -16,7 +16,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 from engine.llm import LLM  # noqa: E402 (after the device count is set)
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 OPTS = {"num_pages": 32, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -22,9 +22,10 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from engine import compiles, sharding
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.parallel import sharding
+from engine.runner import compiles
+from engine.sampling.params import SamplingParams
 from models.registry import load_model
 
 # Prefix caching off: the second, identical run must hit the same shapes (a cache hit would

@@ -1,4 +1,4 @@
-"""BatchBuilder.build (engine/batch.py) against the per-row builder it replaced (issue 20:
+"""BatchBuilder.build (engine/batch/builder.py) against the per-row builder it replaced (issue 20:
 the plan read in one pass, no per-row numpy stores): on random multi-step plans, with
 decodes whose token the host knows or not, prefill chunks, speculative drafts, page tables
 that grow between steps and slots released and reused, both give the same device batch
@@ -10,10 +10,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch import BatchBuilder, BatchShape, pow2_bucket, query_len_bound
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from engine.batch.builder import BatchBuilder, BatchShape, pow2_bucket, query_len_bound
+from engine.sampling.params import SamplingParams
+from engine.sched.request import Request
+from engine.sched.scheduler import ScheduledRequest
 
 PAGE_SIZE, MAX_PAGES, CHUNK = 4, 16, 8
 
@@ -34,7 +34,7 @@ class ReferenceBuilder(BatchBuilder):
     numpy element stores), kept as the oracle."""
 
     def build(self, scheduled, fit_shape=None):
-        from engine.batch import BuiltStep, StepBatch, _chunk_token_ids  # noqa: F401
+        from engine.batch.builder import BuiltStep, StepBatch, _chunk_token_ids  # noqa: F401
 
         ps, n = self.page_size, len(scheduled)
         slots, starts = np.empty(n, np.int32), np.empty(n, np.int32)

@@ -11,8 +11,8 @@ import pytest
 from benchmarks.loadgen import arrivals
 from benchmarks.loadgen.metrics import OUTCOMES, parse_slo_policy
 from benchmarks.loadgen.run import RunConfig, run_load
-from serving.admission import AdmissionConfig
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
 from serving.testing import calls_seen, outcome_counts, running_server, wait_for
 
 

@@ -1,12 +1,12 @@
-"""Admission that knows its capacity from the first request (serving/capacity_model.py)."""
+"""Admission that knows its capacity from the first request (serving/frontend/capacity_model.py)."""
 
 import threading
 
 import pytest
 
-from serving.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
-from serving.capacity_model import CapacityModel, probe, slot_wait_s
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
+from serving.frontend.capacity_model import CapacityModel, probe, slot_wait_s
 from serving.testing import outcome_counts, running_server
 
 

@@ -1,4 +1,4 @@
-"""The persistent compilation cache's defaults (engine/compilation_cache.py)."""
+"""The persistent compilation cache's defaults (engine/runner/compilation_cache.py)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import jax
 
-from engine import compilation_cache
+from engine.runner import compilation_cache
 
 
 def test_default_is_on_under_the_cache_dir_and_the_variable_overrides(monkeypatch, tmp_path):
@@ -34,7 +34,7 @@ def test_off_values_turn_it_off():
 # ---- the fallbacks: an unreadable entry is ignored, a warm-up that died sets the cache aside --
 _COMPILE_IN_A_FRESH_PROCESS = """
 import sys, jax, jax.numpy as jnp
-from engine import compilation_cache, compiles
+from engine.runner import compilation_cache, compiles
 compiles.install()
 compilation_cache.enable(sys.argv[1])
 f = jax.jit(lambda x: jnp.sin(x) * 3.0 + x @ x.T)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
+from engine.sampling.params import SamplingParams
+from engine.sched.stop_checker import StopChecker
 from models.detokenizer import IncrementalDetokenizer, detokenize_next
 from models.registry import tiny_tokenizer
 
@@ -21,7 +21,7 @@ CUT = [3 + b for b in "é€😀".encode()]  # pieces of multi-byte characters
 
 
 def detokenize_step(detokenizers, token_ids) -> list[str]:
-    """A step's rows as engine/outputs.py detokenizes them: `detokenize_next` for each."""
+    """A step's rows as engine/sched/outputs.py detokenizes them: `detokenize_next` for each."""
     return [detokenize_next(d, t) for d, t in zip(detokenizers, token_ids)]
 
 

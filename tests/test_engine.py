@@ -5,9 +5,10 @@ pool size (preemptions), the prefill chunk, or cancellations of other requests."
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams, compiles
+from engine import LLM, SamplingParams
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
+from engine.runner import compiles
 from models.dense_generate import generate_dense
 from tests.conftest import FULL_SIZES_ONLY
 
@@ -224,7 +225,7 @@ def test_compile_counter_counts_each_new_program():
 
 @pytest.mark.compile
 def test_no_recompilation_after_warmup():
-    from engine.warmup import reachable_shapes, warmup
+    from engine.runner.warmup import reachable_shapes, warmup
 
     # A small config keeps the reachable set small (8 shapes) so the test compiles them all.
     llm = LLM(

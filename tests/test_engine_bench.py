@@ -96,11 +96,11 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     import jax
 
     from configs.engine_config import EngineConfig
-    from engine import compiles
-    from engine.batch import BatchShape
+    from engine.batch.builder import BatchShape
     from engine.core import EngineCore
-    from engine.sampling import GREEDY_FLAGS
-    from engine.warmup import dummy_batch
+    from engine.runner import compiles
+    from engine.runner.warmup import dummy_batch
+    from engine.sampling.sampler import GREEDY_FLAGS
     from models.registry import load_model
 
     model = load_model("tiny")

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from configs.engine_config import EngineConfig, SchedulerConfig
 from engine.api_types import EngineRequest
-from engine.batch import BatchShape
+from engine.batch.builder import BatchShape
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.shapes import ShapeSet, reachable_shapes, step_cost, step_shapes
+from engine.runner.shapes import ShapeSet, reachable_shapes, step_cost, step_shapes
+from engine.sampling.params import SamplingParams
 
 OPTS = dict(
     page_size=8, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_model_len=256
@@ -192,7 +192,7 @@ def test_a_batch_larger_than_the_largest_shape_is_refused():
 
 
 def test_compile_counts_reach_the_server_metrics():
-    from serving.metrics import ServerMetrics
+    from serving.frontend.metrics import ServerMetrics
 
     m = ServerMetrics("tiny", "rev")
     m.observe_stats({"compiles_total": 5, "compiles_after_warmup": None}, 0)

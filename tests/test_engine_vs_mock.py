@@ -23,10 +23,10 @@ from configs.model_config import from_name
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
 from engine.interface import Engine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from models.llama import init_params
 from models.registry import LoadedModel
-from serving.mock_engine import ByteTokenizer, MockEngine, MockIdentity, next_token
+from serving.engine_host.mock_engine import ByteTokenizer, MockEngine, MockIdentity, next_token
 
 NUM_PRINTABLE = 95
 # NOTE: the mock steps synchronously. An engine with overlapped steps emits each token one

@@ -25,10 +25,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from serving.admission import AdmissionConfig
 from serving.client import GenerateClient
-from serving.cluster import free_port, wait_serving
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
+from serving.router.cluster import free_port, wait_serving
 from serving.server import PagedJaxServer, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_cluster_launcher_roles_and_router_become_serving_and_answer(tmp_path):
     log = tmp_path / "cluster.log"
     proc = _spawn(
         [
-            "serving.cluster",
+            "serving.router.cluster",
             "--prefill=1",
             "--decode=1",
             f"--port={port}",

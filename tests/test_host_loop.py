@@ -29,7 +29,7 @@ def test_steady_reports_cpu_per_step():
 def test_fake_device_bans_stop_ids_before_min_tokens():
     import numpy as np
 
-    from engine.batch import BatchShape, StepBatch
+    from engine.batch.builder import BatchShape, StepBatch
 
     batch = StepBatch.zeros(BatchShape(8, 0, 0, 4, 1))
     t = batch.sampling

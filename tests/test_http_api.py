@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 
-from serving.admission import AdmissionConfig
 from serving.client import build_request
-from serving.mock_engine import MockEngine, expected_continuation
-from serving.tenants import TenantPolicy, TenantRegistry
+from serving.engine_host.mock_engine import MockEngine, expected_continuation
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.tenants import TenantPolicy, TenantRegistry
 from serving.testing import calls_seen, outcome_counts, running_server, wait_for
 
 ADMISSION = AdmissionConfig(

@@ -1,4 +1,4 @@
-"""HTTP outcomes recorded at delivery (serving/http_delivery.py, issue 17 item 6): success
+"""HTTP outcomes recorded at delivery (serving/http/delivery.py, issue 17 item 6): success
 only once the last byte went to a connection the client had not left; a client that leaves
 after the engine finished but before its response was written is cancelled{client}; a
 reader that keeps up is never taken for a slow consumer, however long the answer."""
@@ -8,9 +8,9 @@ import json
 
 import httpx
 
-from serving.admission import AdmissionConfig
-from serving.mock_engine import MockEngine, expected_continuation
-from serving.request_state import SlowConsumerPolicy
+from serving.engine_host.mock_engine import MockEngine, expected_continuation
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.request_state import SlowConsumerPolicy
 from serving.testing import outcome_counts, running_server, wait_for
 
 PATIENT = dict(  # nothing trips the slow-consumer policy in these tests

@@ -62,9 +62,9 @@ def test_a_deployment_per_role_with_grpc_readiness_and_resources():
         assert res["requests"]["cpu"] and res["limits"]["memory"] == res["requests"]["memory"]
         assert res["limits"]["nvidia.com/gpu"] == "1"
     router = container(deployments["pagedjax-router"])
-    assert router["command"][-1] == "serving.router"
+    assert router["command"][-1] == "serving.router.server"
     assert router["readinessProbe"]["grpc"]["port"] == 50051
-    # the router's HTTP front tokenizes with the workers' model (serving/router_http.py)
+    # the router's HTTP front tokenizes with the workers' model (serving/router/http_front.py)
     models = {
         a.split("=", 1)[1]
         for name in ("pagedjax-prefill", "pagedjax-decode")
@@ -95,7 +95,7 @@ def test_every_flag_in_the_manifests_is_defined():
     deployments = of_kind("Deployment")
     for module, names in (
         ("serving.server", ("pagedjax-prefill", "pagedjax-decode")),
-        ("serving.router", ("pagedjax-router",)),
+        ("serving.router.server", ("pagedjax-router",)),
     ):
         code = (
             f"import {module} as m; m.define_flags(); "

@@ -1,11 +1,12 @@
-"""engine/kv_digest.py: the jax transport's device digest of K/V pages changes with any bit,
+"""engine/kv_transfer/digest.py:
+the jax transport's device digest of K/V pages changes with any bit,
 with the order of pages and with the field, and host and device copies agree."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.kv_digest import device_digest
+from engine.kv_transfer.digest import device_digest
 
 
 def pages(dtype=np.float32):

@@ -1,4 +1,5 @@
-"""KV export/import between two engines (engine/kv_transfer.py, engine/kv_engine.py).
+"""KV export/import between two engines (engine/kv_transfer/transfer.py,
+engine/kv_transfer/transfer_engine.py).
 
 Oracle: prefill on engine A (max_tokens=1, K/V exported) + decode on engine B (K/V imported
 into B's own pages) gives the same greedy tokens as one engine, over a mixed batch (prompts
@@ -22,14 +23,14 @@ from configs.engine_config import EngineConfig
 from engine import SamplingParams
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
-from engine.kv_engine import KVTransferEngine
-from engine.kv_transfer import (
+from engine.kv_transfer.transfer import (
     KVChecksumError,
     KVTransferMismatchError,
     check_compatible,
     import_request,
     prefill_sampling,
 )
+from engine.kv_transfer.transfer_engine import KVTransferEngine
 
 PS = 8
 OPTS = dict(
@@ -192,7 +193,7 @@ def test_int8_kv_transfer_carries_scales(tiny_model):
 
 
 def test_export_host_copy_is_not_in_the_engine_step(engines, monkeypatch):
-    from engine import kv_transfer
+    from engine.kv_transfer import transfer as kv_transfer
 
     a, _ = engines
     copies = []
@@ -218,7 +219,7 @@ def test_export_host_copy_is_not_in_the_engine_step(engines, monkeypatch):
 
 
 def test_warmed_transfer_programs_cover_every_transfer(tiny_model):
-    from engine.kv_transfer import _device_fns, transfer_buckets
+    from engine.kv_transfer.transfer import _device_fns, transfer_buckets
 
     cfg = EngineConfig(model="tiny", **OPTS)
     a = KVTransferEngine(EngineCore(tiny_model, cfg))

@@ -1,4 +1,4 @@
-"""The KVTransfer gRPC service (serving/kv_transfer_service.py) between two in-process servers
+"""The KVTransfer gRPC service (serving/disagg/service.py) between two in-process servers
 on the tiny model: Decode on a decode worker pulling from a prefill worker streams exactly
 what one engine produces; roles are enforced; pages end free on both workers; a worker
 whose KV layout differs is refused with FAILED_PRECONDITION; the chunked wire format
@@ -13,14 +13,14 @@ import pytest
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.kv_digest import device_digest
-from engine.kv_transfer import KVChecksumError, KVMeta, payload_checksum
-from engine.sampling_params import SamplingParams
-from serving.admission import AdmissionConfig
+from engine.kv_transfer.digest import device_digest
+from engine.kv_transfer.transfer import KVChecksumError, KVMeta, payload_checksum
+from engine.sampling.params import SamplingParams
 from serving.client import GenerateClient, build_request
-from serving.kv_transfer_jax import JaxPullError
-from serving.kv_transfer_service import wrap_engine
-from serving.kv_transfer_wire import payload_chunks, receive_payload
+from serving.disagg.jax_transfer import JaxPullError
+from serving.disagg.service import wrap_engine
+from serving.disagg.wire import payload_chunks, receive_payload
+from serving.frontend.admission import AdmissionConfig
 from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
 from serving.testing import calls_seen, outcome_counts, running_server, wait_for
@@ -237,7 +237,7 @@ def test_router_retries_a_pair_whose_prefill_worker_died_once_elsewhere(workers,
     """A prefill worker that dies is taken out of routing; the request it would have
     computed (the decode worker's pull failed before any output) goes once to another
     prefill worker with the same decode worker, and its tokens are the engine's."""
-    from serving.router import Router
+    from serving.router.server import Router
 
     ps, ds = workers
     ref = engine(tiny_model)

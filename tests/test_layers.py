@@ -1,7 +1,7 @@
-"""The package layers, checked on the source: configs <- models <- engine <- serving, no
-import cycle between modules (imports inside functions included: a function-level import
-that closes a cycle is a layering fault hidden from the interpreter), and the mock engine
-importable without JAX."""
+"""The package layers, checked on the source: configs <- models <- engine <- serving <-
+benchmarks, no import cycle between modules (imports inside functions included: a
+function-level import that closes a cycle is a layering fault hidden from the interpreter),
+and the mock engine importable without JAX."""
 
 import ast
 import pathlib
@@ -11,12 +11,14 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("configs", "models", "engine", "serving", "pallas_kernels")
+PACKAGES = ("configs", "models", "engine", "serving", "pallas_kernels", "benchmarks")
 # package -> packages it must never import (at module level or inside functions)
 FORBIDDEN = {
-    "configs": {"models", "engine", "serving"},
-    "models": {"engine", "serving"},
-    "engine": {"serving"},
+    "configs": {"models", "engine", "serving", "benchmarks"},
+    "models": {"engine", "serving", "benchmarks"},
+    "pallas_kernels": {"engine", "serving", "benchmarks"},
+    "engine": {"serving", "benchmarks"},
+    "serving": {"benchmarks"},
 }
 
 
@@ -59,7 +61,21 @@ def test_lower_layers_never_import_higher_ones(package):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("package", ["configs", "models", "engine", "serving"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "configs",
+        "models",
+        "engine",
+        "serving",
+        pytest.param(
+            "benchmarks",
+            marks=pytest.mark.xfail(
+                strict=True, reason="loadgen report/plots/render/sweep cycle (issue 35 item 4)"
+            ),
+        ),
+    ],
+)
 def test_no_import_cycles(package):
     # Package __init__ files are left out: engine/__init__.py re-exports lazily (__getattr__).
     modules = {n: p for n, p in _modules().items() if p.name != "__init__.py"}
@@ -90,7 +106,8 @@ def test_no_import_cycles(package):
 @pytest.mark.subprocess
 def test_mock_engine_and_host_step_import_without_jax():
     code = (
-        "import sys, serving.mock_engine, engine.outputs, engine.interface, engine.scheduler;"
+        "import sys, serving.engine_host.mock_engine, engine.sched.outputs, engine.interface,"
+        " engine.sched.scheduler;"
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')];"
         "assert not bad, bad[:5]"
     )

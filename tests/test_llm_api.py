@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingTypeError
+from engine.sampling.params import SamplingTypeError
 
 OPTS = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""LoRA adapters (models/lora.py, engine/adapters.py).
+"""LoRA adapters (models/lora.py, engine/lora/adapters.py).
 
 Oracles: a numpy per-row reference for the batched delta; the model with the adapter MERGED
 into its weights (W + scaling * A @ B, computed in numpy) for the forward and the engine;
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.adapters import AdapterSlotsFullError, UnknownAdapterError
+from engine.lora.adapters import AdapterSlotsFullError, UnknownAdapterError
 from models.dense_generate import DenseKVCache, dense_attention, generate_dense
 from models.llama import forward, layer_layout
 from models.lora import (
@@ -260,7 +260,7 @@ def test_prefix_cache_never_crosses_adapters(llm, tiny_model, adapter_dirs):
 
 @pytest.mark.compile
 def test_loading_and_swapping_adapters_compiles_nothing(llm, adapter_dirs):
-    from engine import compiles
+    from engine.runner import compiles
 
     llm.generate(PROMPTS, GREEDY, adapter=["a1", "a2", None])  # shapes of this workload
     before = compiles.count("engine_step")

@@ -7,10 +7,10 @@ import pytest
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from models.lora_random import write_peft_adapter
 from serving import flags as shared
-from serving.admission import AdmissionConfig
+from serving.frontend.admission import AdmissionConfig
 from serving.testing import running_server
 
 PROMPT = "hello world"
@@ -134,9 +134,9 @@ def test_runtime_load_and_unload_over_http(lora_engine, tiny_model, tmp_path):
 
 @pytest.mark.compile
 def test_router_http_forwards_an_adapter_named_via_model(lora_engine):
-    """The router (serving/router_http.py) learns the replica's adapters from WorkerInfo:
+    """The router (serving/router/http_front.py) learns the replica's adapters from WorkerInfo:
     /v1/models lists them and an HTTP `model` naming one reaches the replica as `adapter`."""
-    from serving.router import Router
+    from serving.router.server import Router
 
     ids = lora_engine.tokenizer.encode(PROMPT)
     _, want_text = _direct(lora_engine, ids, "a1")

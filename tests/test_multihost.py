@@ -1,4 +1,4 @@
-"""Multi-host (engine/distributed.py): two processes on localhost, `jax.distributed` over
+"""Multi-host (engine/parallel/distributed.py): two processes on localhost, `jax.distributed` over
 CPU (gloo collectives), 2 virtual devices each, one mesh model:4 spanning both. Process 0
 schedules and broadcasts every step; both run it. The tokens must equal one process on one
 device."""
@@ -15,7 +15,7 @@ import pytest
 
 from configs.engine_config import EngineConfig
 from engine.core import EngineCore
-from engine.distributed import DistributedConfig, StepChannel, generate_ids, initialize
+from engine.parallel.distributed import DistributedConfig, StepChannel, generate_ids, initialize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = "1,2,3;72,101,108,108,111,32,119"
@@ -36,7 +36,7 @@ def _launch(num_processes: int, mesh: str) -> list[subprocess.Popen]:
             [
                 sys.executable,
                 "-m",
-                "engine.distributed",
+                "engine.parallel.distributed",
                 "--model=tiny",
                 f"--mesh={mesh}",
                 f"--prompts={PROMPTS}",

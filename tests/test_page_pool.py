@@ -6,8 +6,8 @@ import pytest
 
 from configs.engine_config import CacheSharingPolicy, EngineConfig, SchedulerConfig
 from configs.model_config import from_name
-from engine.page_pool import PagePool, cache_salt_for
-from engine.request import Request
+from engine.sched.page_pool import PagePool, cache_salt_for
+from engine.sched.request import Request
 
 PS = 4  # page size of these tests
 

@@ -1,4 +1,5 @@
-"""int8 weights under a mesh (engine/sharding.py + models/quant.quantized_shardings): greedy
+"""int8 weights under a mesh (engine/parallel/sharding.py +
+models/quant.quantized_shardings): greedy
 tokens equal one device, and each scale is split like its weight's output axes (the
 worker runs on 8 virtual CPU devices in a subprocess; see tests/quant_sharding_worker.py)."""
 

@@ -1,4 +1,4 @@
-"""The cache-aware router (serving/router*.py) and the local cluster (serving/cluster.py).
+"""The cache-aware router (serving/router/) and the local cluster (serving/router/cluster.py).
 
 Policy tests are plain Python. The `subprocess` tests start real workers on the tiny model
 (one prefill, one decode, one `both` replica, each pinned to a core) and the router:
@@ -19,7 +19,7 @@ import pytest
 from serving.client import GenerateClient, build_request
 from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
-from serving.router_policy import HashRing, RoundRobin, pick_bounded, prefix_key
+from serving.router.policy import HashRing, RoundRobin, pick_bounded, prefix_key
 
 # ---- policy ------------------------------------------------------------------------------------
 SYSTEM = "You are a helpful assistant for the ACME corporation. Answer briefly. " * 2
@@ -88,7 +88,7 @@ def reference(tiny_model):
     from configs.engine_config import EngineConfig
     from engine.api_types import EngineRequest
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
     for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
@@ -103,7 +103,7 @@ def reference(tiny_model):
 
 @pytest.fixture(scope="module")
 def cluster():
-    from serving.cluster import LocalCluster
+    from serving.router.cluster import LocalCluster
 
     with LocalCluster(
         prefill=1,
@@ -222,7 +222,7 @@ def test_killed_decode_worker_ends_its_streams_and_leaves_routing(cluster, refer
 
 @pytest.mark.subprocess
 def test_router_refuses_a_worker_of_another_revision(cluster):
-    from serving.router import Router
+    from serving.router.server import Router
     from serving.testing import running_server
 
     with running_server() as (mock_server, _):  # MockEngine: another model, other revision
@@ -243,7 +243,8 @@ def test_router_and_kv_service_import_without_jax():
     import sys
 
     code = (
-        "import sys, serving.server, serving.router, serving.cluster, serving.kv_transfer_wire;"
+        "import sys, serving.server, serving.router.server, serving.router.cluster,"
+        " serving.disagg.wire;"
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')];"
         "assert not bad, bad[:5]"
     )
@@ -254,11 +255,11 @@ def test_router_and_kv_service_import_without_jax():
 @pytest.mark.parametrize(
     "module, args, says",
     [
-        ("serving.cluster", ["--prefill=1", "--decode=0"], "both zero or both >= 1"),
-        ("serving.cluster", ["--replicas=-1"], "replicas"),
-        ("serving.router", [], "workers"),
-        ("serving.router", ["--workers=nohost"], "HOST:PORT"),
-        ("serving.router", ["--workers=127.0.0.1:1", "--http_port=8000"], "--tokenizer"),
+        ("serving.router.cluster", ["--prefill=1", "--decode=0"], "both zero or both >= 1"),
+        ("serving.router.cluster", ["--replicas=-1"], "replicas"),
+        ("serving.router.server", [], "workers"),
+        ("serving.router.server", ["--workers=nohost"], "HOST:PORT"),
+        ("serving.router.server", ["--workers=127.0.0.1:1", "--http_port=8000"], "--tokenizer"),
         ("serving.server", ["--model=mock", "--role=prefill"], "holds no K/V"),
     ],
 )

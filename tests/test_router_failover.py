@@ -10,11 +10,11 @@ import types
 
 import grpc
 
-from serving import router_workers
 from serving.client import GenerateClient, build_request
-from serving.mock_engine import MockEngine
-from serving.router import Router
-from serving.router_workers import WorkerPool, resolve
+from serving.engine_host.mock_engine import MockEngine
+from serving.router import workers as router_workers
+from serving.router.server import Router
+from serving.router.workers import WorkerPool, resolve
 from serving.testing import calls_seen, running_server, wait_for
 
 

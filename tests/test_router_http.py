@@ -1,6 +1,6 @@
-"""The router's OpenAI-compatible HTTP front (serving/router_http.py over
-serving/router_engine.py) with the `openai` SDK, in-process over MockEngine `both` replicas
-(no JAX; outputs checkable by hand: serving/mock_engine.py). The real pair (prefill +
+"""The router's OpenAI-compatible HTTP front (serving/router/http_front.py over
+serving/router/routed_engine.py) with the `openai` SDK, in-process over MockEngine `both` replicas
+(no JAX; outputs checkable by hand: serving/engine_host/mock_engine.py). The real pair (prefill +
 decode workers on the tiny model) is tested over HTTP in tests/test_router.py."""
 
 import contextlib
@@ -10,13 +10,13 @@ import openai
 import pytest
 
 from engine.api_types import EngineRequest
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutput
-from serving import convert
-from serving.mock_engine import ByteTokenizer, MockEngine, expected_continuation
-from serving.router import Router
-from serving.router_engine import generate_request
-from serving.router_http import RouterHttpError
+from engine.sampling.params import SamplingParams
+from engine.structured.output import StructuredOutput
+from serving.engine_host.mock_engine import ByteTokenizer, MockEngine, expected_continuation
+from serving.grpc_api import convert
+from serving.router.http_front import RouterHttpError
+from serving.router.routed_engine import generate_request
+from serving.router.server import Router
 from serving.testing import calls_seen, running_server, wait_for
 
 
@@ -166,7 +166,7 @@ def test_router_http_bench_runs():
 
 
 def test_http_clients_authenticate_at_the_router_which_presents_its_own_key():
-    from serving.tenants import TenantRegistry
+    from serving.frontend.tenants import TenantRegistry
 
     workers_tenants = TenantRegistry.from_dict(
         {"tenants": [{"name": "router", "api_keys": ["k-r"]}]}

@@ -1,4 +1,5 @@
-"""engine.sampling: greedy, temperature statistics, filters, penalties, seeds, logprobs, jit."""
+"""engine.sampling.sampler: greedy, temperature statistics, filters, penalties, seeds,
+logprobs, jit."""
 
 import dataclasses
 import functools
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampling import (
+from engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from engine.sampling.sampler import (
     MAX_MIN_TOKENS_STOP_IDS,
     SampleResult,
     SamplingFlags,
@@ -23,7 +25,6 @@ from engine.sampling import (
     update_counts,
     uses_penalties,
 )
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # One batch shape for every test, so `sample_jit` compiles once per flag variant (compiles
 # dominate this file's time on a 2-core machine).

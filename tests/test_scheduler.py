@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from configs.engine_config import SchedulerConfig
 from engine.errors import DuplicateRequestError, InvalidRequestError
-from engine.page_pool import PagePool
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.sched.page_pool import PagePool
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
 
 BASE = SchedulerConfig(
     page_size=4,

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from serving.admission import (
+from engine.sampling.params import SamplingParams
+from serving.frontend.admission import (
     AdmissionConfig,
     DrainMeter,
     QueuedRequest,
@@ -19,9 +19,9 @@ from serving.admission import (
     WaitingQueue,
     check_limits,
 )
-from serving.breaker import CircuitBreaker
-from serving.dispatch import DispatchLedger
-from serving.tenants import TenantLimiter, TenantPolicy, TenantRegistry, UnknownApiKey
+from serving.frontend.breaker import CircuitBreaker
+from serving.frontend.tenants import TenantLimiter, TenantPolicy, TenantRegistry, UnknownApiKey
+from serving.grpc_api.dispatch import DispatchLedger
 
 
 class Clock:

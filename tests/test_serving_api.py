@@ -9,11 +9,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
-from serving.mock_engine import MockEngine, MockIdentity, expected_continuation
+from serving.engine_host.mock_engine import MockEngine, MockIdentity, expected_continuation
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.tenants import TenantRegistry
 from serving.proto import pagedjax_pb2 as pb
-from serving.tenants import TenantRegistry
 from serving.testing import outcome_counts, running_server, wait_for
 
 ADMISSION = AdmissionConfig(
@@ -283,7 +283,7 @@ def test_client_cli_prints_tokens_and_summary(served):
 
 def test_delta_message_merges_outputs_with_logprobs():
     from engine.api_types import RequestOutput, TokenLogprob
-    from serving import convert
+    from serving.grpc_api import convert
 
     outs = [
         RequestOutput(

@@ -6,8 +6,8 @@ import pytest
 
 from configs.engine_config import EngineConfig
 from engine.api_types import EngineRequest
-from engine.sampling_params import SamplingParams
-from serving.admission import AdmissionConfig
+from engine.sampling.params import SamplingParams
+from serving.frontend.admission import AdmissionConfig
 from serving.testing import outcome_counts, running_server, wait_for
 
 PROMPT = "hello world"

@@ -1,4 +1,4 @@
-"""The engine in a child process (serving/engine_process.py), with the MockEngine built there:
+"""The engine in a child process (serving/engine_host/process.py), with the MockEngine built there:
 same answers as in-process, bad requests named, a killed child fails only what it held (one
 outcome each) and a fresh child serves the next call, and the child ends with the server."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from serving.engine_process import EngineProcessError, ProcessEngine
-from serving.mock_engine import expected_continuation
+from engine.sampling.params import SamplingParams
+from serving.engine_host.mock_engine import expected_continuation
+from serving.engine_host.process import EngineProcessError, ProcessEngine
 from serving.testing import outcome_counts, running_server, wait_for
 
 pytestmark = pytest.mark.subprocess

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.admission import AdmissionConfig
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
 from serving.proto import pagedjax_pb2 as pb
 from serving.testing import calls_seen, outcome_counts, running_server, wait_for
 

@@ -8,8 +8,8 @@ import pytest
 from engine.api_types import EngineRequest
 from engine.errors import DuplicateRequestError, InvalidRequestError
 from engine.interface import Engine
-from engine.sampling_params import SamplingParams
-from serving.mock_engine import MockEngine, expected_continuation
+from engine.sampling.params import SamplingParams
+from serving.engine_host.mock_engine import MockEngine, expected_continuation
 
 
 def _req(rid, text, **sp):

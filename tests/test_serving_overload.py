@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
 from serving.testing import calls_seen, outcome_counts, running_server, wait_for
 
 

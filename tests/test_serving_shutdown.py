@@ -1,4 +1,5 @@
-"""Graceful shutdown (serving/shutdown.py): drain admitted work, refuse new work, exit 0."""
+"""Graceful shutdown (serving/frontend/shutdown.py): drain admitted work, refuse new work,
+exit 0."""
 
 import os
 import signal
@@ -10,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.admission import AdmissionConfig
 from serving.client import GenerateClient, build_request
-from serving.mock_engine import MockEngine
+from serving.engine_host.mock_engine import MockEngine
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.shutdown import drain
 from serving.server import PagedJaxServer, ServerConfig
-from serving.shutdown import drain
 from serving.testing import calls_seen, outcome_counts, wait_for
 
 
@@ -146,7 +147,7 @@ def _recording(engine):
 
 
 def test_reload_under_load_fails_nothing_and_names_the_revision():
-    from serving.mock_engine import MockIdentity
+    from serving.engine_host.mock_engine import MockIdentity
 
     old = _recording(MockEngine(step_time_s=0.01, max_num_seqs=4, num_pages=1024))
     new = _recording(
@@ -183,7 +184,7 @@ def test_reload_under_load_fails_nothing_and_names_the_revision():
 
 
 def test_reload_refuses_another_tokenizer():
-    from serving.mock_engine import MockIdentity
+    from serving.engine_host.mock_engine import MockIdentity
 
     server = _server(MockEngine(step_time_s=0.001))
     other = MockEngine(identity=MockIdentity(tokenizer_hash="other"))

@@ -1,4 +1,4 @@
-"""Tensor/data parallelism (engine/sharding.py).
+"""Tensor/data parallelism (engine/parallel/sharding.py).
 
 The layout rules are checked in this process (one device). Sharded generation needs 8
 devices, which JAX fixes when it starts, so `tests/sharding_worker.py` runs it in a
@@ -24,8 +24,8 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from configs.model_config import from_name
-from engine import sharding
-from engine.sharding import ShardingConfigError
+from engine.parallel import sharding
+from engine.parallel.sharding import ShardingConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

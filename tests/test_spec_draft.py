@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from configs.engine_config import EngineConfig
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
-from engine.spec_draft import DraftModel, DraftTokenizerError, check_draft
+from engine.spec.draft import DraftModel, DraftTokenizerError, check_draft
 from models.registry import load_model
 from tests.test_spec_engine import (  # noqa: F401
     GREEDY,

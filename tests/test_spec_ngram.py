@@ -1,9 +1,9 @@
-"""The ngram proposer (engine/spec_ngram.py) and the drafting backoff (engine/spec_decode.py):
+"""The ngram proposer (engine/spec/ngram.py) and the drafting backoff (engine/spec/decode.py):
 plain Python, no device."""
 
-from engine.request import Request
-from engine.spec_decode import MAX_BACKOFF_TOKENS, back_off
-from engine.spec_ngram import propose_ngram
+from engine.sched.request import Request
+from engine.spec.decode import MAX_BACKOFF_TOKENS, back_off
+from engine.spec.ngram import propose_ngram
 
 
 def test_proposes_what_followed_the_last_ngram():

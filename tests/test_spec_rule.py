@@ -1,4 +1,4 @@
-"""The speculative acceptance rule (engine/spec_rule.py) keeps the target distribution.
+"""The speculative acceptance rule (engine/spec/rule.py) keeps the target distribution.
 
 Toy vocabularies, context-free targets (p_j does not depend on earlier tokens), so every
 emitted token at position j must be distributed as p_j: the first token always, the second
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engine.sampling import SamplingTensors, sample
-from engine.spec_rule import (
+from engine.sampling.sampler import SamplingTensors, sample
+from engine.spec.rule import (
     accept_all_drafts_wrong,
     accept_drafts,
     accept_point_mass_drafts,
@@ -214,7 +214,7 @@ def _tensors(n, **rows):
     ],
 )
 def test_target_probs_is_what_the_sampler_draws_from(transform):
-    """p after the request's transforms == the empirical distribution of engine.sampling."""
+    """p after the request's transforms == the empirical distribution of engine.sampling.sampler."""
     n, vocab = 60_000, 300  # vocab > BLOCK: the hierarchical draw crosses blocks
     logits = jnp.asarray(np.random.default_rng(5).normal(size=vocab) * 2, jnp.float32)
     tensors = _tensors(n, **transform)

@@ -90,7 +90,7 @@ def test_speculation_differs_from_a_wrong_sample(outputs):
 
 
 def test_seeded_sampling_equals_spec_off_token_for_token(outputs):
-    """Drafts are accepted iff the request's own sampler draws them (engine/spec_rule.py's
+    """Drafts are accepted iff the request's own sampler draws them (engine/spec/rule.py's
     coupled form), so a seeded request emits what it would without speculation."""
     off, on, _ = outputs
     assert on == off

@@ -5,9 +5,9 @@ object adds them when drafts were verified."""
 import pytest
 
 from configs.engine_config import EngineConfig
-from serving.admission import AdmissionConfig
-from serving.generation import FinalSummary
-from serving.http_responses import usage
+from serving.frontend.admission import AdmissionConfig
+from serving.frontend.generation import FinalSummary
+from serving.http.responses import usage
 from serving.testing import running_server
 
 pytestmark = pytest.mark.compile  # a speculative engine configuration of its own

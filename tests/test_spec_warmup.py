@@ -5,8 +5,9 @@ compile nothing (tiny model, a small config: the verify shape set is small)."""
 
 import pytest
 
-from engine import LLM, SamplingParams, compiles
-from engine.warmup import warmup
+from engine import LLM, SamplingParams
+from engine.runner import compiles
+from engine.runner.warmup import warmup
 
 pytestmark = pytest.mark.compile
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import RequestFinishedError, StopChecker
+from engine.sampling.params import SamplingParams
+from engine.sched.stop_checker import RequestFinishedError, StopChecker
 
 EOS = 2
 VOCAB = {

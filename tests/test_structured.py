@@ -1,4 +1,4 @@
-"""Structured output (engine/structured*.py) on the random `tiny` model: a random model is a
+"""Structured output (engine/structured/) on the random `tiny` model: a random model is a
 good stress test of the constraint, since only the mask keeps its output well-formed.
 
 Every finished ("stop") output must parse and validate; "length" outputs (max_tokens came
@@ -15,11 +15,11 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.api_types import EngineRequest
 from engine.errors import InvalidRequestError
-from engine.sampling import FULL_FLAGS, GREEDY_FLAGS, SamplingTensors, sample
-from engine.structured import StructuredOutput
-from engine.structured_mask import allowed_ids, apply_token_bitmask
-from engine.structured_matcher import StructuredRequests, bitmask_width
-from engine.structured_vocab import token_vocab
+from engine.sampling.sampler import FULL_FLAGS, GREEDY_FLAGS, SamplingTensors, sample
+from engine.structured.mask import allowed_ids, apply_token_bitmask
+from engine.structured.matcher import StructuredRequests, bitmask_width
+from engine.structured.output import StructuredOutput
+from engine.structured.vocab import token_vocab
 from models.registry import tiny_tokenizer
 from tests.structured_schemas import SCHEMAS, validate
 

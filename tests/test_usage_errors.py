@@ -170,9 +170,9 @@ def test_planner_needs_the_plan_command():
 def test_server_prints_warmup_progress(monkeypatch, capsys, execute):
     import types
 
-    import engine.warmup
-    from engine.batch import BatchShape
-    from serving import engine_build
+    import engine.runner.warmup
+    from engine.batch.builder import BatchShape
+    from serving.engine_host import build as engine_build
 
     compiled, marked, executed = [], [], []
 
@@ -180,7 +180,7 @@ def test_server_prints_warmup_progress(monkeypatch, capsys, execute):
         compiled.append(shapes)
         executed.append(execute)
 
-    monkeypatch.setattr(engine.warmup, "warmup", fake_warmup)
+    monkeypatch.setattr(engine.runner.warmup, "warmup", fake_warmup)
     shapes = [BatchShape(n, 0, 0, 4, 1) for n in range(1, 11)]  # decode-only: 2 programs each
     eng = types.SimpleNamespace(
         shapes=types.SimpleNamespace(shapes=shapes),

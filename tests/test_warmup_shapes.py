@@ -2,7 +2,7 @@
 
 The engine's shape set is made much coarser than the reachable product (max_step_shapes
 4), so batches are padded across every dimension; warm-up builds each shape's sampler
-programs (engine/shapes.py sampler_variants); then a random workload (chunked prefill,
+programs (engine/runner/shapes.py sampler_variants); then a random workload (chunked prefill,
 mixed decode, greedy / temperature / top-k / top-p / logprobs / penalties / stop strings,
 a structured-output request, prefix-cache hits, preemption, cancellation) must build no
 program at all."""
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from configs.engine_config import EngineConfig
-from engine import compiles
 from engine.api_types import EngineRequest
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.shapes import reachable_shapes, sampler_variants
-from engine.warmup import WarmupCancelled, _build_all, step_programs, warmup
+from engine.runner import compiles
+from engine.runner.shapes import reachable_shapes, sampler_variants
+from engine.runner.warmup import WarmupCancelled, _build_all, step_programs, warmup
+from engine.sampling.params import SamplingParams
 
 CONFIG = dict(
     model="tiny",
@@ -94,7 +94,7 @@ def test_every_max_shapes_is_honoured_by_the_server_default_config():
     """The server's default scheduler config: the set never exceeds --warmup_max_shapes, and
     its default (32) is 48 step programs (16 decode-only shapes x 2 + 16 with a prefill)."""
     from configs.engine_config import SchedulerConfig
-    from engine.shapes import DEFAULT_MAX_SHAPES, step_shapes
+    from engine.runner.shapes import DEFAULT_MAX_SHAPES, step_shapes
 
     sc = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=8192)
     for max_shapes in (1, 2, 3, 10, 20, 32, 50, 100, 500):

@@ -1,7 +1,7 @@
 """Generated gRPC stubs for serving/proto/pagedjax.proto (see regen.sh)."""
 
 # The optional sampling fields of `GenerateRequest` (proto3 `optional`: HasField tells "unset"
-# from zero); the client fills them and serving.convert reads them, by these names.
+# from zero); the client fills them and serving.grpc_api.convert reads them, by these names.
 SAMPLING_FIELDS = (
     "temperature",
     "top_k",

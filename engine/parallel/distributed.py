@@ -1,0 +1,252 @@
+"""Multi-host serving: one program on every host, process 0 schedules, all processes step.
+
+    every host:  initialize(DistributedConfig(coordinator, num_processes, process_id))
+                 engine = create_multihost_engine(model, config, mesh="model:8")
+    process 0:   a LeaderEngineCore: the normal EngineCore (scheduler, page pool, gRPC
+                 server on top); before each device call it broadcasts the call to the others
+    others:      follow(engine) runs the same device calls in the same order until STOP
+
+Why: under multi-controller JAX every process must launch the same jitted computations with
+the same static arguments in the same order (the collectives inside them pair up across
+hosts). Only process 0 runs the scheduler, so it ships each step's plan, i.e. the host-built
+batch (numpy arrays), its BatchShape and sampler flags, to the others with
+`multihost_utils.broadcast_one_to_all`: a fixed header [kind, nbytes] and then the pickled
+payload padded to a power-of-two byte bucket (so the broadcast itself compiles a handful of
+shapes). The step's packed results are replicated (engine/runner/step.py), so process 0 reads them
+locally. Construction (param placement, KV zeros) runs on every process in the same order.
+
+Launch (see WORKSPACE.md "Sharding and multi-host"): the same command on every host with
+--coordinator_address=host0:PORT --num_processes=N --process_id=i (or none of them on a TPU
+slice / SLURM / Kubernetes, where `jax.distributed.initialize()` finds them itself).
+
+    python -m engine.parallel.distributed --model=tiny --mesh=model:4 --prompts="1,2,3;72,101" \
+        --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0   # and =1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import types
+
+import numpy as np
+
+from engine.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+STEP, RESET_COUNTS, STOP = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str | None = None  # "host:port" of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        n, i = self.num_processes, self.process_id
+        if n is not None and n < 1:
+            raise ValueError(f"num_processes={n} is invalid: must be >= 1")
+        if n is not None and i is not None and not 0 <= i < n:
+            raise ValueError(f"process_id={i} is invalid: must be in [0, {n})")
+
+
+def initialize(cfg: DistributedConfig) -> bool:
+    """`jax.distributed.initialize` unless this is a single-process run. Returns whether it
+    ran. With every field None it still runs when PAGEDJAX_MULTIHOST=1 (auto-detection on
+    TPU slices, SLURM, Open MPI and Kubernetes JobSets)."""
+    import jax
+
+    auto = os.environ.get("PAGEDJAX_MULTIHOST") == "1"
+    if cfg.num_processes in (None, 1) and cfg.coordinator_address is None and not auto:
+        return False
+    jax.distributed.initialize(
+        coordinator_address=cfg.coordinator_address,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+        local_device_ids=cfg.local_device_ids,
+    )
+    log.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator_address", default=None, help="host:port of process 0")
+    parser.add_argument("--num_processes", type=int, default=None)
+    parser.add_argument("--process_id", type=int, default=None)
+
+
+# ---- the step channel ---------------------------------------------------------------------
+class StepChannel:
+    """Process 0 sends (kind, payload); the others receive the same, in order."""
+
+    def __init__(self):
+        import jax
+
+        self.is_leader = jax.process_index() == 0
+
+    def send(self, kind: int, payload) -> None:
+        assert self.is_leader, "only process 0 sends"
+        data = np.frombuffer(pickle.dumps(payload, protocol=5), np.uint8)
+        self._exchange(kind, data)
+
+    def recv(self):
+        assert not self.is_leader, "process 0 sends, the others receive"
+        kind, data = self._exchange(0, None)
+        return kind, pickle.loads(data.tobytes())
+
+    @staticmethod
+    def _exchange(kind: int, data: np.ndarray | None):
+        from jax.experimental import multihost_utils as mh
+
+        n = 0 if data is None else data.size
+        header = np.asarray(mh.broadcast_one_to_all(np.array([kind, n], np.int64)))
+        kind, n = int(header[0]), int(header[1])
+        size = 1 << max(10, (n - 1).bit_length())
+        buf = np.zeros(size, np.uint8)
+        if data is not None:
+            buf[:n] = data
+        return kind, np.asarray(mh.broadcast_one_to_all(buf))[:n]
+
+
+# ---- leader and followers --------------------------------------------------------------------
+class LeaderEngineCore(EngineCore):
+    """EngineCore on process 0: every device call is announced to the followers first."""
+
+    def __init__(self, *args, channel: StepChannel, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.channel = channel
+
+    def run_step(self, batch, shape, flags, use_penalties, token_bitmask=None):
+        args = (batch, shape, flags, use_penalties, token_bitmask)
+        self.channel.send(STEP, args)
+        return super().run_step(*args)
+
+    def _reset_penalty_row(self, slot, req):
+        ids = types.SimpleNamespace(
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+        )
+        self.channel.send(RESET_COUNTS, (slot, ids))
+        super()._reset_penalty_row(slot, ids)
+
+    def shutdown(self) -> None:
+        self.channel.send(STOP, None)
+
+
+def create_multihost_engine(model, config, *, mesh, impl: str = "auto"):
+    """Every process calls this with the same arguments (same order of device work): process
+    0 gets a LeaderEngineCore, the others a plain EngineCore to pass to `follow`."""
+    import jax
+
+    if jax.process_count() == 1:
+        return EngineCore(model, config, impl=impl, mesh=mesh)
+    if config.max_loras:  # NOTE: followers would need each step's adapter rows and loads
+        raise ValueError(
+            f"max_loras={config.max_loras} is invalid: 0 with several processes (multi-host "
+            f"LoRA is not implemented)"
+        )
+    if jax.process_index() == 0:
+        return LeaderEngineCore(model, config, impl=impl, mesh=mesh, channel=StepChannel())
+    return EngineCore(model, config, impl=impl, mesh=mesh)
+
+
+def follow(engine, channel: StepChannel | None = None) -> int:
+    """Runs process 0's device calls until it sends STOP; returns the steps run."""
+    channel = channel or StepChannel()
+    steps = 0
+    while True:
+        kind, payload = channel.recv()
+        if kind == STOP:
+            return steps
+        if kind == STEP:
+            engine.run_step(*payload)
+            steps += 1
+        elif kind == RESET_COUNTS:
+            engine._reset_penalty_row(*payload)
+        else:
+            raise RuntimeError(f"unknown step message kind {kind}")
+
+
+# ---- a one-generation CLI (used by tests/test_multihost.py) ----------------------------------
+def generate_ids(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generation straight on an engine (no LLM wrapper); outputs in prompt order."""
+    from engine.api_types import EngineRequest
+    from engine.sampling.params import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", p, sp))
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--mesh", default="model:2")
+    p.add_argument("--prompts", default="1,2,3;72,101,108,108,111", help="';'-separated ids")
+    p.add_argument("--max_tokens", type=int, default=8)
+    p.add_argument("--num_pages", type=int, default=32)
+    p.add_argument("--cpu_devices", type=int, default=None, help="virtual CPU devices/process")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    import jax
+
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    initialize(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
+    from configs.engine_config import EngineConfig
+    from models.registry import load_model
+
+    model = load_model(args.model)
+    config = EngineConfig(
+        model=args.model,
+        num_pages=args.num_pages,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+    )
+    engine = create_multihost_engine(model, config, mesh=args.mesh or None)
+    if jax.process_index() != 0:
+        print("FOLLOWER " + json.dumps({"steps": follow(engine)}), flush=True)
+        return
+    prompts = [[int(t) for t in s.split(",")] for s in args.prompts.split(";")]
+    try:
+        out = generate_ids(engine, prompts, args.max_tokens)
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "tokens": out,
+                "steps": engine.num_steps,
+                "processes": jax.process_count(),
+                "devices": jax.device_count(),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

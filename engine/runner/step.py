@@ -1,0 +1,183 @@
+"""The device step: one pure function, jitted once per `BatchShape` (and sampler variant).
+
+    (params, kv_cache, penalty_state, last_tokens, batch)
+        -> (kv_cache, penalty_state, last_tokens, packed results)
+
+The KV cache, the penalty state and `last_tokens` are donated, so XLA updates them in place.
+The results come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens
+bit-cast), the only device->host transfer of a step. A row whose logits hold a NaN or inf
+has its token set to NONFINITE_TOKEN on device (the flag travels in the same array); the
+engine fails that request instead of emitting a token sampled from garbage.
+
+`last_tokens [max_num_seqs] int32` is the last token sampled for each slot. A row whose
+input token the host has not read yet (`batch.token_slots[row] >= 0`: overlapped steps,
+engine/core.py) takes it from there, so step N+1 can be dispatched before step N's tokens
+reach the host; each step then writes the (finite) tokens it samples back into their slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from configs.model_config import ModelConfig
+from engine.batch.builder import BatchShape, PackedBatch, StepBatch
+from engine.runner.kv_cache import PagedKVCache
+from engine.sampling.sampler import SamplingFlags, sample, update_counts
+from models.llama import Params, forward
+from models.lora import LoraInputs
+from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
+
+NONFINITE_TOKEN = -1  # sampled-token value of a row whose logits were not all finite
+
+
+def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str, mesh=None):
+    """The model's attention over the paged cache for this batch layout (engine/batch/builder.py).
+    With a mesh, the KV write and the kernels run per shard under `jax.shard_map`: each
+    model shard holds H/m query heads and the KV heads they read (engine/parallel/sharding.py)."""
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    Sd = shape.num_decode
+    opts = dict(sm_scale=sm_scale, sliding_window=cfg.sliding_window, impl=impl)
+    meta = (
+        batch.slot_mapping,
+        batch.kv_lens_d,
+        batch.page_table_d,
+        batch.kv_lens_p,
+        batch.page_table_p,
+        batch.query_start_p,
+        batch.num_seqs_p,
+    )
+
+    def local(q, k, v, layer, cache: PagedKVCache, meta):
+        slots, kv_lens_d, page_table_d, kv_lens_p, page_table_p, query_start_p, num_p = meta
+        kp, vp, ks, vs = write_kv(
+            cache.k_pages,
+            cache.v_pages,
+            k,
+            v,
+            slots,
+            layer,
+            k_scales=cache.k_scales,
+            v_scales=cache.v_scales,
+        )
+        scales = dict(k_scales=ks, v_scales=vs)
+        outs = []
+        if Sd:
+            outs.append(
+                decode_paged_attention(
+                    q[:Sd], kp, vp, kv_lens_d, page_table_d, layer, **opts, **scales
+                )
+            )
+        if shape.num_prefill_tokens:
+            outs.append(
+                ragged_paged_attention(
+                    q[Sd:],
+                    kp,
+                    vp,
+                    kv_lens_p,
+                    page_table_p,
+                    query_start_p,
+                    num_p,
+                    layer,
+                    max_query_len=shape.max_query_len,
+                    **opts,
+                    **scales,
+                )
+            )
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+        return out.astype(q.dtype), PagedKVCache(kp, vp, ks, vs)
+
+    if mesh is None:
+        return lambda q, k, v, layer, cache: local(q, k, v, layer, cache, meta)
+    from jax.sharding import PartitionSpec as P
+
+    heads = P(None, "model", None)  # q [T, H, hd], k/v [T, K, hd], out [T, H, hd]
+
+    def attention(q, k, v, layer, cache: PagedKVCache):
+        kv_spec = P(None, "model")
+        cache_spec = PagedKVCache(
+            kv_spec,
+            kv_spec,
+            None if cache.k_scales is None else kv_spec,
+            None if cache.v_scales is None else kv_spec,
+        )
+        sharded = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, P(), cache_spec, P()),
+            out_specs=(heads, cache_spec),
+            check_vma=False,
+        )
+        return sharded(q, k, v, layer, cache, meta)
+
+    return attention
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
+    donate_argnames=("kv_cache", "counts", "last_tokens"),
+)
+def engine_step(
+    params: Params,
+    kv_cache: PagedKVCache,
+    counts: jax.Array,
+    prompt_mask: jax.Array,
+    last_tokens: jax.Array,
+    batch: StepBatch | PackedBatch,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    flags: SamplingFlags,
+    use_penalties: bool,
+    impl: str = "auto",
+    mesh=None,
+    lora: LoraInputs | None = None,
+    token_bitmask: jax.Array | None = None,
+):
+    """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one
+    device) or the engine's ("data", "model") mesh (params/cache placed by
+    engine/parallel/sharding). `batch` may come packed (two flat buffers: one host->device copy
+    each, engine/batch/builder.py); it is unpacked here by static slices. `lora`: the adapter
+    slot stack and each token row's slot (engine/lora/adapters.py); None (no LoRA) is the plain
+    model. `token_bitmask` [Sd + Sp, ceil(V/32)] int32: structured output's allowed tokens
+    (None: a separate trace, so steps without constrained rows are unchanged)."""
+    if isinstance(batch, PackedBatch):
+        batch = batch.unpack(shape)
+    attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
+    from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
+    token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]
+    logits, kv_cache = forward(
+        params, cfg, token_ids, batch.positions, kv_cache, attention, batch.logits_indices, lora
+    )  # [Sd + Sp, V]
+    if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
+        logits = jax.lax.with_sharding_constraint(logits, _replicated(mesh))
+    if use_penalties:
+        rows_counts = counts[batch.slot_ids]  # [R, V]
+        rows_mask = prompt_mask[batch.slot_ids]
+        result = sample(logits, batch.sampling, rows_counts, rows_mask, flags, token_bitmask)
+        counts = update_counts(counts, batch.slot_ids, result.tokens, batch.sample_mask)
+    else:
+        result = sample(logits, batch.sampling, flags=flags, token_bitmask=token_bitmask)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [Sd + Sp]
+    # Padding, non-sampling and non-finite rows scatter out of range (dropped); a request
+    # whose row is non-finite is failed by the host one step later.
+    num_slots = last_tokens.shape[0]
+    write_to = jnp.where(batch.sample_mask & finite, batch.slot_ids, num_slots)  # [Sd + Sp]
+    last_tokens = last_tokens.at[write_to].set(result.tokens, mode="drop")
+    result.tokens = jnp.where(finite, result.tokens, NONFINITE_TOKEN)
+    packed = result.pack()
+    if mesh is not None:  # replicated: every process can read it; one jit key for the state
+        packed, counts, last_tokens = jax.lax.with_sharding_constraint(
+            (packed, counts, last_tokens), _replicated(mesh)
+        )
+    return kv_cache, counts, last_tokens, packed
+
+
+def _replicated(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,12 @@
+"""Speculative decoding: proposers, the verify step and the acceptance rule.
+
+    decode.py   SpecDecoder: EngineCore's speculative path (propose, verify, commit)
+    ngram.py    the n-gram (prompt lookup) proposer
+    draft.py    the draft-model proposer
+    layers.py   the early-exit (self-speculative layers) proposer
+    rule.py     the acceptance rule (rejection sampling against the target distribution)
+    step.py     the jitted verify step
+
+May import: configs, models, engine's top level, engine/runner/, engine/batch/,
+engine/sampling/, engine/sched/. Never serving.
+"""

@@ -1,0 +1,476 @@
+"""Speculative decoding in the engine loop (host side): propose, schedule, verify, commit.
+
+One speculative step (`SpecDecoder.step`, called by EngineCore.step when speculating):
+
+    1. drain: an overlapped step still in flight is finished first (its tokens are needed)
+    2. propose: each running decode gets up to k drafts (engine/spec/ngram.py), capped so
+       that the step can never emit more than max_tokens; rows with penalties do not
+       speculate (their counts would change inside the step). Model proposers (layers,
+       draft) propose k placeholders here and draw the real drafts on device after the
+       build (`_draft_on_device`, engine/spec/layers.py, engine/spec/draft.py)
+    3. schedule: a decode with drafts computes 1 + len(drafts) tokens (the scheduler gives
+       it the lookahead pages; drafts are dropped rather than preempting anyone)
+    4. build: the speculating decodes go in the prefill group with query_len 1 + drafts,
+       mixed with plain decodes and prefill chunks (engine/batch/builder.py); `SpecBatch` names
+       their k+1 verified rows (engine/spec/step.py)
+    5. verify on device (the exact rule, engine/spec/rule.py), one device->host copy
+    6. commit each speculating request: the n accepted drafts + 1 correction/bonus token
+       are appended one by one with the stop checks (EOS, stop ids, stop strings,
+       max_tokens: a stop inside the run truncates there); then rollback:
+
+           before: computed = start + 1 + len(drafts)   pages cover it (lookahead)
+           after:  computed = start + 1 + n             K/V of rejected drafts are stale
+                   page_ids cut to pages_for_tokens(num_tokens): lookahead pages freed
+                   (stale K/V in a kept page sits past kv_len and is overwritten before
+                   it is ever read)
+
+       and only then the prefix cache registers full pages, so it never holds an
+       unverified token (cache_full_pages counts computed tokens, which now exclude them).
+
+Why not overlapped: proposing needs the tokens of the previous step on the host, and an
+accepted run changes how many tokens the next step starts from, which the overlapped loop
+(engine/core.py) fixes one step ahead. Speculation pays at small batches, where the
+device step is short and the overlap saves little; at larger batches the policy below
+turns speculation off and the engine runs overlapped again. So speculative steps are
+synchronous, and the engine switches per step: speculate (synchronous) while at most
+`disable_by_batch_size` requests run, plain overlapped steps above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import numpy as np
+
+from configs.spec_config import SpeculativeConfig
+from engine.api_types import RequestOutput, TokenLogprob
+from engine.batch.builder import BatchShape, BuiltStep, StepBatch
+from engine.runner.shapes import ShapeSet, spec_shapes
+from engine.runner.step import NONFINITE_TOKEN
+from engine.sampling.logprobs import step_logprobs
+from engine.sampling.sampler import (
+    FULL_FLAGS,
+    GREEDY_FLAGS,
+    SampleResult,
+    SamplingTensors,
+    _greedy_rows,
+    uses_penalties,
+)
+from engine.spec.draft import DraftModel, fill
+from engine.spec.layers import draft_layers
+from engine.spec.ngram import propose_ngram
+from engine.spec.step import SpecBatch, spec_engine_step
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters of one engine's speculation (in EngineCore.stats() as spec_*)."""
+
+    k: int
+    verify_steps: int = 0  # steps that verified at least one sequence
+    plain_steps: int = 0  # steps run without speculation (policy off or no draft)
+    verified_seqs: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted + corrections/bonuses
+    draft_s: float = 0.0  # host time proposing
+    verify_s: float = 0.0  # device step of speculative steps (dispatch to results)
+    accepted_hist: list = None  # [k+1]: verified sequences that accepted 0..k drafts
+    drafted_by_position: list = None  # [k]
+    accepted_by_position: list = None  # [k]
+
+    def __post_init__(self):
+        self.accepted_hist = [0] * (self.k + 1)
+        self.drafted_by_position = [0] * self.k
+        self.accepted_by_position = [0] * self.k
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.verified_seqs += 1
+        self.drafted_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        self.emitted_tokens += num_accepted + 1
+        self.accepted_hist[num_accepted] += 1
+        for j in range(num_drafts):
+            self.drafted_by_position[j] += 1
+            self.accepted_by_position[j] += j < num_accepted
+
+    def as_dict(self) -> dict:
+        n = max(self.verified_seqs, 1)
+        return {
+            "spec_verify_steps": self.verify_steps,
+            "spec_plain_steps": self.plain_steps,
+            "spec_verified_seqs": self.verified_seqs,
+            "spec_drafted_tokens": self.drafted_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_acceptance_rate": self.accepted_tokens / max(self.drafted_tokens, 1),
+            # tokens a verified sequence emits per verify step (1 = nothing gained)
+            "spec_tokens_per_verify": self.emitted_tokens / n,
+            "spec_accepted_hist": list(self.accepted_hist),
+            "spec_acceptance_by_position": [
+                a / max(d, 1) for a, d in zip(self.accepted_by_position, self.drafted_by_position)
+            ],
+            "spec_draft_ms_per_step": 1e3 * self.draft_s / max(self.verify_steps, 1),
+            "spec_verify_ms_per_step": 1e3 * self.verify_s / max(self.verify_steps, 1),
+        }
+
+
+MAX_BACKOFF_TOKENS = 32
+
+
+def back_off(req, num_accepted: int) -> None:
+    """Acceptance backoff: a verify step that accepted none of a request's drafts makes it
+    skip drafting for its next 2, 4, 8, ... 32 output tokens (doubling per consecutive
+    miss); an accepted draft resets it. Drafts that keep failing (a free-form story) then
+    stop costing verify positions and, once no running request drafts, the engine runs
+    plain overlapped steps again (`should_speculate`)."""
+    if num_accepted:
+        req.spec_misses, req.spec_resume_at = 0, 0
+        return
+    req.spec_misses += 1
+    wait = min(2**req.spec_misses, MAX_BACKOFF_TOKENS)
+    req.spec_resume_at = req.num_output_tokens + 1 + wait  # + 1: the token this step emits
+
+
+class SpecDecoder:
+    """Speculation for one EngineCore (it reads and drives the core's scheduler, builder,
+    output processor and device state; see the module docstring)."""
+
+    def __init__(self, core, config: SpeculativeConfig):
+        if core.mesh is not None:
+            raise NotImplementedError("speculative decoding with a mesh (one device only)")
+        if getattr(core, "adapters", None) is not None:  # spec_engine_step has no LoRA input
+            raise NotImplementedError("speculative decoding with LoRA adapters (max_loras > 0)")
+        self.core = core
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.stats = SpecStats(self.k)
+        # the engine's shapes plus verify shapes (max_query_len = k + 1; engine/runner/shapes.py)
+        self.shapes = ShapeSet(
+            core.shapes.shapes + spec_shapes(core.sched_config, self.k + 1),
+            core.sched_config.page_size,
+        )
+        # (request, max drafts) -> drafted token ids; tests swap in other proposers
+        self.proposer = lambda req, k: propose_ngram(
+            req.all_token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        if config.method == "layers":
+            L, n = core.cfg.num_layers, config.num_draft_layers
+            # NOTE: n == L is allowed: the whole model drafts for itself, every draft is
+            # accepted (q == p); a check of the machinery (tests), never a speed-up.
+            if n > L:
+                raise ValueError(
+                    f"speculative.num_draft_layers={n} is invalid: must be <= the model's "
+                    f"num_layers ({L}) for {core.cfg.name!r}"
+                )
+        self.draft = None  # the draft model (method "draft"): engine/spec/draft.py
+        if config.method == "draft":
+            from models.registry import load_model
+
+            draft = load_model(config.draft_model)
+            self.draft = DraftModel(core, draft, core.config.dtype, core.config.layer_loop)
+        if config.method in ("layers", "draft"):
+            # placeholders: the real drafts are drawn on device after scheduling (run())
+            self.proposer = lambda req, k: [0] * k
+
+    def should_speculate(self) -> bool:
+        """The batch-size policy: speculate while at most disable_by_batch_size run, and
+        some running request is not backing off (else plain overlapped steps)."""
+        running = self.core.scheduler.running
+        limit = self.config.disable_by_batch_size
+        if not running or (limit is not None and len(running) > limit):
+            return False
+        return any(r.num_output_tokens >= r.spec_resume_at for r in running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        core, outputs = self.core, []
+        if core._in_flight is not None:  # 1. drain the overlapped step
+            previous, core._in_flight = core._in_flight, None
+            core._finish_step(previous, outputs)
+        t0 = time.perf_counter()
+        drafted = self._propose()  # 2.
+        self.stats.draft_s += time.perf_counter() - t0
+        launched = core._launch(outputs, spec=self if drafted else None)
+        if launched is None:
+            return outputs
+        if launched.spec_batch is None:
+            self.stats.plain_steps += 1
+            core._finish_step(launched, outputs)
+        else:
+            self._finish(launched, outputs)
+        return outputs
+
+    def _propose(self) -> int:
+        """Drafts for every running decode that may speculate; returns how many got one."""
+        num = 0
+        for req in self.core.scheduler.running:
+            req.spec_token_ids = []
+            room = req.sampling.max_tokens - req.num_output_tokens - 1  # + 1 emitted always
+            if req.num_remaining_tokens != 1 or room <= 0 or uses_penalties([req.sampling]):
+                continue
+            if req.num_output_tokens < req.spec_resume_at:  # backing off (see back_off)
+                continue
+            req.spec_token_ids = list(self.proposer(req, min(self.k, room)))[: min(self.k, room)]
+            num += bool(req.spec_token_ids)
+        return num
+
+    def after_schedule(self, plan) -> None:
+        """Drafts of running requests not scheduled this step are dropped (stale next step)."""
+        for req in self.core.scheduler.running:
+            req.spec_token_ids = []
+
+    # ---- 4-5. build and dispatch ----------------------------------------------------------
+    def run(self, plan, built: BuiltStep, flags_full: bool):
+        """Dispatch the speculative step; returns (packed, spec_packed, num_accepted, spec
+        indices) on device, or None when no scheduled request kept its drafts."""
+        spec_idx = [i for i, s in enumerate(plan.scheduled) if s.spec_token_ids]
+        if not spec_idx:
+            return None
+        core = self.core
+        spec = self._spec_batch(plan, built, spec_idx)
+        flags = FULL_FLAGS if flags_full else GREEDY_FLAGS
+        draft_probs = None
+        if self.config.method in ("layers", "draft"):
+            spec, draft_probs = self._draft_on_device(plan, built, spec_idx, spec)
+        core.kv, core._counts, core._last_tokens, packed, spec_packed, num_acc = spec_engine_step(
+            core.params,
+            core.kv,
+            core._counts,
+            core._prompt_mask,
+            core._last_tokens,
+            built.batch.pack(),
+            spec,
+            cfg=core.cfg,
+            shape=built.shape,
+            flags=flags,
+            use_penalties=built.penalties,
+            impl=core.impl,
+            draft_probs=draft_probs,
+        )
+        return packed, spec_packed, num_acc, spec_idx
+
+    def _draft_on_device(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
+        """The layers / draft proposer on device (engine/spec/layers.py, spec_draft.py):
+        the drafts and their q stay on device and go straight into the verify step (no
+        host round trip)."""
+        core, b, Sd = self.core, built.batch, built.shape.num_decode
+        Sv = spec.num_drafts.shape[0]
+        first_tokens = np.zeros(Sv, np.int32)
+        start = np.zeros(Sv, np.int32)
+        page_table = np.zeros((Sv, b.page_table_p.shape[1]), np.int32)
+        for j, i in enumerate(spec_idx):
+            s = plan.scheduled[i]
+            first_tokens[j] = s.request.all_token_ids[s.start]
+            start[j] = s.start
+            page_table[j] = b.page_table_p[int(built.sampler_rows[i]) - Sd]
+        inputs = (first_tokens, start, page_table, spec.num_drafts, spec.sampling)
+        if self.draft is None:  # layers: the target's first N layers over its own cache
+            core.kv, drafts, q = draft_layers(
+                core.params, core.kv, *inputs,
+                cfg=core.cfg, num_layers=self.config.num_draft_layers, k=self.k, impl=core.impl,
+            )  # fmt: skip
+            return dataclasses.replace(spec, drafts=drafts), q
+        d = self.draft
+        d.kv, drafts, q = draft_layers(
+            d.params, d.kv, *inputs, cfg=d.cfg, num_layers=None, k=self.k, impl=d.impl
+        )
+        spec = dataclasses.replace(spec, drafts=drafts)
+        d.fill(built.batch, built.shape, core._last_tokens, spec)  # the whole step's K/V
+        return spec, q
+
+    def _spec_batch(self, plan, built: BuiltStep, spec_idx: list[int]) -> SpecBatch:
+        b, k1 = built.batch, self.k + 1
+        Sd = built.shape.num_decode
+        Sv = built.shape.num_prefill_seqs  # >= len(spec_idx): one program per batch shape
+        verify_rows = np.zeros((Sv, k1), np.int32)
+        drafts = np.zeros((Sv, self.k), np.int32)
+        num_drafts = np.zeros(Sv, np.int32)
+        slots = np.zeros(Sv, np.int32)
+        steps = np.zeros((Sv, k1), np.int32)
+        for j, i in enumerate(spec_idx):
+            s, row = plan.scheduled[i], int(built.sampler_rows[i])
+            b.sample_mask[row] = 0  # this sequence's tokens come from the verification
+            nd = len(s.spec_token_ids)
+            first = Sd + int(b.query_start_p[row - Sd])  # flat row of its first token
+            verify_rows[j] = first + np.minimum(np.arange(k1), nd)
+            drafts[j, :nd], num_drafts[j] = s.spec_token_ids, nd
+            slots[j] = built.slots[i]
+            steps[j] = s.output_index + np.arange(k1)
+        per_slot = self.core.builder.sampling
+        rows = {name: np.repeat(v[slots], k1, axis=0) for name, v in per_slot.items()}
+        rows["step"] = steps.reshape(-1)
+        return SpecBatch(verify_rows, drafts, num_drafts, SamplingTensors(**rows))
+
+    # ---- warm-up (engine/runner/warmup.py calls this) -----------------------------------
+    def warm_shapes(self) -> list[BatchShape]:
+        """The verify shapes the batch-size policy lets a step reach: Sd + Sv <=
+        disable_by_batch_size (all of spec_shapes when the policy is off). A speculative
+        step that also carries a prefill chunk fits an engine shape instead: that program
+        is not among these (compiled on first use; counted in compiles_after_warmup)."""
+        limit = self.config.disable_by_batch_size
+        shapes = spec_shapes(self.core.sched_config, self.k + 1)
+        if limit is None:
+            return shapes
+        return [s for s in shapes if s.num_decode + s.num_prefill_seqs <= max(limit, 1)]
+
+    def warm_programs(self, variants: list[tuple]) -> list:
+        """Zero-argument builders, one per (verify shape, sampler variant) and, for the
+        layers proposer, one draft program per (Sv, P): each lowers and compiles without
+        running (as EngineCore.compile_step). `variants`: (flags, use_penalties) pairs."""
+        programs = [
+            functools.partial(self._compile_verify, shape, flags, penalties)
+            for shape in self.warm_shapes()
+            for flags, penalties in variants
+        ]
+        if self.config.method in ("layers", "draft"):
+            sizes = sorted({(s.num_prefill_seqs, s.pages_per_seq) for s in self.warm_shapes()})
+            programs += [functools.partial(self._compile_draft, sv, p) for sv, p in sizes]
+        if self.draft is not None:  # the draft cache's fill: every engine and verify shape
+            programs += [
+                functools.partial(self._compile_fill, s, False) for s in self.core.shapes.shapes
+            ]
+            programs += [functools.partial(self._compile_fill, s, True) for s in self.warm_shapes()]
+        return programs
+
+    def _zero_spec_batch(self, Sv: int) -> SpecBatch:
+        k1 = self.k + 1
+        rows = {n: np.repeat(v[:1], Sv * k1, axis=0) for n, v in _greedy_rows(1).items()}
+        return SpecBatch(
+            np.zeros((Sv, k1), np.int32),
+            np.zeros((Sv, self.k), np.int32),
+            np.zeros(Sv, np.int32),
+            SamplingTensors(**rows),
+        )
+
+    def _compile_verify(self, shape: BatchShape, flags, use_penalties: bool) -> None:
+        core, Sv = self.core, shape.num_prefill_seqs
+        spec, draft_probs = self._zero_spec_batch(Sv), None
+        if self.config.method == "layers":  # drafts and q arrive from the draft program
+            on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            V = core.cfg.vocab_size
+            spec.drafts = jax.ShapeDtypeStruct((Sv, self.k), np.int32, sharding=on_device)
+            draft_probs = jax.ShapeDtypeStruct((Sv, self.k, V), np.float32, sharding=on_device)
+        spec_engine_step.lower(
+            core.params, core.kv, core._counts, core._prompt_mask, core._last_tokens,
+            StepBatch.zeros(shape).pack(), spec,
+            cfg=core.cfg, shape=shape, flags=flags, use_penalties=use_penalties,
+            impl=core.impl, draft_probs=draft_probs,
+        ).compile()  # fmt: skip
+
+    def _compile_draft(self, Sv: int, pages_per_seq: int) -> None:
+        core, zeros = self.core, np.zeros(Sv, np.int32)
+        params, kv, cfg, n = core.params, core.kv, core.cfg, self.config.num_draft_layers
+        if self.draft is not None:
+            params, kv, cfg, n = self.draft.params, self.draft.kv, self.draft.cfg, None
+        draft_layers.lower(
+            params, kv, zeros, zeros, np.zeros((Sv, pages_per_seq), np.int32),
+            zeros, self._zero_spec_batch(Sv).sampling,
+            cfg=cfg, num_layers=n, k=self.k, impl=core.impl,
+        ).compile()  # fmt: skip
+
+    def _compile_fill(self, shape: BatchShape, with_drafts: bool) -> None:
+        d, extra = self.draft, ()
+        if with_drafts:  # drafts arrive from the draft program (on device)
+            on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            spec = self._zero_spec_batch(shape.num_prefill_seqs)
+            drafts = jax.ShapeDtypeStruct(spec.drafts.shape, np.int32, sharding=on_device)
+            extra = (spec.verify_rows, drafts, spec.num_drafts)
+        fill.lower(
+            d.params, d.kv, self.core._last_tokens, StepBatch.zeros(shape).pack(), *extra,
+            cfg=d.cfg, shape=shape, impl=d.impl,
+        ).compile()  # fmt: skip
+
+    # ---- 6. results ---------------------------------------------------------------------------
+    def _finish(self, launched, outputs: list[RequestOutput]) -> None:
+        core, plan, built = self.core, launched.plan, launched.built
+        t0 = time.perf_counter()
+        try:
+            packed, spec_packed, num_acc = jax.device_get(launched.spec_results)
+        except Exception as e:
+            core._fail(plan, e, outputs)
+            return
+        now = time.monotonic()
+        self.stats.verify_s += time.perf_counter() - launched.dispatched_at
+        spec_idx = launched.spec_batch
+        spec_set = set(spec_idx)
+        plain = dataclasses.replace(
+            plan, scheduled=[s for i, s in enumerate(plan.scheduled) if i not in spec_set]
+        )
+        plain_rows = np.asarray(
+            [r for i, r in enumerate(built.sampler_rows) if i not in spec_set], np.int32
+        )
+        result = SampleResult.unpack(np.asarray(packed))
+        tokens = result.tokens[plain_rows]
+        core._fail_nonfinite(plain, tokens, now, outputs)
+        sampled = {
+            s.request.request_id: int(t)
+            for s, t in zip(plain.scheduled, tokens)
+            if s.samples and not s.request.is_finished
+        }
+        received = core.scheduler.update_after_step(plain, sampled, now)
+        outputs += core.outputs.emit(received, now, step_logprobs(plain, result, plain_rows))
+        verified = SampleResult.unpack(np.asarray(spec_packed))
+        for j, i in enumerate(spec_idx):
+            out = self._commit(plan.scheduled[i], j, int(num_acc[j]), verified, now)
+            if out is not None:
+                outputs.append(out)
+        self.stats.verify_steps += 1
+        core.num_steps += 1
+        core.num_tokens_processed += plan.total_num_scheduled_tokens
+        core.timings.wait_s += time.perf_counter() - t0
+        core.timings.num_steps += 1
+
+    def _commit(self, s, j: int, n: int, verified: SampleResult, now: float):
+        """Append the emitted run of one speculating request (stop checks per token), then
+        roll back its rejected drafts (module docstring, step 6)."""
+        core, req = self.core, s.request
+        req.num_pending_outputs -= 1
+        if req.is_finished:
+            return None
+        if n == NONFINITE_TOKEN:
+            return core.outputs.end(req, "failed", now, "model produced non-finite logits")
+        nd, k1 = len(s.spec_token_ids), self.k + 1
+        rows = range(j * k1, j * k1 + n + 1)
+        emitted = [int(verified.tokens[r]) for r in rows]
+        req.spec_drafted_tokens += nd
+        req.spec_accepted_tokens += n
+        back_off(req, n)
+        self.stats.record(nd, n)
+        req.num_computed_tokens = s.start + 1 + n  # rejected drafts' K/V no longer count
+        out = core.outputs.emit_tokens(req, emitted, now, self._logprobs(req, verified, rows))
+        if not req.is_finished:
+            self._free_lookahead(req)
+            core.pool.cache_full_pages(req)
+        return out
+
+    def _free_lookahead(self, req) -> None:
+        keep = self.core.pool.pages_for_tokens(req.num_tokens)
+        extra = req.page_ids[keep:]
+        if extra:
+            self.core.pool.free(extra, time.monotonic())
+            del req.page_ids[keep:]
+            slot = self.core.builder.slot_of.get(req.request_id)
+            if slot is not None:  # the builder's page table row shrinks with it
+                self.core.builder.num_pages[slot] = min(
+                    int(self.core.builder.num_pages[slot]), len(req.page_ids)
+                )
+
+    @staticmethod
+    def _logprobs(req, verified: SampleResult, rows) -> list[TokenLogprob] | None:
+        n = req.sampling.logprobs
+        if n is None:
+            return None
+        return [
+            TokenLogprob(
+                int(verified.tokens[r]),
+                float(verified.logprobs[r]),
+                [
+                    (int(i), float(lp))
+                    for i, lp in zip(verified.top_ids[r][:n], verified.top_logprobs[r][:n])
+                ],
+            )
+            for r in rows
+        ]

@@ -1,0 +1,364 @@
+"""Admission control: request limits, and the bounded waiting queue in front of the engine.
+
+Everything here runs on the gRPC handler thread of the arriving request (the queue is also
+popped by the engine thread), so a rejection is decided within milliseconds of arrival:
+
+  check_limits(cfg, prompt, sampling)   -> InvalidRequestError (field, value, limit)
+  WaitingQueue.offer(item)              -> Rejected(reason, retry_after_ms) when the queue is
+                                           full by count or tokens, when the estimated
+                                           completion (queue wait + own prefill + max_tokens
+                                           decode steps, serving/frontend/capacity_model.py) is past
+                                           the request's deadline ("deadline"), or the
+                                           estimated wait is past the queue timeout
+                                           ("queue_timeout", whatever the deadline)
+  WaitingQueue.pop()                    -> highest effective priority: class + waited / aging_s,
+                                           so a LOW request waiting 2 * aging_s ranks with HIGH
+                                           (no starvation); FIFO among equals
+
+The drain rate (DrainMeter: requests and tokens the saturated engine lets through per second,
+recorded by the engine thread) turns queue length into an estimated wait and a
+`retry-after-ms` hint; until it has measured one, the capacity model (seeded at start-up)
+gives a modelled drain rate, so the first burst is judged as well as later ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
+from serving.frontend.capacity_model import CapacityModel, Estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionConfig:
+    max_prompt_tokens: int = 8192
+    max_tokens: int = 4096  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256
+    max_model_len: int = 8192  # prompt + max_tokens must fit; the server takes the engine's
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_prompt_bytes: int = 262_144  # UTF-8 bytes of text / chat content, checked before tokenizing
+    max_chat_messages: int = 1024
+    max_queue_requests: int = 256
+    max_queue_tokens: int = 2_000_000  # sum of prompt + max_tokens over queued requests
+    queue_timeout_s: float = 60.0
+    aging_s: float = 10.0  # each aging_s waited raises a request one priority class
+    drain_window_s: float = 10.0
+    min_retry_after_ms: int = 10
+    max_retry_after_ms: int = 60_000
+    default_retry_after_ms: int = 1_000  # when no drain rate has been measured yet
+    # With a capacity model, a request is admitted only if its estimated completion x this
+    # fits its deadline: estimates err, and a timed-out request wasted its whole run.
+    deadline_margin: float = 1.2
+    # The deadline of a call that brings none (and whose tenant sets none):
+    # serving/frontend/deadlines.py
+    default_request_timeout_s: float | None = None
+
+    def __post_init__(self):
+        assert self.max_queue_requests >= 0, self.max_queue_requests
+        assert self.max_model_len >= 2, self.max_model_len
+        assert self.aging_s > 0 and self.queue_timeout_s > 0
+        assert self.default_request_timeout_s is None or self.default_request_timeout_s > 0
+
+
+class Rejected(Exception):
+    """Admission said no; maps to RESOURCE_EXHAUSTED with trailing `retry-after-ms`."""
+
+    def __init__(self, reason: str, retry_after_ms: int, message: str):
+        self.reason, self.retry_after_ms = reason, retry_after_ms
+        super().__init__(message)
+
+
+def check_limits(cfg: AdmissionConfig, num_prompt_tokens: int, sp: SamplingParams) -> None:
+    """The limits checked before queueing; raises InvalidRequestError naming the field."""
+    checks = [
+        ("prompt", num_prompt_tokens, num_prompt_tokens >= 1, "at least 1 token"),
+        (
+            "prompt",
+            num_prompt_tokens,
+            num_prompt_tokens <= cfg.max_prompt_tokens,
+            f"at most {cfg.max_prompt_tokens} prompt tokens",
+        ),
+        ("max_tokens", sp.max_tokens, sp.max_tokens <= cfg.max_tokens, f"at most {cfg.max_tokens}"),
+        (
+            "max_tokens",
+            sp.max_tokens,
+            num_prompt_tokens + sp.max_tokens <= cfg.max_model_len,
+            f"prompt ({num_prompt_tokens}) + max_tokens <= max_model_len ({cfg.max_model_len})",
+        ),
+        (
+            "stop",
+            len(sp.stop),
+            len(sp.stop) <= cfg.max_stop_strings,
+            f"at most {cfg.max_stop_strings} stop strings",
+        ),
+        (
+            "stop",
+            max(map(len, sp.stop), default=0),
+            all(len(s) <= cfg.max_stop_string_chars for s in sp.stop),
+            f"each stop string at most {cfg.max_stop_string_chars} characters",
+        ),
+    ]
+    for field, value, ok, limit in checks:
+        if not ok:
+            raise InvalidRequestError(field, value, limit)
+
+
+class DrainMeter:
+    """How fast the engine frees room while it is saturated: requests (and their reserved
+    tokens) leaving the engine per second of saturated time, over the last `window_s`.
+
+    Saturated = the engine holds `max_inflight` requests, so every departure lets one queued
+    request in: this is the queue's drain rate. Time when the engine had free slots does not
+    count (departures then say nothing about how fast a backlog drains), so a burst after an
+    idle spell is not misjudged. rate = departures / saturated seconds in the window; None
+    until `min_events` departures are in the window. The engine thread records, handler
+    threads read.
+    """
+
+    def __init__(self, window_s: float, min_events: int = 4):
+        self.window_s, self.min_events = window_s, min_events
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._busy: collections.deque[tuple[float, float]] = collections.deque()
+        self._busy_since: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def saturated(self) -> bool:
+        return self._busy_since is not None
+
+    def set_saturated(self, now: float, saturated: bool) -> None:
+        with self._lock:
+            if saturated and self._busy_since is None:
+                self._busy_since = now
+            elif not saturated and self._busy_since is not None:
+                self._busy.append((self._busy_since, now))
+                self._busy_since = None
+
+    def record(self, now: float, num_tokens: int) -> None:
+        """A request left the saturated engine, freeing room for `num_tokens` queued tokens."""
+        with self._lock:
+            self._events.append((now, num_tokens))
+
+    def rates(self, now: float) -> tuple[float, float] | None:
+        """(requests/s, tokens/s) of saturated time, or None when too few were seen."""
+        with self._lock:
+            start = now - self.window_s
+            while self._events and self._events[0][0] < start:
+                self._events.popleft()
+            while self._busy and self._busy[0][1] < start:
+                self._busy.popleft()
+            busy_s = sum(end - max(begin, start) for begin, end in self._busy)
+            if self._busy_since is not None:
+                busy_s += now - max(self._busy_since, start)
+            if len(self._events) < self.min_events or busy_s <= 0:
+                return None
+            return len(self._events) / busy_s, sum(t for _, t in self._events) / busy_s
+
+
+@dataclasses.dataclass
+class QueuedRequest:
+    request_id: str
+    num_tokens: int  # prompt + max_tokens: what it may occupy
+    priority: int  # class: larger = more important
+    enqueued_s: float
+    deadline_s: float | None = None  # absolute, time.monotonic()
+    payload: Any = None
+    seq: int = 0  # FIFO tie-break, set by the queue
+    prompt_tokens: int = 0  # for the capacity model (0: unknown, num_tokens counts as prompt)
+    max_tokens: int = 0
+
+
+class WaitingQueue:
+    """Bounded by count and by tokens; thread-safe. `clock` is injectable for tests."""
+
+    def __init__(
+        self,
+        cfg: AdmissionConfig,
+        clock: Callable[[], float] = time.monotonic,
+        capacity: CapacityModel | None = None,
+    ):
+        self.cfg, self.clock, self.capacity = cfg, clock, capacity
+        self.num_in_engine = 0  # set by the engine thread
+        self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
+        # tokens each request in the engine may still generate (set by the engine thread)
+        self.engine_remaining_tokens: list[int] = []
+        self._items: dict[str, QueuedRequest] = {}
+        self._tokens = 0
+        self._prompt_sum = 0
+        self._max_tokens_sum = 0
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+        self.drain = DrainMeter(cfg.drain_window_s)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    def offer(self, item: QueuedRequest) -> None:
+        """Enqueue, or raise Rejected at once."""
+        with self._lock:
+            now = self.clock()
+            rates = self._rates(now)
+            count, tokens = len(self._items), self._tokens
+            if count + 1 > self.cfg.max_queue_requests:
+                raise Rejected(
+                    "queue_full",
+                    self._retry_ms(rates, count + 1 - self.cfg.max_queue_requests, 0),
+                    f"waiting queue full ({count} >= {self.cfg.max_queue_requests} requests)",
+                )
+            if tokens + item.num_tokens > self.cfg.max_queue_tokens:
+                excess = tokens + item.num_tokens - self.cfg.max_queue_tokens
+                raise Rejected(
+                    "queue_tokens",
+                    self._retry_ms(rates, 0, excess),
+                    f"waiting queue holds {tokens} tokens; +{item.num_tokens} would pass "
+                    f"{self.cfg.max_queue_tokens}",
+                )
+            self._check_estimate(item, now, rates)
+            item.seq = next(self._counter)
+            item.enqueued_s = now
+            self._items[item.request_id] = item
+            self._tokens += item.num_tokens
+            self._prompt_sum += item.prompt_tokens
+            self._max_tokens_sum += item.max_tokens
+
+    def _check_estimate(self, item: QueuedRequest, now: float, rates) -> None:
+        est = self._estimate(item, rates)
+        if est is None:
+            return
+        margin = self.cfg.deadline_margin if self.capacity is not None else 1.0
+        completion_s = est.completion_s * margin
+        if item.deadline_s is not None and now + completion_s > item.deadline_s:
+            late_s = now + completion_s - item.deadline_s
+            raise Rejected(
+                "deadline",
+                self._clamp(1000 * late_s),
+                f"estimated completion {est.completion_s:.3f}s (queue wait {est.wait_s:.3f}s + "
+                f"own prefill and {item.max_tokens or '?'} tokens {est.service_s:.3f}s) "
+                f"x margin {margin:g} = {completion_s:.3f}s exceeds the deadline "
+                f"({item.deadline_s - now:.3f}s left)",
+            )
+        # NOTE: with a deadline too: expire() takes a request out at the queue timeout
+        # whatever its deadline (the openai SDK sends a 600 s one on every call)
+        if est.wait_s > self.cfg.queue_timeout_s:
+            raise Rejected(
+                "queue_timeout",
+                self._clamp(1000 * (est.wait_s - self.cfg.queue_timeout_s)),
+                f"estimated queue wait {est.wait_s:.3f}s exceeds the queue timeout "
+                f"({self.cfg.queue_timeout_s}s)",
+            )
+
+    def _estimate(self, item: QueuedRequest, rates) -> Estimate | None:
+        """Completion estimate for `item` behind everything queued and in the engine; without
+        a capacity model, the wait alone from the measured drain (None before one)."""
+        ahead = self.num_in_engine + len(self._items)
+        if self.capacity is None:
+            if rates is None:
+                return None
+            return Estimate(len(self._items) / rates[0], 0.0, 0.0)
+        n = max(1, len(self._items))
+        prefill_ahead = self.unprefilled_engine_tokens
+        if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
+            prefill_ahead += self._prompt_sum
+        mean_max_tokens = self._max_tokens_sum / n if self._items else item.max_tokens
+        remaining = list(self.engine_remaining_tokens)[: self.num_in_engine]
+        remaining += [round(mean_max_tokens)] * (self.num_in_engine - len(remaining))
+        return self.capacity.estimate(
+            prefill_tokens_ahead=prefill_ahead,
+            ahead=ahead,
+            prompt_tokens=item.prompt_tokens or item.num_tokens,
+            max_tokens=item.max_tokens,
+            mean_prompt_tokens=self._prompt_sum / n if self._items else item.prompt_tokens,
+            mean_max_tokens=mean_max_tokens,
+            drain_per_s=None if rates is None else rates[0],
+            engine_remaining_tokens=remaining,
+        )
+
+    def estimated_wait_s(self) -> float | None:
+        with self._lock:
+            rates = self._rates(self.clock())
+            return None if rates is None else len(self._items) / rates[0]
+
+    def retry_after_hint_ms(self) -> int:
+        """When one more request could get in, from the measured (or modelled) drain."""
+        with self._lock:
+            return self._retry_ms(self._rates(self.clock()), 1, 0)
+
+    def _rates(self, now: float) -> tuple[float, float] | None:
+        """(requests/s, tokens/s) the queue drains at: measured, else modelled, else None."""
+        rates = self.drain.rates(now)
+        if rates is not None or self.capacity is None or not self._items:
+            return rates
+        n = len(self._items)
+        mean_prompt, mean_max = self._prompt_sum / n, self._max_tokens_sum / n
+        c = self.capacity.max_inflight
+        per_s = c / max(self.capacity.service_s(round(mean_prompt), round(mean_max), c), 1e-9)
+        return per_s, per_s * self._tokens / n
+
+    def pop(self) -> QueuedRequest | None:
+        """The request with the highest class + waited / aging_s; FIFO among equals."""
+        with self._lock:
+            if not self._items:
+                return None
+            now = self.clock()
+            best = max(self._items.values(), key=lambda q: (self._effective(q, now), -q.seq))
+            self._take(best)
+            return best
+
+    def remove(self, request_id: str) -> QueuedRequest | None:
+        with self._lock:
+            item = self._items.get(request_id)
+            if item is not None:
+                self._take(item)
+            return item
+
+    def expire(self) -> list[tuple[QueuedRequest, str]]:
+        """Take out requests past their deadline ("timed_out") or the queue timeout."""
+        with self._lock:
+            now = self.clock()
+            gone = []
+            for item in list(self._items.values()):
+                if item.deadline_s is not None and now >= item.deadline_s:
+                    gone.append((item, "timed_out"))
+                elif now - item.enqueued_s >= self.cfg.queue_timeout_s:
+                    gone.append((item, "queue_timeout"))
+            for item, _ in gone:
+                self._take(item)
+            return gone
+
+    def _effective(self, q: QueuedRequest, now: float) -> float:
+        return q.priority + (now - q.enqueued_s) / self.cfg.aging_s
+
+    def _take(self, item: QueuedRequest) -> None:
+        del self._items[item.request_id]
+        self._tokens -= item.num_tokens
+        self._prompt_sum -= item.prompt_tokens
+        self._max_tokens_sum -= item.max_tokens
+
+    def _retry_ms(self, rates, excess_requests: int, excess_tokens: int) -> int:
+        """Time for the measured drain to take out the excess."""
+        if rates is None:
+            return self.cfg.default_retry_after_ms
+        per_s, tokens_per_s = rates
+        wait_s = max(
+            excess_requests / per_s if per_s else math.inf,
+            excess_tokens / tokens_per_s if tokens_per_s else 0.0,
+        )
+        return self._clamp(1000 * wait_s)
+
+    def _clamp(self, ms: float) -> int:
+        ms = self.cfg.max_retry_after_ms if math.isinf(ms) else math.ceil(ms)
+        return int(min(max(ms, self.cfg.min_retry_after_ms), self.cfg.max_retry_after_ms))
