@@ -4,7 +4,7 @@
     serve run serving.ray_serve:build_app model=tiny num_replicas=2
 
 Each replica is one `PagedJaxServer` (the same engine, admission, tenants, metrics and
-warm-up as `python -m serving.server`) whose OpenAI-compatible FastAPI app (serving/http_api.py)
+warm-up as `python -m serving.server`) whose OpenAI-compatible FastAPI app (serving/http/api.py)
 is the replica's Serve ingress: Serve's proxy owns the port (`http_options.port`), picks a
 replica per request (its request router; power of two choices by default) and restarts a
 replica whose health check fails. The replica's own gRPC server listens on an ephemeral port
@@ -35,7 +35,7 @@ from ray import serve
 from ray.serve import Application
 
 from serving import flags as shared
-from serving.admission import AdmissionConfig
+from serving.frontend.admission import AdmissionConfig
 
 DEFAULT_READY_TIMEOUT_S = 1800.0  # only guards against a hang: warm-up on a small CPU box
 
@@ -51,7 +51,7 @@ def _build_server(argv: list[str]):
     from absl import flags
 
     from serving import server as srv
-    from serving.http_api import HttpApi
+    from serving.http.api import HttpApi
 
     if "model" not in flags.FLAGS:
         srv.define_flags()

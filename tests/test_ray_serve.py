@@ -1,11 +1,11 @@
-"""pagedjax on Ray Serve (serving/ray_serve.py): a local Ray cluster started here and shut
-down after, two engine replicas of the tiny model behind Serve's own HTTP proxy, driven by
-the official `openai` SDK; and the documented Serve config started with Ray's own CLI.
+"""pagedjax on Ray Serve (serving/ray_serve.py), started as the README shows it: Ray's own
+CLI, `serve run deploy/ray/serve.yaml`, with the config's args swapped for the tiny model and
+two replicas (one local Ray cluster, started by `serve run` and shut down by its SIGINT).
+Driven by the official `openai` SDK through Serve's HTTP proxy:
 
-- two replicas: every greedy completion (plain and streamed, 8 at once so both replicas
-  serve) equals one EngineCore driven directly, and carries the model's versions;
-- `serve run deploy/ray/serve.yaml` (its args swapped for the tiny model): ready and
-  answering on the config's HTTP port, then stopped by SIGINT."""
+- both replicas RUNNING (read from Serve's own status by a driver attached to the cluster);
+- every greedy completion (plain and streamed, 8 at once so both replicas serve) equals one
+  EngineCore driven directly, and carries the model's versions."""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ import yaml
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from serving.cluster import free_port  # noqa: E402
-from serving.ray_serve import build_app  # noqa: E402
+from serving.router.cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(
@@ -51,7 +50,7 @@ def reference(tiny_model):
     from configs.engine_config import EngineConfig
     from engine.api_types import EngineRequest
     from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
     from models.registry import tiny_tokenizer
 
     core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
@@ -67,31 +66,13 @@ def reference(tiny_model):
     return texts, [len(ids[f"r{i}"]) for i in range(4)], core.identity
 
 
-@pytest.fixture
-def serve_app():  # torn down before the next test starts a cluster of its own
-    port = free_port()
-    env = {"env_vars": {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            {"model": "tiny", "num_replicas": 2, "num_cpus": 1, "server_args": SERVER_ARGS}
-        )
-        serve.run(app, name="pagedjax", route_prefix="/")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def _replica_states() -> dict:
+    app = serve.status().applications.get("pagedjax")
+    return dict(app.deployments["pagedjax"].replica_states) if app else {}
 
 
-@pytest.mark.subprocess
-def test_two_serve_replicas_equal_one_engine(serve_app, reference):
-    import openai
-
-    texts, lengths, identity = reference
-    status = serve.status().applications["pagedjax"].deployments["pagedjax"]
-    assert status.replica_states.get("RUNNING") == 2, status
-    client = openai.OpenAI(base_url=serve_app, api_key="none", max_retries=0)
+def check_completions(client, texts, lengths, identity) -> None:
+    """8 greedy completions at once (both replicas serve): each equals the engine's."""
 
     def complete(i: int, stream: bool):
         kwargs = dict(model=identity.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i])
@@ -112,9 +93,7 @@ def test_two_serve_replicas_equal_one_engine(serve_app, reference):
 
 
 @pytest.mark.subprocess
-def test_documented_serve_config_starts_with_rays_cli(tmp_path, reference):
-    """deploy/ray/serve.yaml as `serve run` reads it, with the tiny model instead of
-    SmolLM2 and a free port (nothing else changed)."""
+def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path, reference):
     import openai
 
     config = yaml.safe_load((ROOT / "deploy/ray/serve.yaml").read_text())
@@ -122,10 +101,11 @@ def test_documented_serve_config_starts_with_rays_cli(tmp_path, reference):
     config["http_options"].update(host="127.0.0.1", port=port)
     app = config["applications"][0]
     assert app["import_path"] == "serving.ray_serve:build_app"
-    app["args"].update(model="tiny", server_args=SERVER_ARGS)
+    app["args"].update(model="tiny", num_replicas=2, server_args=SERVER_ARGS)
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("RAY_ADDRESS", None)  # a cluster of its own, not one this shell may point at
     serve_cli = Path(sys.executable).with_name("serve")
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -145,7 +125,16 @@ def test_documented_serve_config_starts_with_rays_cli(tmp_path, reference):
                 break
             except (openai.APIConnectionError, openai.NotFoundError, openai.APIStatusError):
                 time.sleep(1)  # the proxy is up before the application is deployed
-        assert reply.choices[0].text == reference[0][0]
+        texts, lengths, identity = reference
+        assert reply.choices[0].text == texts[0]
+        ray.init(address="auto", log_to_driver=False)  # Serve's own view of the replicas
+        try:
+            while (states := _replica_states()).get("RUNNING") != 2:
+                assert time.monotonic() < end, states
+                time.sleep(1)
+        finally:
+            ray.shutdown()
+        check_completions(client, texts, lengths, identity)
     finally:
         proc.send_signal(signal.SIGINT)  # `serve run` tears the app and its Ray cluster down
         try:
@@ -154,3 +143,11 @@ def test_documented_serve_config_starts_with_rays_cli(tmp_path, reference):
             proc.kill()
             proc.wait(10)
             subprocess.run([str(serve_cli.with_name("ray")), "stop", "--force"], env=env)
+
+
+def test_kuberay_rayservice_runs_the_documented_serve_application():
+    service = yaml.safe_load((ROOT / "deploy/ray/rayservice.yaml").read_text())
+    assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    documented = yaml.safe_load((ROOT / "deploy/ray/serve.yaml").read_text())["applications"]
+    assert embedded == documented
