@@ -42,8 +42,10 @@ DEFAULT_READY_TIMEOUT_S = 1800.0  # only guards against a hang: warm-up on a sma
 
 def _server_argv(model: str, server_args: list[str] | str | None) -> list[str]:
     extra = shlex.split(server_args) if isinstance(server_args, str) else list(server_args or [])
-    # The replica's gRPC port is ephemeral and local; Serve's proxy serves HTTP.
-    return ["serving.server", f"--model={model}", "--port=0", "--host=127.0.0.1", *extra]
+    # The replica's gRPC port is ephemeral and local; Serve's proxy serves HTTP, /metrics
+    # included (the replicas of one node cannot share the server's default metrics port).
+    base = ["--port=0", "--host=127.0.0.1", "--metrics_port=-1"]
+    return ["serving.server", f"--model={model}", *base, *extra]
 
 
 def _build_server(argv: list[str]):
