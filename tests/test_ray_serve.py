@@ -86,7 +86,9 @@ def check_completions(client, texts, lengths, identity) -> None:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda job: complete(*job), jobs))
     for (i, _), (text, full) in zip(jobs, results):
-        assert text == texts[i], (PROMPTS[i], text, texts[i])
+        # NOTE: a reply that ends inside a UTF-8 character: the server's incremental
+        # detokenizer holds the partial bytes back, a one-shot decode shows U+FFFD for them.
+        assert text == texts[i].rstrip("\ufffd"), (PROMPTS[i], text, texts[i])
         if full is not None:
             assert full.usage.completion_tokens == lengths[i]
             assert full.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
@@ -126,7 +128,7 @@ def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path,
             except (openai.APIConnectionError, openai.NotFoundError, openai.APIStatusError):
                 time.sleep(1)  # the proxy is up before the application is deployed
         texts, lengths, identity = reference
-        assert reply.choices[0].text == texts[0]
+        assert reply.choices[0].text == texts[0].rstrip("\ufffd")
         ray.init(address="auto", log_to_driver=False)  # Serve's own view of the replicas
         try:
             while (states := _replica_states()).get("RUNNING") != 2:
