@@ -226,21 +226,29 @@ class PagedJaxServer:
         self.http_port: int | None = None
         self._http = None
         if config.http_port is not None:
-            from serving.gateway.http_kv_transfer import KvTransferParams
-            from serving.http.api import HttpApi
             from serving.http.server import HttpServer
 
-            self.generator.allow_runtime_lora = config.allow_runtime_lora
-            self.http_api = HttpApi(
-                self.generator,
-                self.metrics,
-                tool_call_parser=config.tool_call_parser,
-                reasoning_parser=config.reasoning_parser,
-            )
-            # llm-d's routing sidecar: kv_transfer_params (serving/gateway/http_kv_transfer.py)
-            self.http_api.kv_transfer = KvTransferParams(self)
+            self.http_api = self.build_http_api()
             self._http = HttpServer(self.http_api.app, config.host, config.http_port)
             self.http_port = self._http.port
+
+    def build_http_api(self):
+        """The OpenAI-compatible API over this server's generator, metrics and tenants (its
+        own HTTP port serves it; a Ray Serve replica mounts it as its ingress)."""
+        from serving.gateway.http_kv_transfer import KvTransferParams
+        from serving.http.api import HttpApi
+
+        config = self.config
+        self.generator.allow_runtime_lora = config.allow_runtime_lora
+        api = HttpApi(
+            self.generator,
+            self.metrics,
+            tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
+        )
+        # llm-d's routing sidecar: kv_transfer_params (serving/gateway/http_kv_transfer.py)
+        api.kv_transfer = KvTransferParams(self)
+        return api
 
     def _record_refused_call(self, reason: str, status: grpc.StatusCode, details: str) -> None:
         """A Generate call refused by the guard (before parsing): its one outcome."""

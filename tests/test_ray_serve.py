@@ -1,0 +1,155 @@
+"""pagedjax on Ray Serve (serving/ray_serve.py), started as the README shows it: Ray's own
+CLI, `serve run deploy/ray/serve.yaml`, with the config's args swapped for the tiny model and
+two replicas (one local Ray cluster, started by `serve run` and shut down by its SIGINT).
+Driven by the official `openai` SDK through Serve's HTTP proxy:
+
+- both replicas RUNNING (read from Serve's own status by a driver attached to the cluster);
+- every greedy completion (plain and streamed, 8 at once so both replicas serve) equals one
+  EngineCore driven directly, and carries the model's versions."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from serving.router.cluster import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = dict(
+    page_size=4,
+    num_pages=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    prefill_chunk_size=32,
+    max_model_len=128,
+)
+SERVER_ARGS = [
+    *(f"--{k}={v}" for k, v in ENGINE.items()),
+    "--warmup_max_shapes=4",  # warm-up on (a replica is routed to once it ended), kept short
+    "--capacity_probe=false",
+    "--log_level=warning",
+]
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a b c", "tiny"]
+MAX_TOKENS = [12, 5, 9, 3]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from configs.engine_config import EngineConfig
+    from engine.api_types import EngineRequest
+    from engine.core import EngineCore
+    from engine.sampling.params import SamplingParams
+    from models.registry import tiny_tokenizer
+
+    core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
+    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+        sp = SamplingParams(temperature=0.0, max_tokens=m)
+        core.add_request(EngineRequest(f"r{i}", core.tokenizer.encode(p), sp))
+    ids = collections.defaultdict(list)
+    while core.has_unfinished():
+        for out in core.step():
+            ids[out.request_id] += out.new_token_ids
+    tokenizer = tiny_tokenizer()
+    texts = [tokenizer.decode(ids[f"r{i}"], skip_special_tokens=True) for i in range(4)]
+    return texts, [len(ids[f"r{i}"]) for i in range(4)], core.identity
+
+
+def _replica_states() -> dict:
+    app = serve.status().applications.get("pagedjax")
+    return dict(app.deployments["pagedjax"].replica_states) if app else {}
+
+
+def check_completions(client, texts, lengths, identity) -> None:
+    """8 greedy completions at once (both replicas serve): each equals the engine's."""
+
+    def complete(i: int, stream: bool):
+        kwargs = dict(model=identity.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i])
+        if stream:
+            chunks = client.completions.create(**kwargs, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices), None
+        full = client.completions.create(**kwargs, temperature=0)
+        return full.choices[0].text, full
+
+    jobs = [(i, stream) for stream in (False, True) for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: complete(*job), jobs))
+    for (i, _), (text, full) in zip(jobs, results):
+        # NOTE: a reply that ends inside a UTF-8 character: the server's incremental
+        # detokenizer holds the partial bytes back, a one-shot decode shows U+FFFD for them.
+        assert text == texts[i].rstrip("\ufffd"), (PROMPTS[i], text, texts[i])
+        if full is not None:
+            assert full.usage.completion_tokens == lengths[i]
+            assert full.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
+
+
+@pytest.mark.subprocess
+def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path, reference):
+    import openai
+
+    config = yaml.safe_load((ROOT / "deploy/ray/serve.yaml").read_text())
+    port = free_port()
+    config["http_options"].update(host="127.0.0.1", port=port)
+    app = config["applications"][0]
+    assert app["import_path"] == "serving.ray_serve:build_app"
+    app["args"].update(model="tiny", num_replicas=2, server_args=SERVER_ARGS)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("RAY_ADDRESS", None)  # a cluster of its own, not one this shell may point at
+    serve_cli = Path(sys.executable).with_name("serve")
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(serve_cli), "run", str(path)], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        end = time.monotonic() + 600  # only guards against a hang
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < end, log.read_text()[-3000:]
+            try:
+                reply = client.completions.create(
+                    model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0
+                )
+                break
+            except (openai.APIConnectionError, openai.NotFoundError, openai.APIStatusError):
+                time.sleep(1)  # the proxy is up before the application is deployed
+        texts, lengths, identity = reference
+        assert reply.choices[0].text == texts[0].rstrip("\ufffd")
+        ray.init(address="auto", log_to_driver=False)  # Serve's own view of the replicas
+        try:
+            while (states := _replica_states()).get("RUNNING") != 2:
+                assert time.monotonic() < end, states
+                time.sleep(1)
+        finally:
+            ray.shutdown()
+        check_completions(client, texts, lengths, identity)
+    finally:
+        proc.send_signal(signal.SIGINT)  # `serve run` tears the app and its Ray cluster down
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:  # then its Ray processes may be left: stop them
+            proc.kill()
+            proc.wait(10)
+            subprocess.run([str(serve_cli.with_name("ray")), "stop", "--force"], env=env)
+
+
+def test_kuberay_rayservice_runs_the_documented_serve_application():
+    service = yaml.safe_load((ROOT / "deploy/ray/rayservice.yaml").read_text())
+    assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    documented = yaml.safe_load((ROOT / "deploy/ray/serve.yaml").read_text())["applications"]
+    assert embedded == documented
