@@ -120,7 +120,7 @@ def _warmup_with_progress(engine, num_reports: int = 8, stop=None, execute: bool
     from engine.runner import compiles
     from engine.runner.warmup import step_programs, warmup
 
-    shapes = engine.runner.shapes.shapes
+    shapes = engine.shapes.shapes
     num_programs = len(step_programs(engine, shapes))
     chunk = max(1, -(-len(shapes) // num_reports))
     t0, hits0 = time.perf_counter(), compiles.stats()["compilation_cache_hits_total"]
