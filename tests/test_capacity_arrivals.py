@@ -231,7 +231,7 @@ def test_absorb_messages_keeps_token_stamps_apart_from_chunks():
 
     rec = RequestRecord("r", send_s=10.0)
     ns = [5_000_000_000 + 20_000_000 * i for i in range(4)]  # server clock, 20 ms apart
-    driver._absorb_message(
+    driver.absorb_message(
         rec, pb.GenerateResponse(token_ids=[1, 2, 3], token_times_unix_ns=ns[:3]), 10.8
     )
     final = pb.FinalInfo(
@@ -239,7 +239,7 @@ def test_absorb_messages_keeps_token_stamps_apart_from_chunks():
         usage=pb.Usage(prompt_tokens=7, completion_tokens=4),
         timings=pb.Timings(queue_s=0.05),
     )
-    driver._absorb_message(
+    driver.absorb_message(
         rec, pb.GenerateResponse(token_ids=[4], token_times_unix_ns=ns[3:], final=final), 10.9
     )
     assert rec.outcome == "success" and rec.num_output_tokens == 4 and rec.queue_s == 0.05

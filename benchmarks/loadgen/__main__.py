@@ -25,7 +25,7 @@ from benchmarks.extras import require
 
 require("bench", "matplotlib", "tqdm")  # plots, progress bar: fail before any load is sent
 
-from benchmarks.loadgen import arrivals, report, sweep
+from benchmarks.loadgen import arrivals, gates, report, sweep
 from benchmarks.loadgen.metrics import parse_slo_policy
 from benchmarks.loadgen.run import RunConfig, check_loopback, run_load
 from benchmarks.loadgen.workloads import parse_mix
@@ -229,9 +229,9 @@ def main(argv):
         )
         print(f"report: {out / 'report.md'}")
         return
-    gates = sweep.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
+    limits = gates.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
     result = sweep.run_sweep(
-        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates
+        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, limits
     )
     print(sweep.sweep_markdown(result))
     print(f"sweep: {out / 'sweep.md'}")
