@@ -7,6 +7,7 @@ Top-level modules:
     client.py       GenerateClient; `python -m serving.client`
     flags.py        one vocabulary of command-line flags for every command
     testing.py      running_server(): a real server on an ephemeral port, for tests
+    extras.py       optional dependencies (pyproject extras) checked up front
     proto/          the API (pagedjax.proto, kv_transfer.proto; stubs committed, regen.sh)
 Sub-packages (each __init__ maps its own folder):
     frontend/       transport-neutral: Generator, admission, tenants, engine thread, metrics
@@ -15,6 +16,7 @@ Sub-packages (each __init__ maps its own folder):
     engine_host/    building the engine, in or out of process; the mock engine
     router/         the cache-aware router and the local cluster launcher
     disagg/         prefill/decode disaggregation: the KVTransfer service
+    capacity/       the shipped capacity tools: load generator, planner (clients of a server)
 
 One Generate call (an HTTP choice is the same with the event loop as its handler):
 handler thread -> admission (reject at once, or WaitingQueue) -> engine

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from benchmarks.loadgen import gates, report, scrape, sweep
-from benchmarks.loadgen.metrics import RequestRecord, parse_slo_policy
+from serving.capacity.loadgen import gates, report, scrape, sweep
+from serving.capacity.loadgen.metrics import RequestRecord, parse_slo_policy
 
 REQUIRED_KEYS = (
     "ttft_s",

@@ -23,6 +23,7 @@ FORBIDDEN = {
     "serving": {"benchmarks"},
 }
 # sub-package -> modules or packages (prefixes, third-party ones included) it must never import
+# (relayout: package names: the dotted names below are packages, never old module paths)
 SUB_FORBIDDEN = {
     # host side, plain Python: the mock engine runs it without JAX
     "engine.sched": {
@@ -44,6 +45,7 @@ SUB_FORBIDDEN = {
         "serving.engine_host",
         "serving.router",
         "serving.disagg",
+        "serving.capacity",
         "serving.server",
         "fastapi",
         "starlette",
@@ -53,6 +55,18 @@ SUB_FORBIDDEN = {
         "serving.frontend",
         "serving.grpc_api",
         "serving.http",
+        "serving.router",
+        "serving.disagg",
+        "serving.server",
+    },
+    # a client of the server (it drives one over gRPC/HTTP), never the server itself
+    "serving.capacity": {
+        "engine",
+        "jax",
+        "serving.frontend",
+        "serving.grpc_api",
+        "serving.http",
+        "serving.engine_host",
         "serving.router",
         "serving.disagg",
         "serving.server",
@@ -251,7 +265,8 @@ def test_no_import_cycles(package):
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert sum(map(len, graph.values())) > len(graph) // 2  # the check sees real edges
+    # the check sees real edges (benchmarks are mostly independent scripts: fewer)
+    assert sum(map(len, graph.values())) > len(graph) // (4 if package == "benchmarks" else 2)
 
 
 @pytest.mark.subprocess

@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = ["-m", "serving.cli", "generate"]
 SERVER = ["-m", "serving.server"]
 CLIENT = ["-m", "serving.client"]
-LOADGEN = ["-m", "benchmarks.loadgen"]
-PLANNER = ["-m", "benchmarks.planner"]
+LOADGEN = ["-m", "serving.capacity.loadgen"]
+PLANNER = ["-m", "serving.capacity.planner"]
 
 
 def run(args, timeout=60):

@@ -12,10 +12,10 @@ import json
 import pathlib
 from collections.abc import Callable, Sequence
 
-from benchmarks.loadgen import metrics as m
-from benchmarks.loadgen import plots as plotting
-from benchmarks.loadgen import render
-from benchmarks.loadgen.metrics import RequestRecord, SloPolicy
+from serving.capacity.loadgen import metrics as m
+from serving.capacity.loadgen import plots as plotting
+from serving.capacity.loadgen import render
+from serving.capacity.loadgen.metrics import RequestRecord, SloPolicy
 
 DEFINITIONS = {
     "ttft_s": "client: request sent -> first chunk carrying a token received",

@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from benchmarks.loadgen.metrics import RequestRecord
-from benchmarks.loadgen.workloads import RequestSpec
+from serving.capacity.loadgen.metrics import RequestRecord
+from serving.capacity.loadgen.workloads import RequestSpec
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 

@@ -26,8 +26,8 @@ import json
 import pathlib
 from collections.abc import Callable
 
-from benchmarks.loadgen import plots
-from benchmarks.loadgen.gates import Gates, check_gates, step_summary
+from serving.capacity.loadgen import plots
+from serving.capacity.loadgen.gates import Gates, check_gates, step_summary
 
 
 def find_knee(steps: list[dict], gates: Gates) -> float | None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from benchmarks.extras import require
-from benchmarks.loadgen import metrics as m
-from benchmarks.loadgen.labels import run_label
-from benchmarks.loadgen.metrics import RequestRecord
+from serving.capacity.loadgen import metrics as m
+from serving.capacity.loadgen.labels import run_label
+from serving.capacity.loadgen.metrics import RequestRecord
+from serving.extras import require
 
 require("bench", "matplotlib")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.loadgen import gates
-from benchmarks.loadgen.labels import run_label
+from serving.capacity.loadgen import gates
+from serving.capacity.loadgen.labels import run_label
 
 
 def _f(v, digits: int = 3) -> str:

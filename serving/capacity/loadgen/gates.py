@@ -1,6 +1,6 @@
 """The sweep's gates: what a run must meet to count as within capacity. A leaf module (it
-needs only the run's label), shared by the sweep (benchmarks/loadgen/sweep.py) and a single
-run's verdict (benchmarks/loadgen/render.py).
+needs only the run's label), shared by the sweep (serving/capacity/loadgen/sweep.py) and a single
+run's verdict (serving/capacity/loadgen/render.py).
 
     gates(step)      every gate must pass at that rate:
                        p<gate_percentile> of TTFT, TPOT, E2E <= the default SLO's limits
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from benchmarks.loadgen.labels import run_label
+from serving.capacity.loadgen.labels import run_label
 
 
 @dataclasses.dataclass(frozen=True)
