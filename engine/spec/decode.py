@@ -253,7 +253,7 @@ class SpecDecoder:
         return packed, spec_packed, num_acc, spec_idx
 
     def _draft_on_device(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
-        """The layers / draft proposer on device (engine/spec/layers.py, spec_draft.py):
+        """The layers / draft proposer on device (engine/spec/layers.py, engine/spec/draft.py):
         the drafts and their q stay on device and go straight into the verify step (no
         host round trip)."""
         core, b, Sd = self.core, built.batch, built.shape.num_decode
