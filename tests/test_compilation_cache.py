@@ -34,7 +34,8 @@ def test_off_values_turn_it_off():
 # ---- the fallbacks: an unreadable entry is ignored, a warm-up that died sets the cache aside --
 _COMPILE_IN_A_FRESH_PROCESS = """
 import sys, jax, jax.numpy as jnp
-from engine import compilation_cache, compiles
+from engine.runner import compilation_cache
+from engine.runner import compiles
 compiles.install()
 compilation_cache.enable(sys.argv[1])
 f = jax.jit(lambda x: jnp.sin(x) * 3.0 + x @ x.T)
