@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 
-from benchmarks.step_profile import PAGE_SIZE, Case, _stub_attention, make_batch
+from benchmarks.step_profile import PAGE_SIZE, Case, make_batch, stub_attention
 from engine.runner import step as step_module
 from engine.runner.kv_cache import PagedKVCache
 from engine.sampling.sampler import GREEDY_FLAGS
@@ -95,7 +95,7 @@ def stub_share(params, cfg, prefill, tp: int, chunk: int, iters: int) -> float:
     original = step_module.paged_attention_fn
     cpu = {}
     try:
-        for name, fn in (("stub", lambda *a, **k: _stub_attention), ("step", original)):
+        for name, fn in (("stub", lambda *a, **k: stub_attention), ("step", original)):
             step_module.paged_attention_fn = fn
             step_module.engine_step.clear_cache()  # the attention is bound at trace time
             run, _ = _runner(params, cfg, case)

@@ -39,8 +39,11 @@ from engine.api_types import EngineRequest
 from engine.core import EngineCore
 from engine.runner import compiles
 from engine.sampling.params import SamplingParams
+from serving.capacity.loadgen import workloads
 
-CORPUS_DIR = os.path.join(os.path.dirname(__file__), "loadgen", "corpus")
+CORPUS_DIR = str(
+    workloads.CORPUS_DIR
+)  # the load generator's prose (serving/capacity/loadgen/corpus)
 QUESTIONS = [
     "What is the main idea of the text above?",
     "Who is speaking in the second passage?",

@@ -33,7 +33,6 @@ import jax
 import numpy as np
 
 from benchmarks import quant_quality, quant_speed
-from benchmarks.extras import require
 from configs.engine_config import EngineConfig
 from configs.kv_memory import kv_bytes_per_token
 from configs.quant_config import QuantConfig
@@ -41,6 +40,7 @@ from engine import LLM, SamplingParams
 from models.identity import REVISION_SEPARATOR, quantized_revision
 from models.quant import QUANTIZED_LAYER_WEIGHTS, layer_weight_bytes, param_bytes
 from models.registry import load_model
+from serving.extras import require
 
 # name -> (weight scheme, KV dtype)
 VARIANTS = {

@@ -6,7 +6,7 @@
 
 1. Starts the real server (`python -m serving.server --http_port=...`, default flags, plus
    `--server_args`), waits for /ready, and drives it over HTTP with the load generator's
-   driver (benchmarks/loadgen/http_driver.py: streamed /v1/completions, ignore_eos,
+   driver (serving/capacity/loadgen/http_driver.py: streamed /v1/completions, ignore_eos,
    temperature 0) at each workload `concurrency:num_requests:prompt_len` (closed loop:
    `concurrency` requests in flight; random token-id prompts of exactly prompt_len tokens,
    like `vllm bench serve --dataset-name random`). Each workload runs a discarded warm pass
@@ -40,8 +40,8 @@ import httpx
 import numpy as np
 from absl import app, flags
 
-from benchmarks.loadgen.http_driver import run_one_http
-from benchmarks.loadgen.workloads import RequestSpec
+from serving.capacity.loadgen.http_driver import run_one_http
+from serving.capacity.loadgen.workloads import RequestSpec
 
 flags.DEFINE_string("model", "smollm2-135m", "the server's --model")
 flags.DEFINE_string(

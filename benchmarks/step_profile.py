@@ -164,7 +164,7 @@ def case_flops(cfg, case: Case) -> float:
     return sum(cfg.flops_per_token(c) for c in contexts)
 
 
-def _stub_attention(q, k, v, layer, cache):
+def stub_attention(q, k, v, layer, cache):
     return q, cache
 
 
@@ -176,7 +176,7 @@ def weights_only_fn(model, num_tokens: int, layer_loop: str = "auto"):
     cfg, params = model.config, layer_layout(model.params, layer_loop)
     positions = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
     ids = positions % cfg.vocab_size  # [T]
-    fwd = jax.jit(lambda p, t, pos: forward(p, cfg, t, pos, None, _stub_attention)[0])
+    fwd = jax.jit(lambda p, t, pos: forward(p, cfg, t, pos, None, stub_attention)[0])
     return lambda: jax.block_until_ready(fwd(params, ids, positions))
 
 
@@ -213,7 +213,7 @@ def profile_case(
 
     fwd = jax.jit(
         lambda p, b: forward(
-            p, cfg, b.token_ids, b.positions, None, _stub_attention, b.logits_indices
+            p, cfg, b.token_ids, b.positions, None, stub_attention, b.logits_indices
         )[0]
     )
     runners = {
@@ -224,7 +224,7 @@ def profile_case(
     for name in variants:
         if name == "no_attention":
             original = step_module.paged_attention_fn
-            step_module.paged_attention_fn = lambda *a, **k: _stub_attention
+            step_module.paged_attention_fn = lambda *a, **k: stub_attention
             try:
                 step_module.engine_step.clear_cache()
                 t, cpu, first = _median_s(run_step(GREEDY_FLAGS), iters)

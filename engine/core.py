@@ -66,7 +66,7 @@ from engine.lora.core_adapters import EngineAdapters
 from engine.parallel import sharding
 from engine.runner import compiles
 from engine.runner.kv_cache import PagedKVCache
-from engine.runner.penalties import PenaltyState, _reset_counts_jit  # noqa: F401 (warmup.py)
+from engine.runner.penalties import PenaltyState
 from engine.runner.programs import StepPrograms, structured_bitmask
 from engine.runner.shapes import ShapeSet, sampler_variants
 from engine.runner.step import NONFINITE_TOKEN

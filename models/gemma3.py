@@ -35,7 +35,7 @@ from models.hf_config import (
     rope_settings,
     rope_theta,
 )
-from models.llama import AttentionFn, Params, _param
+from models.llama import AttentionFn, Params, param_field
 from models.lora import LoraInputs
 
 Array = jax.Array
@@ -70,10 +70,10 @@ class Gemma3Config(ModelConfig):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights(llama_family.LayerWeights):
-    q_norm: Array = _param("layers", "head_dim")  # [L, hd]
-    k_norm: Array = _param("layers", "head_dim")  # [L, hd]
-    post_attn_norm: Array = _param("layers", "embed")  # [L, D]
-    post_mlp_norm: Array = _param("layers", "embed")  # [L, D]
+    q_norm: Array = param_field("layers", "head_dim")  # [L, hd]
+    k_norm: Array = param_field("layers", "head_dim")  # [L, hd]
+    post_attn_norm: Array = param_field("layers", "embed")  # [L, D]
+    post_mlp_norm: Array = param_field("layers", "embed")  # [L, D]
 
 
 def param_shapes(cfg: ModelConfig) -> Params:

@@ -46,7 +46,7 @@ from models.lora import LoraInputs
 Array = jax.Array
 
 
-def _param(*axes: str):
+def param_field(*axes: str):
     """A params field declared with its logical axes, one name per array dim. The names are
     model-side; `engine.parallel.sharding.LOGICAL_RULES` maps them to mesh axes."""
     return dataclasses.field(metadata={"axes": axes})
@@ -55,7 +55,9 @@ def _param(*axes: str):
 def param_axes(field: dataclasses.Field) -> tuple[str, ...]:
     """The logical axes a `LayerWeights` / `Params` field was declared with."""
     if "axes" not in field.metadata:
-        raise TypeError(f"params field {field.name!r} declares no logical axes: use _param(...)")
+        raise TypeError(
+            f"params field {field.name!r} declares no logical axes: use param_field(...)"
+        )
     return field.metadata["axes"]
 
 
@@ -63,28 +65,28 @@ def param_axes(field: dataclasses.Field) -> tuple[str, ...]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    attn_norm: Array = _param("layers", "embed")  # [L, D]
-    wq: Array = _param("layers", "embed", "heads", "head_dim")  # [L, D, H, hd]
-    wk: Array = _param("layers", "embed", "kv_heads", "head_dim")  # [L, D, K, hd]
-    wv: Array = _param("layers", "embed", "kv_heads", "head_dim")  # [L, D, K, hd]
-    bq: Array | None = _param("layers", "heads", "head_dim")  # [L, H, hd] (Qwen2) or None
-    bk: Array | None = _param("layers", "kv_heads", "head_dim")  # [L, K, hd] or None
-    bv: Array | None = _param("layers", "kv_heads", "head_dim")  # [L, K, hd] or None
-    wo: Array = _param("layers", "heads", "head_dim", "embed")  # [L, H, hd, D]
-    mlp_norm: Array = _param("layers", "embed")  # [L, D]
-    w_gate: Array = _param("layers", "embed", "ffn")  # [L, D, F]
-    w_up: Array = _param("layers", "embed", "ffn")  # [L, D, F]
-    w_down: Array = _param("layers", "ffn", "embed")  # [L, F, D]
+    attn_norm: Array = param_field("layers", "embed")  # [L, D]
+    wq: Array = param_field("layers", "embed", "heads", "head_dim")  # [L, D, H, hd]
+    wk: Array = param_field("layers", "embed", "kv_heads", "head_dim")  # [L, D, K, hd]
+    wv: Array = param_field("layers", "embed", "kv_heads", "head_dim")  # [L, D, K, hd]
+    bq: Array | None = param_field("layers", "heads", "head_dim")  # [L, H, hd] (Qwen2) or None
+    bk: Array | None = param_field("layers", "kv_heads", "head_dim")  # [L, K, hd] or None
+    bv: Array | None = param_field("layers", "kv_heads", "head_dim")  # [L, K, hd] or None
+    wo: Array = param_field("layers", "heads", "head_dim", "embed")  # [L, H, hd, D]
+    mlp_norm: Array = param_field("layers", "embed")  # [L, D]
+    w_gate: Array = param_field("layers", "embed", "ffn")  # [L, D, F]
+    w_up: Array = param_field("layers", "embed", "ffn")  # [L, D, F]
+    w_down: Array = param_field("layers", "ffn", "embed")  # [L, F, D]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Params:
-    embed: Array = _param("vocab", "embed")  # [V, D]
+    embed: Array = param_field("vocab", "embed")  # [V, D]
     # stacked [L, ...] (axes declared above), or one LayerWeights per layer (`layer_layout`)
     layers: LayerWeights | tuple[LayerWeights, ...]
-    final_norm: Array = _param("embed")  # [D]
-    lm_head: Array | None = _param("embed", "vocab")  # [D, V], or None when tied to `embed`
+    final_norm: Array = param_field("embed")  # [D]
+    lm_head: Array | None = param_field("embed", "vocab")  # [D, V], or None when tied to `embed`
 
 
 def param_shapes(cfg: ModelConfig) -> Params:

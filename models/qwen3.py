@@ -23,7 +23,7 @@ from models import llama as llama_family
 from models.decoder import decoder_forward
 from models.errors import ModelLoadError
 from models.hf_config import common_fields, rope_scaling, rope_settings, rope_theta
-from models.llama import AttentionFn, Params, _param
+from models.llama import AttentionFn, Params, param_field
 from models.lora import LoraInputs
 
 Array = jax.Array
@@ -40,8 +40,8 @@ class Qwen3Config(ModelConfig):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights(llama_family.LayerWeights):
-    q_norm: Array = _param("layers", "head_dim")  # [L, hd]
-    k_norm: Array = _param("layers", "head_dim")  # [L, hd]
+    q_norm: Array = param_field("layers", "head_dim")  # [L, hd]
+    k_norm: Array = param_field("layers", "head_dim")  # [L, hd]
 
 
 def param_shapes(cfg: ModelConfig) -> Params:

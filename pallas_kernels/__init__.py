@@ -75,9 +75,9 @@ def write_kv(
     validation.check_layer(layer, num_layers)
     for name, x in (("k", k), ("v", v)):
         if np.ndim(x) != 3 or tuple(x.shape[1:]) != (num_kv_heads, head_dim):
-            validation._fail(name, x, f"[T, {num_kv_heads}, {head_dim}]")
+            validation.raise_shape_error(name, x, f"[T, {num_kv_heads}, {head_dim}]")
     if v.shape != k.shape:
-        validation._fail("v", v, f"k's shape {tuple(k.shape)}")
+        validation.raise_shape_error("v", v, f"k's shape {tuple(k.shape)}")
     validation.check_int32("slot_mapping", slot_mapping, (k.shape[0],))
     return _write_kv_jit(k_pages, v_pages, k, v, slot_mapping, layer, k_scales, v_scales)
 
@@ -275,7 +275,7 @@ def decode_paged_attention(
         impl,
     )
     if q.shape[0] != kv_lens.shape[0]:
-        validation._fail("q", q, f"one row per sequence: [{kv_lens.shape[0]}, H, hd]")
+        validation.raise_shape_error("q", q, f"one row per sequence: [{kv_lens.shape[0]}, H, hd]")
     return _decode_jit(
         q,
         k_pages,

@@ -39,7 +39,7 @@ def _pick_block(dim: int, choices: tuple[int, ...]) -> int:
     return next((c for c in choices if dim % c == 0), choices[-1])
 
 
-def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+def pad_axis_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     extra = -a.shape[axis] % multiple
     if not extra:
         return a
@@ -69,9 +69,9 @@ def int8_matmul_gpu(x, q, scale, *, interpret=False):
     bm = max(MIN_TILE, min(64, pl.next_power_of_2(m)))
     bk = _pick_block(k, (64, 32, 16))
     bn = _pick_block(n, (128, 64, 32, 16))
-    xp = _pad_to(_pad_to(x, 0, bm), 1, bk)  # [Mp, Kp]
-    qp = _pad_to(_pad_to(q, 0, bk), 1, bn)  # [Kp, Np]
-    sp = _pad_to(scale.astype(jnp.float32), 0, bn)  # [Np]
+    xp = pad_axis_to(pad_axis_to(x, 0, bm), 1, bk)  # [Mp, Kp]
+    qp = pad_axis_to(pad_axis_to(q, 0, bk), 1, bn)  # [Kp, Np]
+    sp = pad_axis_to(scale.astype(jnp.float32), 0, bn)  # [Np]
     mp, kp = xp.shape
     np_ = qp.shape[1]
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, num_k_blocks=kp // bk)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.int8_matmul_gpu import _pad_to
+from pallas_kernels.int8_matmul_gpu import pad_axis_to
 
 MAX_WHOLE_DIM = 4096
 
@@ -63,9 +63,9 @@ def int8_matmul_tpu(x, q, scale, *, interpret=False):
     bm = min(128, -(-m // 8) * 8)
     bk = _pick_block(k, (512, 256, 128))
     bn = _pick_block(n, (512, 256, 128))
-    xp = _pad_to(_pad_to(x, 0, bm), 1, bk)  # [Mp, Kp]
-    qp = _pad_to(_pad_to(q, 0, bk), 1, bn)  # [Kp, Np]
-    sp = _pad_to(scale.astype(jnp.float32).reshape(1, n), 1, bn)  # [1, Np]
+    xp = pad_axis_to(pad_axis_to(x, 0, bm), 1, bk)  # [Mp, Kp]
+    qp = pad_axis_to(pad_axis_to(q, 0, bk), 1, bn)  # [Kp, Np]
+    sp = pad_axis_to(scale.astype(jnp.float32).reshape(1, n), 1, bn)  # [1, Np]
     mp, kp = xp.shape
     np_ = qp.shape[1]
     out = pl.pallas_call(

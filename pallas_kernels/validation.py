@@ -12,7 +12,7 @@ FLOAT_KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 IMPLS = ("auto", "reference", "gpu", "tpu")
 
 
-def _fail(name, x, expected):
+def raise_shape_error(name, x, expected):
     raise ValueError(
         f"{name} has shape {tuple(np.shape(x))} and dtype {jnp.result_type(x)}; expected {expected}"
     )
@@ -22,9 +22,9 @@ def check_int32(name, x, shape):
     """x must be int32 with this shape (None entries match any size)."""
     got = tuple(np.shape(x))
     if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
-        _fail(name, x, f"shape {shape} int32")
+        raise_shape_error(name, x, f"shape {shape} int32")
     if jnp.result_type(x) != jnp.int32:
-        _fail(name, x, f"dtype int32 (shape {shape})")
+        raise_shape_error(name, x, f"dtype int32 (shape {shape})")
 
 
 def check_layer(layer, num_layers):
@@ -35,15 +35,15 @@ def check_layer(layer, num_layers):
             )
         return
     if np.shape(layer) != () or jnp.result_type(layer) != jnp.int32:
-        _fail("layer", layer, "a Python int or an int32 scalar")
+        raise_shape_error("layer", layer, "a Python int or an int32 scalar")
 
 
 def check_cache(k_pages, v_pages, k_scales, v_scales):
     """Returns (L, K, num_pages, page_size, hd)."""
     if np.ndim(k_pages) != 5:
-        _fail("k_pages", k_pages, "[L, K, num_pages, page_size, hd]")
+        raise_shape_error("k_pages", k_pages, "[L, K, num_pages, page_size, hd]")
     if np.shape(v_pages) != np.shape(k_pages) or v_pages.dtype != k_pages.dtype:
-        _fail(
+        raise_shape_error(
             "v_pages", v_pages, f"k_pages' shape {tuple(k_pages.shape)} and dtype {k_pages.dtype}"
         )
     if (k_scales is None) != (v_scales is None):
@@ -51,23 +51,25 @@ def check_cache(k_pages, v_pages, k_scales, v_scales):
     dims = tuple(k_pages.shape)
     if k_scales is None:
         if k_pages.dtype not in FLOAT_KV_DTYPES:
-            _fail("k_pages", k_pages, "float32/bfloat16/float16 (or int8 with k_scales)")
+            raise_shape_error(
+                "k_pages", k_pages, "float32/bfloat16/float16 (or int8 with k_scales)"
+            )
         return dims
     if k_pages.dtype != jnp.int8:
-        _fail("k_pages", k_pages, "int8 when k_scales/v_scales are given")
+        raise_shape_error("k_pages", k_pages, "int8 when k_scales/v_scales are given")
     for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
         if tuple(np.shape(s)) != dims[:4] or s.dtype != jnp.float32:
-            _fail(name, s, f"shape {dims[:4]} float32 ([L, K, num_pages, page_size])")
+            raise_shape_error(name, s, f"shape {dims[:4]} float32 ([L, K, num_pages, page_size])")
     return dims
 
 
 def check_query(name, q, num_kv_heads, head_dim):
     if np.ndim(q) != 3 or q.dtype not in FLOAT_KV_DTYPES:
-        _fail(name, q, "[tokens, H, hd] float32/bfloat16/float16")
+        raise_shape_error(name, q, "[tokens, H, hd] float32/bfloat16/float16")
     if q.shape[2] != head_dim:
-        _fail(name, q, f"head dim {head_dim} (the cache's)")
+        raise_shape_error(name, q, f"head dim {head_dim} (the cache's)")
     if q.shape[1] % num_kv_heads:
-        _fail(name, q, f"H a multiple of the {num_kv_heads} KV heads")
+        raise_shape_error(name, q, f"H a multiple of the {num_kv_heads} KV heads")
 
 
 def check_options(sm_scale, sliding_window, soft_cap, impl):

@@ -1,7 +1,7 @@
 """One vocabulary of command-line flags for every pagedjax command, and the checks that run on
 them before anything slow (a model load, a warm-up, a load run) starts.
 
-    pagedjax (serving.cli) | pagedjax-server | pagedjax-client | benchmarks.loadgen | planner
+    pagedjax (serving.cli) | pagedjax-server | pagedjax-client | serving.capacity.loadgen | planner
 
 A flag that means the same thing is defined here once (name, default, help) and every command
 that needs it calls the same `define_*` function; WORKSPACE.md has the table. A user mistake

@@ -88,7 +88,7 @@ class ServerConfig:
     engine_config: dict = dataclasses.field(default_factory=dict, hash=False)
     # -- disaggregation (serving/disagg/service.py): prefill | decode | both
     role: str = "both"
-    kv_transport: str = "grpc"  # or "jax": jax.experimental.transfer (kv_transfer_jax.py)
+    kv_transport: str = "grpc"  # "jax": jax.experimental.transfer (disagg/jax_transfer.py)
     kv_jax_checksum: bool = True  # jax transport: device digest of pages (kv_transfer/digest)
     # LoRA: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/http/lora.py)
     allow_runtime_lora: bool = False

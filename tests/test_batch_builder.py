@@ -34,7 +34,7 @@ class ReferenceBuilder(BatchBuilder):
     numpy element stores), kept as the oracle."""
 
     def build(self, scheduled, fit_shape=None):
-        from engine.batch.builder import BuiltStep, StepBatch, _chunk_token_ids  # noqa: F401
+        from engine.batch.builder import BuiltStep, StepBatch, chunk_token_ids  # noqa: F401
 
         ps, n = self.page_size, len(scheduled)
         slots, starts = np.empty(n, np.int32), np.empty(n, np.int32)

@@ -6,10 +6,10 @@ import statistics
 
 import pytest
 
-from benchmarks.loadgen import arrivals, driver, trace
-from benchmarks.loadgen.arrivals import ArrivalConfig
-from benchmarks.loadgen.metrics import RequestRecord
-from benchmarks.loadgen.workloads import (
+from serving.capacity.loadgen import arrivals, driver, trace
+from serving.capacity.loadgen.arrivals import ArrivalConfig
+from serving.capacity.loadgen.metrics import RequestRecord
+from serving.capacity.loadgen.workloads import (
     Corpus,
     LengthDist,
     WorkloadGenerator,
@@ -213,7 +213,7 @@ def test_open_loop_records_every_request_even_when_send_fails_or_hangs():
 
 
 def test_build_request_maps_spec_fields():
-    from benchmarks.loadgen.workloads import RequestSpec
+    from serving.capacity.loadgen.workloads import RequestSpec
     from serving.proto import pagedjax_pb2 as pb
 
     spec = RequestSpec("id-1", "short_qa", "Four score", 3, 17, "gold", 1)
@@ -226,12 +226,12 @@ def test_build_request_maps_spec_fields():
 
 
 def test_absorb_messages_keeps_token_stamps_apart_from_chunks():
-    from benchmarks.loadgen import metrics as m
+    from serving.capacity.loadgen import metrics as m
     from serving.proto import pagedjax_pb2 as pb
 
     rec = RequestRecord("r", send_s=10.0)
     ns = [5_000_000_000 + 20_000_000 * i for i in range(4)]  # server clock, 20 ms apart
-    driver._absorb_message(
+    driver.absorb_message(
         rec, pb.GenerateResponse(token_ids=[1, 2, 3], token_times_unix_ns=ns[:3]), 10.8
     )
     final = pb.FinalInfo(
@@ -239,7 +239,7 @@ def test_absorb_messages_keeps_token_stamps_apart_from_chunks():
         usage=pb.Usage(prompt_tokens=7, completion_tokens=4),
         timings=pb.Timings(queue_s=0.05),
     )
-    driver._absorb_message(
+    driver.absorb_message(
         rec, pb.GenerateResponse(token_ids=[4], token_times_unix_ns=ns[3:], final=final), 10.9
     )
     assert rec.outcome == "success" and rec.num_output_tokens == 4 and rec.queue_s == 0.05

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from benchmarks.loadgen import arrivals, trace
-from benchmarks.loadgen.metrics import OUTCOMES, parse_slo_policy
-from benchmarks.loadgen.run import RunConfig, check_loopback, run_load
+from serving.capacity.loadgen import arrivals, trace
+from serving.capacity.loadgen.metrics import OUTCOMES, parse_slo_policy
+from serving.capacity.loadgen.run import RunConfig, check_loopback, run_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,7 +79,7 @@ def test_cli_run_bursty_mixed_with_cancellations(mock_server, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.loadgen",
+        "serving.capacity.loadgen",
         f"--target=127.0.0.1:{port}",
         f"--metrics_url=http://127.0.0.1:{metrics_port}/metrics",
         (

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from benchmarks.loadgen import arrivals
-from benchmarks.loadgen.metrics import OUTCOMES, parse_slo_policy
-from benchmarks.loadgen.run import RunConfig, run_load
+from serving.capacity.loadgen import arrivals
+from serving.capacity.loadgen.metrics import OUTCOMES, parse_slo_policy
+from serving.capacity.loadgen.run import RunConfig, run_load
 from serving.engine_host.mock_engine import MockEngine
 from serving.frontend.admission import AdmissionConfig
 from serving.testing import calls_seen, outcome_counts, running_server, wait_for
@@ -88,7 +88,7 @@ def test_http_closed_loop_and_cli_flag(http_server, tmp_path):
         [
             sys.executable,
             "-m",
-            "benchmarks.loadgen",
+            "serving.capacity.loadgen",
             "--protocol=http",
             f"--target=127.0.0.1:{http_server.http_port}",
             "--workload=short_qa",

@@ -1,4 +1,4 @@
-"""Metric definitions on hand-made timelines (benchmarks/loadgen/metrics.py)."""
+"""Metric definitions on hand-made timelines (serving/capacity/loadgen/metrics.py)."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.loadgen import metrics as m
-from benchmarks.loadgen.metrics import RequestRecord, Slo, SloPolicy
+from serving.capacity.loadgen import metrics as m
+from serving.capacity.loadgen.metrics import RequestRecord, Slo, SloPolicy
 
 
 def seed_timeline(send_s=10.0, ttft_s=0.8, gaps=(0.02,) * 10, tail_s=0.0, **kw):

@@ -1,13 +1,13 @@
-"""The planner's worked examples from the seeds (benchmarks/planner.py)."""
+"""The planner's worked examples from the seeds (serving/capacity/planner.py)."""
 
 import dataclasses
 import functools
 
 import pytest
 
-from benchmarks import planner
 from configs import kv_memory
 from configs.model_config import from_name
+from serving.capacity import planner
 
 GIB = 1024**3
 SEED_MODEL = dataclasses.replace(from_name("llama-3.1-8b"), name="seed")  # 32 layers, 8x128

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from benchmarks.loadgen import report, scrape, sweep
-from benchmarks.loadgen.metrics import RequestRecord, parse_slo_policy
+from serving.capacity.loadgen import gates, report, scrape, sweep
+from serving.capacity.loadgen.metrics import RequestRecord, parse_slo_policy
 
 REQUIRED_KEYS = (
     "ttft_s",
@@ -181,7 +181,7 @@ def test_sweep_knee_and_operating_point(tmp_path):
         32.0: (20.0, 0.2),
     }
     result = sweep.run_sweep(
-        list(table), lambda r, d: fake_step_report(r, *table[r]), tmp_path, sweep.Gates()
+        list(table), lambda r, d: fake_step_report(r, *table[r]), tmp_path, gates.Gates()
     )
     assert result["knee_rate"] == 4.0  # 0.9 > 2 x 0.3
     assert result["operating_rate"] == 4.0  # 8 fails TTFT p95 and error rate
@@ -203,11 +203,11 @@ def test_operating_point_needs_every_lower_rate_to_pass():
 
 
 def test_gates_pass_undefined_tpot_but_not_missing_ttft():
-    step = sweep.step_summary(1.0, fake_step_report(1.0, 0.3, 1.0))
+    step = gates.step_summary(1.0, fake_step_report(1.0, 0.3, 1.0))
     step["tpot_s"] = {"p50": None, "p95": None, "p99": None}
-    assert all(sweep.check_gates(step, sweep.Gates()).values())
+    assert all(gates.check_gates(step, gates.Gates()).values())
     step["ttft_s"] = {"p50": None, "p95": None, "p99": None}
-    assert not sweep.check_gates(step, sweep.Gates())["ttft_s_p95"]
+    assert not gates.check_gates(step, gates.Gates())["ttft_s_p95"]
 
 
 def test_report_md_opens_with_the_answer_and_tables(tmp_path):

@@ -5,7 +5,7 @@ control and user-defined tokens. The real 262k vocabulary: tests/test_gemma3_ggu
 
 import pytest
 
-from models.loaders.gguf_spm_tokenizer import SPACE, _cached_merges, _merges, spm_backend
+from models.loaders.gguf_spm_tokenizer import SPACE, cached_merges, derive_merges, spm_backend
 
 mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
 
@@ -38,6 +38,6 @@ def test_ids_and_text_match_transformers_conversion(tmp_path, monkeypatch):
 def test_merges_are_cached_by_vocabulary(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDJAX_CACHE_DIR", str(tmp_path / "orbax"))
     vocab = {t: i for i, t in enumerate(TOKENS)}
-    first = _cached_merges(vocab)
+    first = cached_merges(vocab)
     assert list((tmp_path / "spm_merges").iterdir())  # written once
-    assert _cached_merges(vocab) == first == _merges(vocab)
+    assert cached_merges(vocab) == first == derive_merges(vocab)

@@ -219,12 +219,12 @@ def test_export_host_copy_is_not_in_the_engine_step(engines, monkeypatch):
 
 
 def test_warmed_transfer_programs_cover_every_transfer(tiny_model):
-    from engine.kv_transfer.transfer import _device_fns, transfer_buckets
+    from engine.kv_transfer.transfer import device_fns, transfer_buckets
 
     cfg = EngineConfig(model="tiny", **OPTS)
     a = KVTransferEngine(EngineCore(tiny_model, cfg))
     b = KVTransferEngine(EngineCore(tiny_model, cfg))
-    gather, scatter = _device_fns()
+    gather, scatter = device_fns()
     assert transfer_buckets(a.core) == [1, 2, 4, 8]  # max_model_len 48 = 6 pages of 8
     assert a.warm_transfer("prefill") == b.warm_transfer("decode") == 4
     compiled = gather._cache_size(), scatter._cache_size()

@@ -9,7 +9,7 @@ import pytest
 
 from configs import from_name
 from models.errors import ModelLoadError
-from models.loaders.gguf_loader import _unpermute, load_gguf
+from models.loaders.gguf_loader import load_gguf, unpermute_heads
 from models.loaders.hf_loader import load_hf_dir
 from models.registry import load_model, smollm2_gguf_path, tiny_tokenizer
 
@@ -131,4 +131,4 @@ def test_unpermute_inverts_llama_cpp_permute():
     w = np.arange(n_heads * hd * d, dtype=np.float32).reshape(n_heads * hd, d)
     # llama.cpp's convert_hf_to_gguf permute
     permuted = w.reshape(n_heads, 2, hd // 2, d).swapaxes(1, 2).reshape(w.shape)
-    np.testing.assert_array_equal(_unpermute(permuted, n_heads), w)
+    np.testing.assert_array_equal(unpermute_heads(permuted, n_heads), w)

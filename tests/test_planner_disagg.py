@@ -1,9 +1,9 @@
-"""Pool sizing for prefill/decode disaggregation (benchmarks/planner_disagg.py), checked by
+"""Pool sizing for prefill/decode disaggregation (serving/capacity/planner_disagg.py), checked by
 hand on the Llama-3.1-8B-on-8-GPUs example of WORKSPACE.md."""
 
 import pytest
 
-from benchmarks.planner_disagg import PhaseRates, disagg_plan
+from serving.capacity.planner_disagg import PhaseRates, disagg_plan
 
 KV_8B = 2 * 32 * 8 * 128 * 2  # bytes per token: K and V, 32 layers, 8 KV heads, hd 128, bf16
 RATES = PhaseRates(31000, 5200, 0.0123, 450e9)

@@ -10,7 +10,7 @@ import pytest
 from configs.spec_config import SpeculativeConfig
 from engine import LLM, SamplingParams
 from tests.test_spec_engine import OPTS, PROMPTS, assert_idle, check_same, reference  # noqa: F401
-from tests.test_spec_sampling import PROMPT, _homogeneity_pvalue
+from tests.test_spec_sampling import PROMPT, homogeneity_pvalue
 
 pytestmark = pytest.mark.compile  # builds its own engine configurations
 
@@ -67,7 +67,7 @@ def test_sampling_first_three_tokens_have_the_spec_off_distribution(sampled):
         a = [t[pos] for t in off]
         b = [t[pos] for t in on]
         assert len(a) == len(b) == N_SEEDS
-        assert _homogeneity_pvalue(a, b) > ALPHA, pos
+        assert homogeneity_pvalue(a, b) > ALPHA, pos
 
 
 def test_sampling_is_reproducible_per_seed(sampled, tiny_model):

@@ -45,7 +45,7 @@ def tiny_model():
     return load_model("tiny")
 
 
-def _homogeneity_pvalue(a: list[int], b: list[int]) -> float:
+def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
     """Chi-square test that two samples of token ids come from one distribution; values
     seen fewer than 10 times in all are pooled into one cell."""
     values, counts = np.unique(a + b, return_counts=True)
@@ -68,7 +68,7 @@ def test_first_three_tokens_have_the_same_distribution(outputs):
         a = [t[pos] for t in off if len(t) > pos]
         b = [t[pos] for t in on if len(t) > pos]
         assert len(a) == len(b) == N_REQUESTS
-        assert _homogeneity_pvalue(a, b) > ALPHA, pos
+        assert homogeneity_pvalue(a, b) > ALPHA, pos
 
 
 def test_speculation_differs_from_a_wrong_sample(outputs):
@@ -86,7 +86,7 @@ def test_speculation_differs_from_a_wrong_sample(outputs):
             ],
         )
     ]
-    assert _homogeneity_pvalue([t[0] for t in off], [t[0] for t in shifted]) < ALPHA
+    assert homogeneity_pvalue([t[0] for t in off], [t[0] for t in shifted]) < ALPHA
 
 
 def test_seeded_sampling_equals_spec_off_token_for_token(outputs):

@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = ["-m", "serving.cli", "generate"]
 SERVER = ["-m", "serving.server"]
 CLIENT = ["-m", "serving.client"]
-LOADGEN = ["-m", "benchmarks.loadgen"]
-PLANNER = ["-m", "benchmarks.planner"]
+LOADGEN = ["-m", "serving.capacity.loadgen"]
+PLANNER = ["-m", "serving.capacity.planner"]
 
 
 def run(args, timeout=60):
@@ -187,7 +187,7 @@ def test_server_prints_warmup_progress(monkeypatch, capsys, execute):
         mark_warm=marked.append,
         full_program=lambda shape: (True, None),
     )
-    engine_build._warmup_with_progress(eng, num_reports=4, execute=execute)
+    engine_build.warmup_with_progress(eng, num_reports=4, execute=execute)
     assert compiled == [shapes[0:3], shapes[3:6], shapes[6:9], shapes[9:]]
     assert executed == [execute] * 4  # --warmup_execute reaches every warm-up call
     lines = capsys.readouterr().err.splitlines()

@@ -18,7 +18,7 @@ from engine.api_types import EngineRequest
 from engine.core import EngineCore
 from engine.runner import compiles
 from engine.runner.shapes import reachable_shapes, sampler_variants
-from engine.runner.warmup import WarmupCancelled, _build_all, step_programs, warmup
+from engine.runner.warmup import WarmupCancelled, build_all, step_programs, warmup
 from engine.sampling.params import SamplingParams
 
 CONFIG = dict(
@@ -111,7 +111,7 @@ def test_every_max_shapes_is_honoured_by_the_server_default_config():
 
 
 class _CountingEngine:
-    """Just what `_build_all` calls: compile_step, here a short sleep that counts."""
+    """Just what `build_all` calls: compile_step, here a short sleep that counts."""
 
     def __init__(self):
         self.started = 0
@@ -129,7 +129,7 @@ def test_a_stopped_warmup_builds_no_program_after_the_ones_in_flight(workers):
     submitted, nothing after; WarmupCancelled says it was not a finished warm-up."""
     engine = _CountingEngine()
     with pytest.raises(WarmupCancelled):
-        _build_all(engine, [(i,) for i in range(40)], workers, stop=lambda: engine.started >= 3)
+        build_all(engine, [(i,) for i in range(40)], workers, stop=lambda: engine.started >= 3)
     assert 3 <= engine.started <= 3 + workers
 
 

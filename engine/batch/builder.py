@@ -44,8 +44,8 @@ import numpy as np
 from engine.sampling.sampler import (
     MAX_MIN_TOKENS_STOP_IDS,
     SamplingTensors,
-    _fill_row,
-    _greedy_rows,
+    fill_sampler_row,
+    greedy_sampler_rows,
 )
 from engine.sched.request import Request
 
@@ -281,12 +281,12 @@ class BatchBuilder:
         self.take_slot: Callable[[Request], object] | None = None
         self.page_table = np.zeros((S, max_pages_per_seq), np.int32)  # [S, P_max]
         self.num_pages = [0] * S  # [S] filled entries of each row (a list: read per row)
-        self.sampling = _greedy_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
+        self.sampling = greedy_sampler_rows(S)  # field -> [S] (or [S, n]) per-slot parameters
         # host time (#20): the float fields are the rows of one [F, S] array, in the order
         # of a batch's float buffer, so a step gathers and stores them in one operation
         self._floats = np.stack([self.sampling[f] for f in _FLOAT_FIELDS])  # [F, S]
         for i, f in enumerate(_FLOAT_FIELDS):
-            self.sampling[f] = self._floats[i]  # a view: _fill_row writes through it
+            self.sampling[f] = self._floats[i]  # a view: fill_sampler_row writes through it
         # the others but `step` (each step's output index, set from the plan)
         self._int_sampling = [
             (f, v) for f, v in self.sampling.items() if f not in _FLOAT_FIELDS and f != "step"
@@ -308,7 +308,7 @@ class BatchBuilder:
         self.slot_of[req.request_id] = slot
         self.num_pages[slot] = 0
         p = req.sampling
-        _fill_row(self.sampling, slot, p, 0, seed, self.eos_token_ids)
+        fill_sampler_row(self.sampling, slot, p, 0, seed, self.eos_token_ids)
         self.needs_logprobs[slot] = p.logprobs is not None
         self.needs_full[slot] = not p.greedy or p.logprobs is not None
         self.needs_penalties[slot] = (
@@ -419,7 +419,7 @@ class BatchBuilder:
         rows = Sd + np.arange(T)
         seq = np.repeat(np.arange(len(chunks)), lens)  # [T] chunk of each token
         pos = starts[seq] + (np.arange(T) - qs[seq])  # [T]
-        b.token_ids[rows] = np.concatenate([_chunk_token_ids(s) for s in chunks])
+        b.token_ids[rows] = np.concatenate([chunk_token_ids(s) for s in chunks])
         b.positions[rows] = pos
         b.slot_mapping[rows] = self.page_table[slots[seq], pos // ps] * ps + pos % ps
         n = len(chunks)
@@ -443,7 +443,7 @@ class BatchBuilder:
         floats[:, rows] = self._floats[:, slots]
 
 
-def _chunk_token_ids(s) -> list[int]:
+def chunk_token_ids(s) -> list[int]:
     """The token ids a prefill-group sequence computes this step: known tokens, then (for a
     speculating decode, engine/spec/decode.py) its drafted tokens."""
     ids = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]

@@ -1,5 +1,5 @@
 """A digest of K/V pages computed on the device, so the jax transport (serving/
-kv_transfer_jax.py) checks the pulled bytes without copying them to host memory.
+serving/disagg/jax_transfer.py) checks the pulled bytes without copying them to host memory.
 
     digest(arrays) = for each field of KV_FIELDS present, in that order:
         u[i]  = the element's bits as uint32 (4-byte dtypes bitcast; 2- and 1-byte dtypes

@@ -194,7 +194,7 @@ def _padded_ids(page_ids: list[int]) -> np.ndarray:
 
 
 @functools.cache
-def _device_fns():
+def device_fns():
     """(gather, scatter), jitted on first use."""
     import jax
 
@@ -219,7 +219,7 @@ def export_pages(core, page_ids: list[int]) -> dict[str, np.ndarray]:
 def gather_pages(core, page_ids: list[int]):
     """Dispatch the gather of pages `page_ids` (a PagedKVCache of device arrays [L, K, b,
     ...], b = the page count's power-of-two bucket). Returns without waiting for it."""
-    gather, _ = _device_fns()
+    gather, _ = device_fns()
     return gather(core.kv, _padded_ids(page_ids))
 
 
@@ -251,7 +251,7 @@ def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> No
 
     from engine.runner.kv_cache import PagedKVCache
 
-    _, scatter = _device_fns()
+    _, scatter = device_fns()
     core.kv = scatter(core.kv, ids, PagedKVCache(*(padded(name) for name in KV_FIELDS)))
 
 
@@ -292,7 +292,7 @@ def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool
     pages (engine/kv_transfer/digest.py) on either side."""
     import jax
 
-    gather_fn, scatter_fn = _device_fns()
+    gather_fn, scatter_fn = device_fns()
     runs = 0
     for n in transfer_buckets(core):
         ids = np.zeros(n, np.int32)  # the null page

@@ -24,7 +24,7 @@ import numpy as np
 from engine.sampling.sampler import init_counts, reset_slot_counts
 from engine.sched.request import Request
 
-_reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
+reset_counts_jit = jax.jit(reset_slot_counts, donate_argnums=(0, 1))
 
 
 class PenaltyState:
@@ -46,7 +46,7 @@ class PenaltyState:
         prompt[: req.num_prompt_tokens] = req.prompt_token_ids
         outs = np.zeros(width, np.int32)
         outs[: req.num_output_tokens] = req.output_token_ids
-        self._counts, self._prompt_mask = _reset_counts_jit(
+        self._counts, self._prompt_mask = reset_counts_jit(
             self._counts,
             self._prompt_mask,
             np.int32(slot),

@@ -109,7 +109,7 @@ class StepPrograms:
         """Dispatch one device step (also used by warm-up); returns the packed results on
         device without waiting for them. `token_bitmask`: structured output's allowed
         tokens per sampler row (None: the unconstrained program)."""
-        # ---- speculative decoding: a draft model's cache follows every step (spec_draft.py)
+        # ---- speculative decoding: a draft model's cache follows every step (engine/spec/draft.py)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.fill(batch, shape, self._last_tokens)
         # ---- end speculative decoding

@@ -85,7 +85,7 @@ def warmup(
     programs = step_programs(engine, shapes, sampling)
     with compilation_cache.warmup_guard():  # a crash while loading sets the cache aside
         _warm_penalty_state(engine)
-        _build_all(engine, programs, workers, stop)
+        build_all(engine, programs, workers, stop)
         if execute:
             for shape, flags, use_penalties, bitmask in programs:
                 _check(stop)
@@ -134,7 +134,7 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _build_all(engine, programs: list, workers: int | None, stop=None) -> None:
+def build_all(engine, programs: list, workers: int | None, stop=None) -> None:
     """`engine.compile_step` for each (shape, flags, use_penalties, bitmask), `workers` at a time,
     cheapest first (the order of `programs`); the first error is raised. At most `workers`
     programs are submitted at once, so a `stop()` leaves only those to finish."""
@@ -175,12 +175,12 @@ def _call_all(builders: list, workers: int | None) -> None:
 def _warm_penalty_state(engine) -> None:
     """Allocate the token counts and run the slot reset once (slot 0, empty lists): the
     slot a real request takes is reset again when it does."""
-    from engine.core import _reset_counts_jit
+    from engine.runner.penalties import reset_counts_jit
 
     engine.init_penalty_state()
     width = engine.sched_config.max_model_len
     empty = np.zeros(width, np.int32)
-    engine._counts, engine._prompt_mask = _reset_counts_jit(
+    engine._counts, engine._prompt_mask = reset_counts_jit(
         engine._counts, engine._prompt_mask, np.int32(0), empty, np.int32(0), empty, np.int32(0)
     )
     jax.block_until_ready(engine._counts)

@@ -167,11 +167,11 @@ class SamplingTensors:
             raise ValueError(
                 f"output_lens has {len(output_lens)} rows, params_list {len(params_list)}"
             )
-        rows = _greedy_rows(num_slots)
+        rows = greedy_sampler_rows(num_slots)
         for i, p in enumerate(params_list):
             if p is not None:
                 seed = seeds[i] if seeds is not None and seeds[i] is not None else p.seed
-                _fill_row(rows, i, p, output_lens[i], seed, eos_token_ids)
+                fill_sampler_row(rows, i, p, output_lens[i], seed, eos_token_ids)
         return cls(**rows)
 
 
@@ -183,7 +183,7 @@ _ROWS_FROM_PARAMS = tuple(
 )
 
 
-def _greedy_rows(num_slots: int) -> dict[str, np.ndarray]:
+def greedy_sampler_rows(num_slots: int) -> dict[str, np.ndarray]:
     S = num_slots
     f32 = lambda fill: np.full(S, fill, np.float32)
     i32 = lambda fill: np.full(S, fill, np.int32)
@@ -202,7 +202,7 @@ def _greedy_rows(num_slots: int) -> dict[str, np.ndarray]:
     }
 
 
-def _fill_row(
+def fill_sampler_row(
     rows: dict[str, np.ndarray],
     i: int,
     p: SamplingParams,
@@ -344,7 +344,7 @@ def _top_k_on(tensors: SamplingTensors, vocab_size: int) -> Array:
     return (tensors.top_k > 0) & (tensors.top_k < vocab_size)
 
 
-def _top_k_top_p_threshold(
+def top_k_top_p_threshold(
     cand: Array, temperature: Array, lse_scaled: Array, tensors: SamplingTensors, vocab_size: int
 ) -> Array:
     """[S] lowest processed logit kept by top-k then top-p (-inf for rows using neither).
@@ -403,7 +403,7 @@ def _sample_random(
     if cand is None:
         return drawn.astype(jnp.int32)
     lse_scaled = row_max / temperature + jnp.log(jnp.sum(e, axis=(1, 2)))  # [S]
-    thr = _top_k_top_p_threshold(cand, temperature, lse_scaled, tensors, V)  # [S]
+    thr = top_k_top_p_threshold(cand, temperature, lse_scaled, tensors, V)  # [S]
     thr = jnp.maximum(thr, min_p_thr)
     scores = jnp.where(cand >= thr[:, None], cand / temperature[:, None], _NEG_INF)  # [S, C]
     from_cand = jnp.take_along_axis(
@@ -418,7 +418,7 @@ def _filters_on(tensors: SamplingTensors, vocab_size: int) -> Array:
     return _top_k_on(tensors, vocab_size) | (tensors.top_p < 1.0)
 
 
-def _top(x: Array, k: int, pad_to: int | None = None) -> tuple[Array, Array]:
+def top_candidates(x: Array, k: int, pad_to: int | None = None) -> tuple[Array, Array]:
     """The k largest of each row of x [S, V], descending (ties: lowest id first), as
     ([S, n], [S, n] int32) with n = pad_to or k; padding columns hold -inf and id 0."""
     vals, ids = jax.lax.top_k(x, k)
@@ -480,12 +480,12 @@ def sample(
         any_filter = jnp.any((tensors.temperature > 0) & _filters_on(tensors, V))
         cand, cand_ids = jax.lax.cond(
             any_filter,
-            lambda x: _top(x, num_candidates),
-            lambda x: _top(x, K, pad_to=num_candidates),
+            lambda x: top_candidates(x, num_candidates),
+            lambda x: top_candidates(x, K, pad_to=num_candidates),
             logits,
         )
     elif filters or flags.top_logprobs:
-        cand, cand_ids = _top(logits, num_candidates if filters else K)
+        cand, cand_ids = top_candidates(logits, num_candidates if filters else K)
     if cand is not None:
         greedy, row_max = cand_ids[:, 0], cand[:, 0]
     else:

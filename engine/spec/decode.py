@@ -56,7 +56,7 @@ from engine.sampling.sampler import (
     GREEDY_FLAGS,
     SampleResult,
     SamplingTensors,
-    _greedy_rows,
+    greedy_sampler_rows,
     uses_penalties,
 )
 from engine.spec.draft import DraftModel, fill
@@ -253,7 +253,7 @@ class SpecDecoder:
         return packed, spec_packed, num_acc, spec_idx
 
     def _draft_on_device(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
-        """The layers / draft proposer on device (engine/spec/layers.py, spec_draft.py):
+        """The layers / draft proposer on device (engine/spec/layers.py, engine/spec/draft.py):
         the drafts and their q stay on device and go straight into the verify step (no
         host round trip)."""
         core, b, Sd = self.core, built.batch, built.shape.num_decode
@@ -337,7 +337,7 @@ class SpecDecoder:
 
     def _zero_spec_batch(self, Sv: int) -> SpecBatch:
         k1 = self.k + 1
-        rows = {n: np.repeat(v[:1], Sv * k1, axis=0) for n, v in _greedy_rows(1).items()}
+        rows = {n: np.repeat(v[:1], Sv * k1, axis=0) for n, v in greedy_sampler_rows(1).items()}
         return SpecBatch(
             np.zeros((Sv, k1), np.int32),
             np.zeros((Sv, self.k), np.int32),

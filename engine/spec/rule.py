@@ -46,10 +46,10 @@ import jax.numpy as jnp
 from engine.sampling.sampler import (
     DEFAULT_MAX_CANDIDATES,
     SamplingTensors,
-    _top,
-    _top_k_top_p_threshold,
     argmax_and_max,
     ban_stop_ids_before_min_tokens,
+    top_candidates,
+    top_k_top_p_threshold,
 )
 
 Array = jax.Array
@@ -82,8 +82,8 @@ def target_probs(
     temperature = jnp.where(tensors.temperature > 0, tensors.temperature, 1.0)  # [R]
     scaled = lg / temperature[:, None]  # [R, V]
     lse_scaled = jax.nn.logsumexp(scaled, axis=-1)  # [R]
-    cand, _ = _top(lg, min(max_candidates, V))  # [R, C] descending
-    thr = _top_k_top_p_threshold(cand, temperature, lse_scaled, tensors, V)  # [R]
+    cand, _ = top_candidates(lg, min(max_candidates, V))  # [R, C] descending
+    thr = top_k_top_p_threshold(cand, temperature, lse_scaled, tensors, V)  # [R]
     min_p_thr = jnp.where(
         tensors.min_p > 0, row_max + temperature * jnp.log(tensors.min_p), _NEG_INF
     )  # [R]

@@ -137,7 +137,7 @@ def config_from_gguf(reader, path: str, name: str | None = None) -> ModelConfig:
     )
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_heads(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: rows [n_heads, hd/2, 2] -> [n_heads, 2, hd/2]."""
     rows = w.shape[0]
     half = rows // n_heads // 2
@@ -203,9 +203,9 @@ def load_gguf(
     def unpermute(hf_name: str, w: np.ndarray) -> np.ndarray:
         if arch in _PERMUTED_ARCHITECTURES:
             if hf_name.endswith("q_proj.weight"):
-                return _unpermute(w, cfg.num_heads)
+                return unpermute_heads(w, cfg.num_heads)
             if hf_name.endswith("k_proj.weight"):
-                return _unpermute(w, cfg.num_kv_heads)
+                return unpermute_heads(w, cfg.num_kv_heads)
         return w
 
     def get(hf_name: str) -> np.ndarray:

@@ -31,7 +31,7 @@ _TOKEN_TYPE_USER_DEFINED = 4
 SPACE = "\u2581"
 
 
-def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+def derive_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     """(left, right) pairs whose concatenation is a token, best (earliest token) first; ties
     by the pieces' ids, then shorter left piece first (transformers' `generate_merges`)."""
     ranked = []
@@ -47,8 +47,8 @@ def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     return [(left, right) for _, _, _, left, right in ranked]
 
 
-def _cached_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """`_merges(vocab)`, cached as JSON beside the Orbax cache, keyed by the vocabulary's
+def cached_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """`derive_merges(vocab)`, cached as JSON beside the Orbax cache, keyed by the vocabulary's
     hash (deriving them takes ~10 s of CPU for Gemma's 262k tokens; reading them back <1 s)."""
     from models.loaders.orbax_cache import cache_dir
 
@@ -59,7 +59,7 @@ def _cached_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
             return [tuple(pair) for pair in json.load(f)]
     except (OSError, ValueError):
         pass
-    merges = _merges(vocab)
+    merges = derive_merges(vocab)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -79,7 +79,7 @@ def spm_backend(
     vocab = {tok: i for i, tok in enumerate(tokens)}  # a repeated spelling: its last id
     model = tokenizers.models.BPE(
         vocab=vocab,
-        merges=_cached_merges(vocab),
+        merges=cached_merges(vocab),
         dropout=None,
         unk_token=unk_token,
         fuse_unk=True,

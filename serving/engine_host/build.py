@@ -108,12 +108,12 @@ def engine_warmup(engine, max_shapes: int, *, execute: bool = False) -> Warmup |
 
     def run(stop: StopFn | None = None) -> None:
         for replica in replicas:
-            _warmup_with_progress(replica, stop=stop, execute=execute)
+            warmup_with_progress(replica, stop=stop, execute=execute)
 
     return run
 
 
-def _warmup_with_progress(engine, num_reports: int = 8, stop=None, execute: bool = False) -> None:
+def warmup_with_progress(engine, num_reports: int = 8, stop=None, execute: bool = False) -> None:
     """Builds the engine's whole shape set (engine/runner/shapes.py) in a few chunks, printing a
     line after each, and a last one with the program count (engine/runner/warmup.py lists them).
     `stop()` True: raises engine.errors.WarmupCancelled (a shutdown during warm-up)."""

@@ -1,5 +1,5 @@
 """Transport-neutral generation: the ONE implementation of admission, streaming and outcomes
-that the gRPC service (service.py) and the OpenAI-compatible HTTP API (http_api.py) call.
+that the gRPC service (service.py) and the OpenAI-compatible HTTP API (serving/http/api.py) call.
 
     transport parses its request into a GenerateCall (request id, API key, model / revision
     pin, a prompt builder and a sampling builder, priority, time left)
@@ -25,7 +25,7 @@ Admission order (each refusal is that request's one outcome):
     waiting queue / est. wait      RESOURCE_EXHAUSTED + retry  rejected{queue_*, deadline}
 
 Statuses are grpc.StatusCode values: the shared vocabulary of the ledger and the request
-log. The HTTP API maps each to an HTTP status (http_api.py: HTTP_STATUS).
+log. The HTTP API maps each to an HTTP status (serving/http/api.py: HTTP_STATUS).
 """
 
 from __future__ import annotations

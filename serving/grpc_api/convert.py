@@ -21,11 +21,11 @@ ENGINE_PRIORITY = {
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # Token times cross the wire as unix nanoseconds; the engine stamps time.monotonic().
-_UNIX_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
+UNIX_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
 
 
 def unix_ns(monotonic_s: float) -> int:
-    return _UNIX_MINUS_MONOTONIC_NS + round(monotonic_s * 1e9)
+    return UNIX_MINUS_MONOTONIC_NS + round(monotonic_s * 1e9)
 
 
 def chat_messages(chat: pb.ChatMessages) -> list[dict]:

@@ -2,9 +2,9 @@
 
     POST /v1/chat/completions   POST /v1/completions   (this module)
     GET /v1/models  POST /tokenize  POST /detokenize  GET /health /ready /metrics
-                                                       (http_endpoints.py)
+                                                       (serving/http/endpoints.py)
 
-One request contract, two transports: a generation request is parsed (http_schemas.py),
+One request contract, two transports: a generation request is parsed (serving/http/schemas.py),
 turned into one GenerateCall per choice (n choices x prompts; each its own engine request,
 so the n choices of a prompt share its prefix-cache pages once computed) and handed to the
 same Generator as gRPC (generation.py): same tenants (`Authorization: Bearer KEY` is gRPC's
@@ -22,7 +22,7 @@ engine request. A deadline comes from `x-request-timeout-ms` or the SDK's
     client disconnect -> Generator.client_gone for every unfinished choice (pages freed by
     the next engine step)
 
-Statuses (grpc.StatusCode in the ledger) map to HTTP (http_responses.py): INVALID_ARGUMENT
+Statuses (grpc.StatusCode in the ledger) map to HTTP (serving/http/responses.py): INVALID_ARGUMENT
 400, UNAUTHENTICATED 401, unknown model 404, revision pin 409, RESOURCE_EXHAUSTED 429 and
 UNAVAILABLE 503 (both with `Retry-After` seconds and `retry-after-ms`), DEADLINE_EXCEEDED
 504, INTERNAL 500.
@@ -214,7 +214,7 @@ class HttpApi:
                         revision=body.revision or request.headers.get(REVISION_HEADER, ""),
                         priority=schemas.engine_priority(body.priority),
                         stream_listener=listener,
-                        success_on_delivery=True,  # overload (#17): http_delivery.py
+                        success_on_delivery=True,  # overload (#17): serving/http/delivery.py
                         time_left_s=deadline.timeout_s,
                         deadline_source=deadline.source,
                     )

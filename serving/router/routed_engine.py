@@ -43,7 +43,7 @@ from engine.api_types import (
     RequestOutput,
     TokenLogprob,
 )
-from serving.grpc_api.convert import _UNIX_MINUS_MONOTONIC_NS
+from serving.grpc_api.convert import UNIX_MINUS_MONOTONIC_NS
 from serving.proto import SAMPLING_FIELDS
 from serving.proto import pagedjax_pb2 as pb
 from serving.router.client import NoRoute, RouteFailed, RouterClient
@@ -92,7 +92,7 @@ def generate_request(er: EngineRequest) -> pb.GenerateRequest:
 
 
 def _monotonic_s(unix_ns: int) -> float:
-    return (unix_ns - _UNIX_MINUS_MONOTONIC_NS) / 1e9
+    return (unix_ns - UNIX_MINUS_MONOTONIC_NS) / 1e9
 
 
 class _Relay:

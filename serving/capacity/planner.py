@@ -1,6 +1,6 @@
 r"""Capacity planner: memory feasibility (KV that fits) and replicas for a demand.
 
-    python -m benchmarks.planner plan --model=llama-3.1-8b --kv_dtype=bfloat16 \
+    python -m serving.capacity.planner plan --model=llama-3.1-8b --kv_dtype=bfloat16 \
         --device_memory_gib=80 --weights_gib=16.1 --workspace_gib=6 --page_size=16 \
         --prompt_median=512 --output_median=256 --max_tokens=1024 \
         --rate=20 --goodput_per_replica=4.5 --reserve=0.3
@@ -112,7 +112,7 @@ def length_samples(
     seed: int = 0,
 ) -> list[tuple[int, int]]:
     """Monte Carlo draws of a joint lognormal (same model as the load generator's)."""
-    from benchmarks.loadgen.workloads import LengthDist
+    from serving.capacity.loadgen.workloads import LengthDist
 
     dist = LengthDist(
         prompt_median, output_median, prompt_sigma, output_sigma, rho, max_in=10**9, max_out=10**9
@@ -122,7 +122,7 @@ def length_samples(
 
 
 def length_summary(samples: list[tuple[int, int]], page_size: int, max_tokens: int | None) -> dict:
-    from benchmarks.loadgen.metrics import percentile
+    from serving.capacity.loadgen.metrics import percentile
 
     totals = [i + o for i, o in samples]
     worst = [i + max_tokens for i, _ in samples] if max_tokens else totals
@@ -252,7 +252,7 @@ flags.DEFINE_enum("format", "text", ["text", "json"], "output format")
 
 def _samples_from_flags() -> list[tuple[int, int]]:
     if F.trace:
-        from benchmarks.loadgen.trace import load_trace
+        from serving.capacity.loadgen.trace import load_trace
 
         return [(e.prompt_tokens, e.output_tokens) for e in load_trace(F.trace)]
     return length_samples(F.prompt_median, F.output_median, F.prompt_sigma, F.output_sigma, F.rho)
@@ -267,7 +267,7 @@ def check_flags(argv) -> None:
         "",
         argv[1:] == ["plan"],
         f"expected the command 'plan' (got {' '.join(argv[1:]) or 'none'}): "
-        "python -m benchmarks.planner plan [--flags]",
+        "python -m serving.capacity.planner plan [--flags]",
     )
     shared.require("model", F.model, F.model in PRESETS, f"unknown model; one of {sorted(PRESETS)}")
     for flag in ("kv_dtype", "weight_dtype"):

@@ -12,8 +12,10 @@ import json
 import pathlib
 from collections.abc import Callable, Sequence
 
-from benchmarks.loadgen import metrics as m
-from benchmarks.loadgen.metrics import RequestRecord, SloPolicy
+from serving.capacity.loadgen import metrics as m
+from serving.capacity.loadgen import plots as plotting
+from serving.capacity.loadgen import render
+from serving.capacity.loadgen.metrics import RequestRecord, SloPolicy
 
 DEFINITIONS = {
     "ttft_s": "client: request sent -> first chunk carrying a token received",
@@ -196,35 +198,10 @@ def build_report(
     }
 
 
-def run_label(report: dict) -> str:
-    """'workload | arrival at rate | SLO' in one line, for titles of the report and plots."""
-    c = report.get("conditions", {})
-    mix = c.get("workload_mix") or {}
-    if "trace" in mix:
-        workload = f"trace {pathlib.Path(str(mix['trace'])).name}"
-    else:
-        workload = ", ".join(
-            f"{name} {v['weight']:.0%}" if isinstance(v, dict) else str(name)
-            for name, v in mix.items()
-        )
-    a = c.get("arrival") or {}
-    if a.get("kind") == "closed":
-        load = f"closed loop, {a.get('concurrency')} streams"
-    elif "rate" in a:
-        load = f"{a['kind']} {a['rate']:g} req/s"
-    else:
-        load = str(a.get("kind", "?"))
-    slo = report.get("slo", {}).get("default", {})
-    gates = ", ".join(f"{k[:-2].upper()}<={v:g}s" for k, v in slo.items() if v is not None)
-    return f"{workload or '?'} | {load} | SLO {gates or 'none'}"
-
-
 def write_report(
     out_dir: str | pathlib.Path, report: dict, records: Sequence[RequestRecord], plots: bool = True
 ) -> list[pathlib.Path]:
     """report.json, report.md, records.jsonl and (if `plots`) the PNGs; returns the paths."""
-    from benchmarks.loadgen import plots as plotting
-    from benchmarks.loadgen import render
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,10 +22,10 @@ import httpx
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from benchmarks.loadgen import arrivals, driver, http_driver, report, trace
-from benchmarks.loadgen.metrics import SloPolicy
-from benchmarks.loadgen.scrape import Scraper, summarize_scrape
-from benchmarks.loadgen.workloads import Corpus, WorkloadGenerator, mix_to_dict, parse_mix
+from serving.capacity.loadgen import arrivals, driver, http_driver, report, trace
+from serving.capacity.loadgen.metrics import SloPolicy
+from serving.capacity.loadgen.scrape import Scraper, summarize_scrape
+from serving.capacity.loadgen.workloads import Corpus, WorkloadGenerator, mix_to_dict, parse_mix
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 

@@ -1,6 +1,7 @@
-r"""Sizing prefill and decode pools from measured per-phase rates (extends benchmarks.planner).
+r"""Sizing prefill and decode pools from measured per-phase rates (extends
+serving.capacity.planner).
 
-    python -m benchmarks.planner_disagg --model=llama-3.1-8b --kv_dtype=bfloat16 \
+    python -m serving.capacity.planner_disagg --model=llama-3.1-8b --kv_dtype=bfloat16 \
         --rate=40 --prompt_tokens=2000 --output_tokens=250 --prefix_hit_rate=0 \
         --prefill_tokens_per_s=31000 --decode_tokens_per_s=5200 --tpot_s=0.0123 \
         --transfer_gb_per_s=450 --kv_budget_gib=58 --reserve=0.3 --devices=8
@@ -143,7 +144,8 @@ F = flags.FLAGS
 
 
 def define_flags() -> None:
-    """Defined only when run as a program (benchmarks.planner defines some of the same names)."""
+    """Defined only when run as a program (serving.capacity.planner defines some of the same
+    names)."""
     flags.DEFINE_string("model", "llama-3.1-8b", "a configs.model_config preset")
     flags.DEFINE_string("kv_dtype", "bfloat16", "KV element type")
     flags.DEFINE_float("rate", 40.0, "requests per second")

@@ -20,9 +20,9 @@ import time
 
 import httpx
 
-from benchmarks.loadgen.driver import SUCCESS_REASONS, new_record
-from benchmarks.loadgen.metrics import RequestRecord
-from benchmarks.loadgen.workloads import RequestSpec
+from serving.capacity.loadgen.driver import SUCCESS_REASONS, new_record
+from serving.capacity.loadgen.metrics import RequestRecord
+from serving.capacity.loadgen.workloads import RequestSpec
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
 

@@ -1,6 +1,6 @@
-r"""python -m benchmarks.loadgen: one load run, or a rate sweep, against a local server.
+r"""python -m serving.capacity.loadgen: one load run, or a rate sweep, against a local server.
 
-    python -m benchmarks.loadgen --target=127.0.0.1:50051 --metrics_url=http://127.0.0.1:9090/metrics \
+    python -m serving.capacity.loadgen --target=127.0.0.1:50051 --metrics_url=http://127.0.0.1:9090/metrics \
         --workload=short_qa:0.5,long_context:0.2,long_generation:0.1,shared_prefix:0.1,multi_tenant:0.1 \
         --arrival=gamma --burstiness=4 --rate=2 --duration_s=60 --cancel_fraction=0.1 \
         --slo=ttft_s=2,tpot_s=0.2,e2e_s=60 --price_per_device_hour=2.5 --out=/tmp/cap
@@ -21,15 +21,15 @@ import pathlib
 
 from absl import app, flags
 
-from benchmarks.extras import require
+from serving.extras import require
 
 require("bench", "matplotlib", "tqdm")  # plots, progress bar: fail before any load is sent
 
-from benchmarks.loadgen import arrivals, report, sweep
-from benchmarks.loadgen.metrics import parse_slo_policy
-from benchmarks.loadgen.run import RunConfig, check_loopback, run_load
-from benchmarks.loadgen.workloads import parse_mix
 from serving import flags as shared
+from serving.capacity.loadgen import arrivals, gates, report, sweep
+from serving.capacity.loadgen.metrics import parse_slo_policy
+from serving.capacity.loadgen.run import RunConfig, check_loopback, run_load
+from serving.capacity.loadgen.workloads import parse_mix
 
 F = flags.FLAGS
 shared.define_target()  # --target (loopback only here), --api_key, --request_timeout_s
@@ -229,9 +229,9 @@ def main(argv):
         )
         print(f"report: {out / 'report.md'}")
         return
-    gates = sweep.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
+    limits = gates.Gates(F.gate_percentile, F.min_good_fraction, F.max_error_rate)
     result = sweep.run_sweep(
-        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, gates
+        rates, lambda r, d: run_load(config_from_flags(r, rates.index(r) + 1), d), out, limits
     )
     print(sweep.sweep_markdown(result))
     print(f"sweep: {out / 'sweep.md'}")

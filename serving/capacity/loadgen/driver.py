@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from benchmarks.loadgen.metrics import RequestRecord
-from benchmarks.loadgen.workloads import RequestSpec
+from serving.capacity.loadgen.metrics import RequestRecord
+from serving.capacity.loadgen.workloads import RequestSpec
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
@@ -73,7 +73,7 @@ def new_record(spec: RequestSpec, scheduled_s: float | None) -> RequestRecord:
     )
 
 
-def _absorb_message(rec: RequestRecord, msg: pb.GenerateResponse, now: float) -> None:
+def absorb_message(rec: RequestRecord, msg: pb.GenerateResponse, now: float) -> None:
     """One streamed message: client arrival time per chunk, server stamp per token."""
     n = len(msg.token_ids)
     if n:
@@ -141,7 +141,7 @@ async def run_one(
         canceller = asyncio.get_running_loop().call_later(early_cancel_s, _early_cancel)
     try:
         async for msg in call:
-            _absorb_message(rec, msg, time.perf_counter())
+            absorb_message(rec, msg, time.perf_counter())
             cancel_at = spec.cancel_after_tokens
             if cancel_at and rec.num_output_tokens >= cancel_at and not msg.HasField("final"):
                 cancelled_by_us = True

@@ -26,59 +26,8 @@ import json
 import pathlib
 from collections.abc import Callable
 
-
-@dataclasses.dataclass(frozen=True)
-class Gates:
-    gate_percentile: str = "p95"
-    min_good_fraction: float = 0.9
-    max_error_rate: float = 0.01
-    knee_factor: float = 2.0
-
-
-def step_summary(rate: float, report: dict) -> dict:
-    """The part of a run's report the sweep needs."""
-    keys = (
-        "ttft_s",
-        "tpot_s",
-        "e2e_s",
-        "itl_s",
-        "queue_s",
-        "throughput",
-        "goodput_rps",
-        "outcomes",
-        "requests_sent",
-        "slo",
-        "cost_per_success",
-    )
-    from benchmarks.loadgen.report import run_label
-
-    return {
-        "rate": rate,
-        "good_requests": report["goodput"]["good_requests"],
-        "label": run_label(report) if "conditions" in report else "",
-        **{k: report[k] for k in keys},
-    }
-
-
-def check_gates(step: dict, gates: Gates) -> dict[str, bool]:
-    slo = step["slo"]["default"]
-    p = gates.gate_percentile
-    checks = {}
-    any_success = step["outcomes"]["success"] > 0
-    for key in ("ttft_s", "tpot_s", "e2e_s"):
-        limit, value = slo.get(key), step[key][p]
-        if limit is not None:
-            # TPOT is undefined when every answer had one token: that cannot miss the gate.
-            undefined_ok = key == "tpot_s" and value is None and any_success
-            checks[f"{key}_{p}"] = undefined_ok or (value is not None and value <= limit)
-    o = step["outcomes"]
-    sent = step["requests_sent"]
-    not_cancelled = sent - o["cancelled"]
-    good = step["good_requests"]
-    checks["good_fraction"] = not_cancelled > 0 and good / not_cancelled >= gates.min_good_fraction
-    errors = o["rejected"] + o["timed_out"] + o["failed"]
-    checks["error_rate"] = sent > 0 and errors / sent <= gates.max_error_rate
-    return checks
+from serving.capacity.loadgen import plots
+from serving.capacity.loadgen.gates import Gates, check_gates, step_summary
 
 
 def find_knee(steps: list[dict], gates: Gates) -> float | None:
@@ -118,11 +67,12 @@ def run_sweep(
     rates: list[float],
     run_at: Callable[[float, pathlib.Path], dict],
     out_dir: pathlib.Path,
-    gates: Gates = Gates(),
+    gates: Gates | None = None,
     stop_after_failures: int = 2,
 ) -> dict:
-    """Runs `run_at(rate, step_dir) -> report` per rate; writes sweep.json/.md/.png."""
-    from benchmarks.loadgen import plots
+    """Runs `run_at(rate, step_dir) -> report` per rate; writes sweep.json/.md/.png.
+    `gates`: None for the defaults (Gates())."""
+    gates = gates or Gates()
 
     steps = []
     failures = 0

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from benchmarks.extras import require
-from benchmarks.loadgen import metrics as m
-from benchmarks.loadgen.metrics import RequestRecord
+from serving.capacity.loadgen import metrics as m
+from serving.capacity.loadgen.labels import run_label
+from serving.capacity.loadgen.metrics import RequestRecord
+from serving.extras import require
 
 require("bench", "matplotlib")
 
@@ -137,8 +138,6 @@ def timeline(
 def run_plots(
     out: pathlib.Path, report: dict, records: Sequence[RequestRecord]
 ) -> list[pathlib.Path]:
-    from benchmarks.loadgen.report import run_label
-
     paths = [out / "latency_cdf.png", out / "timeline.png"]
     title = run_label(report)
     latency_cdf(paths[0], records, report["slo"]["default"], title)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from serving.capacity.loadgen import gates
+from serving.capacity.loadgen.labels import run_label
+
 
 def _f(v, digits: int = 3) -> str:
     if v is None:
@@ -60,10 +63,8 @@ def slo_miss_table(r: dict) -> list[str]:
 
 def verdict(r: dict) -> str:
     """Whether this rate passes the sweep's gates (the operating point's test)."""
-    from benchmarks.loadgen import sweep
-
-    gates = sweep.check_gates(sweep.step_summary(0.0, r), sweep.Gates())
-    failed = [k for k, ok in gates.items() if not ok]
+    passed = gates.check_gates(gates.step_summary(0.0, r), gates.Gates())
+    failed = [k for k, ok in passed.items() if not ok]
     if not failed:
         return (
             "**Within capacity**: every gate passed at this load (p95 latencies within the SLO, "
@@ -78,8 +79,6 @@ def verdict(r: dict) -> str:
 
 def markdown(r: dict) -> str:
     """The answer first (goodput, verdict, cost, outcomes, latency), conditions last."""
-    from benchmarks.loadgen.report import run_label
-
     c, t, g = r["conditions"], r["throughput"], r["goodput"]
     sent = r["requests_sent"]
     lines = [

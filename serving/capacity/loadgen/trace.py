@@ -20,7 +20,7 @@ import pathlib
 import random
 import uuid
 
-from benchmarks.loadgen.workloads import Corpus, RequestSpec
+from serving.capacity.loadgen.workloads import Corpus, RequestSpec
 
 
 @dataclasses.dataclass
