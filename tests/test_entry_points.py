@@ -116,7 +116,7 @@ def test_cluster_launcher_roles_and_router_become_serving_and_answer(tmp_path):
             "--prefill=1",
             "--decode=1",
             f"--port={port}",
-            "--worker_args=--model=tiny --warmup_max_shapes=8",  # warm-up on, a small shape set
+            "--worker_args=--model=tiny --warmup_max_shapes=2",  # warm-up on, two shapes each
             f"--logs_dir={tmp_path}",
         ],
         log,

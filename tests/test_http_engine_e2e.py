@@ -10,6 +10,7 @@ from engine.api_types import EngineRequest
 from engine.sampling.params import SamplingParams
 from serving.frontend.admission import AdmissionConfig
 from serving.testing import outcome_counts, running_server, wait_for
+from tests.conftest import FULL_SIZES_ONLY
 
 PROMPT = "hello world"
 
@@ -175,7 +176,10 @@ def test_structured_output_over_http_and_grpc(tiny_engine):
         assert res.code == "INVALID_ARGUMENT" and "structured.regex" in res.details
 
 
+# SmolLM2 over HTTP via the openai SDK stays in `make test` as tests/test_entry_points.py's
+# README server test (defaults, Paris); this in-process twin runs in `make test-full-sizes`.
 @pytest.mark.slow
+@FULL_SIZES_ONLY
 def test_smollm2_chat_over_http_answers_paris(smollm2):
     engine = _engine(
         smollm2, page_size=16, num_pages=64, max_model_len=512, layer_loop="scan"

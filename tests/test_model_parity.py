@@ -91,6 +91,9 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2, hf_smollm2, layer_
         assert ours == ref, (prompt, tok.decode(ours), tok.decode(ref))
 
 
+# `make test` keeps "Paris" on SmolLM2 through the paged engine, whose tokens equal this dense
+# loop's (tests/test_engine.py), and the greedy tokens above against transformers.
+@FULL_SIZES_ONLY
 def test_dense_generate_answers_paris(smollm2):
     tok = smollm2.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
