@@ -167,8 +167,9 @@ def kernels_vs_reference(sizes: Sizes, smoke: bool) -> dict:
 # ---------------------------------------------------------------- 4-5 attention speed
 
 
-def decode_attention(sizes: Sizes, peak: dict, smoke: bool) -> dict:
-    inputs = kernels_bench.make_inputs(
+def decode_inputs(sizes: Sizes) -> kernels_bench.Inputs:
+    """The decode case: `decode_batch` sequences of `decode_context` tokens, one query each."""
+    return kernels_bench.make_inputs(
         "decode",
         sizes.decode_batch,
         sizes.decode_context,
@@ -179,6 +180,10 @@ def decode_attention(sizes: Sizes, peak: dict, smoke: bool) -> dict:
         chunk=1,
         dtype=jnp.dtype(sizes.dtype),
     )
+
+
+def decode_attention(sizes: Sizes, peak: dict, smoke: bool) -> dict:
+    inputs = decode_inputs(sizes)
     sm_scale = sizes.head_dim**-0.5
     args = (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table, 0)
     fns = {

@@ -23,7 +23,6 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks import device_check, kernels_bench
 from pallas_kernels import gpu_common
@@ -38,17 +37,7 @@ def _save(r: dict, out: str) -> None:
 def decode_sweep(
     sizes, copy_gb_s: float, smoke: bool, r: dict, out: str, full_grid: bool = False
 ) -> None:
-    inputs = kernels_bench.make_inputs(
-        "decode",
-        sizes.decode_batch,
-        sizes.decode_context,
-        num_heads=sizes.num_heads,
-        num_kv_heads=sizes.num_kv_heads,
-        head_dim=sizes.head_dim,
-        page_size=sizes.page_size,
-        chunk=1,
-        dtype=jnp.dtype(sizes.dtype),
-    )
+    inputs = device_check.decode_inputs(sizes)
     args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table, 0)
     default_block = gpu_common.KV_BLOCK_TOKENS["decode"]
     default_launch = dict(gpu_common.DECODE_LAUNCH)
