@@ -21,12 +21,14 @@ kv_lens[s] - query_len + i and sees cache positions <= it (and > it - sliding_wi
 
 Dispatch: impl="auto" picks by `jax.default_backend()`: gpu -> `gpu_kernels` (Pallas,
 Triton lowering), tpu -> `tpu_kernels` (Pallas Mosaic TPU, scalar-prefetched page tables),
-cpu -> `reference`. impl="reference" | "gpu" | "tpu" forces one; interpret=True runs the
-chosen Pallas kernel in interpret mode (that is how the tests run kernels on CPU).
+cpu -> `cpu_kernels` (jnp in data-bounded `lax` loops). impl="reference" | "cpu" | "gpu" |
+"tpu" forces one; interpret=True runs the chosen Pallas kernel in interpret mode (that is how
+the tests run kernels on CPU).
 
-Files: reference.py (jnp oracle + KV write), validation.py (ValueErrors), layout.py (query
-blocks and tiles shared by the kernels), gpu_kernels.py / gpu_decode.py / gpu_common.py,
-tpu_kernels.py, testing.py (NaN-filled test cases and a naive dense attention).
+Files: reference.py (jnp oracle + KV write), cpu_kernels.py (the CPU path), validation.py
+(ValueErrors), layout.py (query blocks and tiles shared by the kernels), gpu_kernels.py /
+gpu_decode.py / gpu_common.py, tpu_kernels.py, testing.py (NaN-filled test cases and a naive
+dense attention).
 
 Also here, beside the attention ops: the weight-only int8 matmul of quantized models
 (int8_matmul.py: reference, W8A8 and dispatch; int8_matmul_gpu.py, int8_matmul_tpu.py).
@@ -90,6 +92,10 @@ def _implementation(op: str, impl: str, interpret: bool):
     Kernel modules are imported lazily so the CPU path never loads them."""
     if impl == "reference":
         return getattr(reference, f"{op}_paged_attention_reference")
+    if impl == "cpu":
+        from pallas_kernels import cpu_kernels
+
+        return getattr(cpu_kernels, f"{op}_paged_attention_cpu")
     if impl == "gpu":
         from pallas_kernels import gpu_kernels as kernels
     else:

@@ -12,12 +12,13 @@ float32 and multiply by the scales once at the end. No float copy of a whole wei
 
 Formulations (`impl`):
     "reference"   x @ q.astype(x.dtype), then * scale: the oracle, and XLA's choice on CPU
+    "cpu"         the same as "reference" (the attention's CPU name, accepted here too)
     "w8a8"        x quantized per row (dynamic absmax/127 scale), int8 x int8 dot with int32
                   accumulation, then * x_scale * scale. NOT weight-only: it also rounds the
                   activations, so it is its own quantization scheme (models.quant "w8a8").
     "gpu"         Pallas, Triton lowering (int8_matmul_gpu.py)
     "tpu"         Pallas, Mosaic TPU (int8_matmul_tpu.py)
-    "auto"        gpu -> "gpu", tpu -> "tpu", cpu -> "reference"
+    "auto"        gpu -> "gpu", tpu -> "tpu", cpu -> "cpu" (= "reference")
 `interpret=True` runs a Pallas kernel in interpret mode (how the tests run them on CPU).
 
 NOTE (CPU): XLA:CPU has no fused int8-weight float dot; it converts the int8 weight to a
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from pallas_kernels import validation
 
 INT8_MAX = 127.0
-IMPLS = ("auto", "reference", "w8a8", "gpu", "tpu")
+IMPLS = ("auto", "reference", "cpu", "w8a8", "gpu", "tpu")
 
 
 def int8_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -63,7 +64,7 @@ def int8_matmul_w8a8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _implementation(impl: str, interpret: bool):
-    if impl == "reference":
+    if impl in ("reference", "cpu"):  # on CPU XLA's own dot is the fast path
         return int8_matmul_reference
     if impl == "w8a8":
         return int8_matmul_w8a8

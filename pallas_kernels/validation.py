@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT_KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-IMPLS = ("auto", "reference", "gpu", "tpu")
+IMPLS = ("auto", "reference", "cpu", "gpu", "tpu")
 
 
 def raise_shape_error(name, x, expected):
@@ -86,7 +86,7 @@ def check_options(sm_scale, sliding_window, soft_cap, impl):
 
 def resolve_impl(impl: str) -> str:
     """`impl="auto"` -> the kernel family for the default backend ("gpu", "tpu", or the jnp
-    "reference" on CPU); any other value is returned as given."""
+    loops of cpu_kernels.py on CPU); any other value is returned as given."""
     if impl != "auto":
         return impl
     backend = jax.default_backend()
@@ -94,4 +94,4 @@ def resolve_impl(impl: str) -> str:
         return "gpu"
     if backend == "tpu":
         return "tpu"
-    return "reference"
+    return "cpu"

@@ -1,7 +1,8 @@
-"""Paged attention, one module for every implementation: the jnp reference (the CPU path),
-the Pallas GPU kernels (Triton lowering) and the Pallas TPU kernel, both kernels in
-interpret mode on CPU, each against naive dense float64 attention. Every slot that must
-never be read is NaN (the TPU interpreter also raises on out-of-bounds reads).
+"""Paged attention, one module for every implementation: the jnp reference (the oracle), the jnp
+loops of cpu_kernels.py (the CPU path), the Pallas GPU kernels (Triton lowering) and the Pallas
+TPU kernel, both kernels in interpret mode on CPU, each against naive dense float64 attention.
+Every slot that must never be read is NaN (the TPU interpreter also raises on out-of-bounds
+reads).
 
 Each test takes `impl`; each implementation has its own case list because interpret mode
 costs differ: the GPU kernels sweep a sample of the product of page sizes, GQA ratios, head
@@ -28,6 +29,7 @@ KERNELS = ("gpu", "tpu")
 # Per impl: KV heads and padding of the ragged sweep (TPU: one KV head, fewer grid steps).
 RAGGED_SETUP = {
     "reference": {"num_kv_heads": 2, "pad_seqs": 1, "pad_tokens": 3},
+    "cpu": {"num_kv_heads": 2, "pad_seqs": 2, "pad_tokens": 5},
     "gpu": {"num_kv_heads": 2, "pad_seqs": 1, "pad_tokens": 9},
     "tpu": {"num_kv_heads": 1, "pad_seqs": 1, "pad_tokens": 2},
 }
@@ -43,7 +45,7 @@ def _params(cases):
 
 
 def _check(out, expected, dtype, impl):
-    tol = (1e-4 if impl == "reference" else 2e-4) if dtype == F32 else 3e-2
+    tol = (1e-4 if impl in ("reference", "cpu") else 2e-4) if dtype == F32 else 3e-2
     out = np.asarray(jnp.asarray(out, jnp.float32))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
@@ -112,6 +114,12 @@ RAGGED_CASES = [
     ("reference", 8, 4, 128, BF16, False, _MID_PAGE_CHUNK),
     ("reference", 16, 8, 64, BF16, False, _ONE_PAGE_PREFILL),
     ("reference", 8, 3, 64, F32, True, (([20, 8], [4, 8]),)),
+    ("cpu", 8, 1, 64, F32, False, (([1], [1]),)),
+    ("cpu", 16, 3, 128, F32, False, _ONE_PAGE_PREFILL),
+    ("cpu", 32, 4, 64, F32, False, _MID_PAGE_CHUNK),
+    ("cpu", 8, 4, 128, BF16, False, _MID_PAGE_CHUNK),
+    ("cpu", 8, 3, 64, F32, True, (([20, 8], [4, 8]),)),
+    ("cpu", 16, 2, 64, F32, True, _gpu_batches(16)),
     ("gpu", 8, 1, 64, F32, False, _gpu_batches(8)),
     ("gpu", 16, 3, 128, F32, False, _gpu_batches(16)),
     ("gpu", 32, 4, 64, BF16, False, _gpu_batches(32)),
@@ -164,6 +172,8 @@ def _decode_lists(ps):
 # (impl, page_size, group, head_dim, dtype, int8, kv_lens lists)
 DECODE_CASES = [
     ("reference", 16, 4, 64, F32, False, ([1, 0, 16, 33],)),
+    ("cpu", 16, 4, 64, F32, False, ([1, 0, 16, 33],)),
+    ("cpu", 8, 4, 64, F32, True, _decode_lists(8)),
     ("gpu", 8, 1, 64, F32, False, _decode_lists(8)),
     ("gpu", 32, 4, 64, BF16, False, _decode_lists(32)),
     ("gpu", 8, 4, 64, F32, True, _decode_lists(8)),
@@ -202,6 +212,8 @@ WINDOW_CASES = [
     ("reference", 5, None),
     ("reference", None, 2.0),
     ("reference", 9, 1.5),
+    ("cpu", 5, None),
+    ("cpu", 9, 1.5),
     ("gpu", 6, None),
     ("gpu", 20, 2.5),
 ]
@@ -232,6 +244,7 @@ LAYER_CASES = [
     ("reference", 2, 1, None, None),
     ("reference", 3, 2, None, None),
     ("reference", 3, 0, None, None),
+    ("cpu", 3, 2, 9, 2.0),
     ("gpu", 3, 2, None, None),
     ("tpu", 2, 1, 9, 2.0),
 ]
@@ -254,7 +267,7 @@ def test_layer_of_stacked_cache_static_and_traced(impl, num_layers, layer, windo
     )
     opts = {"sm_scale": 0.1, "sliding_window": window, "soft_cap": cap}
     expected = naive_attention(case, **opts)
-    if impl == "reference":  # the kernels' static-layer path is every other test's
+    if impl in ("reference", "cpu"):  # the kernels' static-layer path is every other test's
         _check(_ragged(impl, case, **opts), expected, F32, impl)
     args = case.attention_args()[:-1]
     traced = jax.jit(
@@ -265,7 +278,7 @@ def test_layer_of_stacked_cache_static_and_traced(impl, num_layers, layer, windo
     _check(traced(jnp.int32(layer)), expected, F32, impl)
 
 
-@pytest.mark.parametrize("impl", _params([("reference",), ("gpu",), ("tpu",)]))
+@pytest.mark.parametrize("impl", _params([("reference",), ("cpu",), ("gpu",), ("tpu",)]))
 def test_decode_only_ragged_batch(impl):
     """max_query_len=1 (what the engine passes for decode-only steps) with empty and padded
     sequences and padding rows."""
@@ -281,6 +294,51 @@ def test_decode_only_ragged_batch(impl):
         pad_tokens=3,
     )
     _check(_ragged(impl, case, sm_scale=0.2), naive_attention(case, sm_scale=0.2), F32, impl)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_loops_any_chunk_and_group_size(seed):
+    """The CPU loops with chunks of one page up to many and groups of one query block up to
+    several: every loop bound (first chunk of a sliding window, the last real block, a
+    group mixing sequences, padded sequences and rows) against the float64 oracle."""
+    from pallas_kernels import cpu_kernels
+
+    rng = np.random.default_rng(seed)
+    ps = int(rng.choice([8, 16]))
+    for _ in range(3):
+        kv_lens = [int(n) for n in rng.integers(0, 70, size=int(rng.integers(1, 5)))]
+        q_lens = [max(1, int(rng.integers(0, n + 1))) if n else 0 for n in kv_lens]
+        window, cap = [None, 5, 13][int(rng.integers(0, 3))], [None, 2.0][int(rng.integers(0, 2))]
+        opts = {"sm_scale": 0.3, "sliding_window": window, "soft_cap": cap}
+        shape = {"page_size": ps, "num_kv_heads": 2, "group": 3, "head_dim": 16}
+        int8 = bool(rng.integers(0, 2))
+        case = make_case(rng, kv_lens=kv_lens, q_lens=q_lens, int8=int8, pad_seqs=2, **shape)
+        expected = naive_attention(case, **opts)
+        dcase, q, dexpected = make_decode_case(rng, kv_lens, int8=int8, **opts, **shape)
+        for chunk, rows in ((ps, ps), (2 * ps, 32), (256, 256)):
+            out = cpu_kernels.ragged_paged_attention_cpu(
+                *case.attention_args(),
+                k_scales=case.k_scales,
+                v_scales=case.v_scales,
+                max_query_len=case.max_query_len,
+                kv_chunk=chunk,
+                group_rows=rows,
+                **opts,
+            )
+            _check(out, expected, F32, "cpu")
+            out = cpu_kernels.decode_paged_attention_cpu(
+                q,
+                dcase.k_pages,
+                dcase.v_pages,
+                dcase.kv_lens,
+                dcase.page_table,
+                dcase.layer,
+                k_scales=dcase.k_scales,
+                v_scales=dcase.v_scales,
+                kv_chunk=chunk,
+                **opts,
+            )
+            _check(out, dexpected, F32, "cpu")
 
 
 @pytest.mark.interpret
