@@ -275,6 +275,7 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
     from configs.model_config import from_name
     from engine.runner import step as step_module
     from engine.runner.kv_cache import PagedKVCache
+    from engine.runner.state import DeviceState
     from engine.sampling.sampler import GREEDY_FLAGS
     from models.llama import layer_layout
 
@@ -294,17 +295,13 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
     built = {name: make_batch(c, page_size=sizes.page_size) for name, c in cases.items()}
     num_pages = max(n for _, _, n in built.values()) + 1
     kv = PagedKVCache.zeros(cfg, num_pages, sizes.page_size, sizes.dtype)
-    counts = jnp.zeros((1, 1), jnp.int32)
-    last_tokens = jnp.zeros((sizes.model_batch,), jnp.int32)  # one slot per sequence
+    state = DeviceState.without_penalties(kv, sizes.model_batch)  # one slot per sequence
 
     def step(batch, shape):
-        nonlocal kv, counts, last_tokens
-        kv, counts, last_tokens, packed = step_module.engine_step(
+        nonlocal state
+        state, packed = step_module.engine_step(
             params,
-            kv,
-            counts,
-            counts,
-            last_tokens,
+            state,
             batch,
             cfg=cfg,
             shape=shape,

@@ -323,11 +323,11 @@ def reached_shapes(engine, workload: Workload, static_batch: int | None = None) 
     depend on the sampled tokens)."""
     shapes = []
 
-    def fake_device(batch, shape, flags, use_penalties, *extra):  # extra: token bitmask
+    def fake_device(batch, shape, program):
         shapes.append(shape)
         return np.zeros((shape.num_decode + shape.num_prefill_seqs, 2 + 2 * 20), np.float32)
 
-    engine.run_step = fake_device
+    engine.runner.run = fake_device
     try:
         reqs = _requests(workload)
         groups = (
@@ -341,7 +341,7 @@ def reached_shapes(engine, workload: Workload, static_batch: int | None = None) 
             while engine.has_unfinished():
                 engine.step()
     finally:
-        del engine.run_step
+        del engine.runner.run
     return list(dict.fromkeys(shapes))
 
 

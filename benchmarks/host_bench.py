@@ -128,13 +128,13 @@ def _run_engine(
 def device_loop(engine: EngineCore, steps: list) -> float:
     """Steps/s of the jitted step alone over the engine's own batches (the same shapes in
     the same order), pipelined: step k+1 dispatched before step k's results are copied."""
-    from engine.sampling.sampler import GREEDY_FLAGS
+    from engine.runner.programs import GREEDY_PROGRAM
 
     def run() -> float:
         t0 = time.perf_counter()
         prev = None
         for built in steps:
-            packed = engine.run_step(built.batch, built.shape, GREEDY_FLAGS, False)
+            packed = engine.runner.run(built.batch, built.shape, GREEDY_PROGRAM)
             if prev is not None:
                 jax.device_get(prev)
             prev = packed

@@ -5,7 +5,7 @@
     python -m benchmarks.host_loop --profile=256         # cProfile of the steady loop
 
 The real `EngineCore` (scheduler, BatchBuilder, OutputProcessor, stop checks, detokenizer)
-runs with `run_step` replaced by a numpy function of the built batch: each sampling row's
+runs with its runner's `run` replaced by a numpy function of the built batch: each sampling row's
 token is a hash of its request's seed (`key_data`) and output index (`step`), EOS and stop
 ids are banned before `min_tokens` as on the device, and the result is packed as the
 device packs it. So the host code of a step runs exactly as in the engine, without XLA
@@ -97,19 +97,19 @@ def make_engine(model, n: int, overlap: bool, max_model_len: int = 512) -> Engin
     engine = EngineCore(model, cfg)
     engine.batch_digest = hashlib.sha256()
 
-    def run_step(batch, shape, flags, use_penalties, token_bitmask=None):
+    def fake_run(batch, shape, program):
         packed = batch.pack()
         engine.batch_digest.update(repr(shape).encode())
         engine.batch_digest.update(packed.ints.tobytes())
         engine.batch_digest.update(packed.floats.tobytes())
         return fake_packed(batch)
 
-    def run_step_fast(batch, shape, flags, use_penalties, token_bitmask=None):
+    def fake_run_fast(batch, shape, program):
         batch.pack()
         return fake_packed(batch)
 
-    engine.run_step = run_step
-    engine.run_step_fast = run_step_fast
+    engine.runner.run = fake_run
+    engine.runner.run_fast = fake_run_fast
     return engine
 
 
@@ -121,7 +121,7 @@ def _decoding_engine(model, n: int, steps: int):
     """An overlapped engine on the fake device with n greedy requests past their prefill,
     each with room for 2 * steps more tokens."""
     engine = make_engine(model, n, overlap=True)
-    engine.run_step = engine.run_step_fast
+    engine.runner.run = engine.runner.run_fast
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 64, ignore_eos=True)
     for i in range(n):
         engine.add_request(EngineRequest(f"r{i}", _prompt(i), params))
@@ -151,7 +151,7 @@ def _cpu_timed(obj, name: str, phase: str, acc: dict) -> None:
 def steady(model, n: int, steps: int) -> dict:
     """CPU ms of this thread per steady decode step (overlapped engine, n requests), and
     per phase: schedule (Scheduler.schedule), build (BatchBuilder.build, new requests'
-    slots included), dispatch (run_step: StepBatch.pack and the fake device), update
+    slots included), dispatch (ModelRunner.run: StepBatch.pack and the fake device), update
     (Scheduler.receive_tokens), outputs (OutputProcessor.emit: stop checks, detokenize,
     RequestOutput deltas); each the median over steps of its thread CPU in one step, so a
     step stalled by another process does not count (the figures under load stay close to
@@ -160,7 +160,7 @@ def steady(model, n: int, steps: int) -> dict:
     acc: dict = {}
     _cpu_timed(engine.scheduler, "schedule", "schedule", acc)
     _cpu_timed(engine.builder, "build", "build", acc)
-    _cpu_timed(engine, "run_step", "dispatch", acc)
+    _cpu_timed(engine.runner, "run", "dispatch", acc)
     _cpu_timed(engine.scheduler, "receive_tokens", "update", acc)
     _cpu_timed(engine.outputs, "emit", "outputs", acc)
     per_step: dict = {p: [] for p in (*PHASES, "step")}

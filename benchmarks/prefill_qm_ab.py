@@ -23,11 +23,11 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks.step_profile import PAGE_SIZE, Case, make_batch, stub_attention
 from engine.runner import step as step_module
 from engine.runner.kv_cache import PagedKVCache
+from engine.runner.state import DeviceState
 from engine.sampling.sampler import GREEDY_FLAGS
 from models.llama import layer_layout
 from pallas_kernels import layout
@@ -46,19 +46,14 @@ SMOKE_CASES = {"5x7": (((0, 7),) * 5, 64, (32, 8))}
 def _runner(params, cfg, case: Case):
     """A zero-argument function running one step of `case`, and the step's shape."""
     batch, shape, num_pages = make_batch(case)
-    state = [
-        PagedKVCache.zeros(cfg, num_pages + 1, PAGE_SIZE),
-        jnp.zeros((1, 1), jnp.int32),  # penalty counts (unused)
-        jnp.zeros((shape.num_prefill_seqs,), jnp.int32),  # last tokens
-    ]
+    kv = PagedKVCache.zeros(cfg, num_pages + 1, PAGE_SIZE)
+    state = [DeviceState.without_penalties(kv, shape.num_prefill_seqs)]  # penalties unused
 
     def run():
-        kv, counts, last = state
-        kv, counts, last, packed = step_module.engine_step(
-            params, kv, counts, counts, last, batch, cfg=cfg, shape=shape,
-            flags=GREEDY_FLAGS, use_penalties=False,
+        state[0], packed = step_module.engine_step(
+            params, state[0], batch, cfg=cfg, shape=shape, flags=GREEDY_FLAGS,
+            use_penalties=False,
         )  # fmt: skip
-        state[:] = [kv, counts, last]
         return packed
 
     return run, shape

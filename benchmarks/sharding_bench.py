@@ -95,8 +95,8 @@ def measure(model, mesh: str | None, args) -> dict:
 
     run("warm")  # compiles the prefill and decode shapes
     prefill, decode = run("timed")
-    w = sharding.bytes_per_device(engine.params)
-    kv = sharding.bytes_per_device(engine.kv)
+    w = sharding.bytes_per_device(engine.runner.params)
+    kv = sharding.bytes_per_device(engine.runner.state.kv)
     m = sharding.model_axis_size(engine.mesh)
     return {
         "mesh": mesh or "none",

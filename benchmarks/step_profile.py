@@ -46,6 +46,7 @@ import numpy as np
 from engine.batch.builder import BatchShape, StepBatch, pow2_bucket
 from engine.runner import step as step_module
 from engine.runner.kv_cache import PagedKVCache
+from engine.runner.state import DeviceState
 from engine.sampling.sampler import FULL_FLAGS, GREEDY_FLAGS, SamplingTensors
 from models.llama import LAYER_LOOPS, forward, layer_layout
 
@@ -188,19 +189,15 @@ def profile_case(
     floor_cpu_s = case_flops(cfg, case) / flop_per_cpu_s if flop_per_cpu_s else None
     batch, shape, num_pages = make_batch(case)
     kv = PagedKVCache.zeros(cfg, num_pages + 1, PAGE_SIZE)
-    counts = jnp.zeros((1, 1), jnp.int32)
-    last_tokens = jnp.zeros((shape.num_decode + shape.num_prefill_seqs,), jnp.int32)
+    state = DeviceState.without_penalties(kv, shape.num_decode + shape.num_prefill_seqs)
     out = {"shape": dataclasses.asdict(shape)}
 
     def run_step(flags):
         def go():
-            nonlocal kv, counts, last_tokens
-            kv, counts, last_tokens, packed = step_module.engine_step(
+            nonlocal state
+            state, packed = step_module.engine_step(
                 params,
-                kv,
-                counts,
-                counts,
-                last_tokens,
+                state,
                 batch,
                 cfg=cfg,
                 shape=shape,

@@ -4,10 +4,16 @@ One step, synchronous (`EngineConfig(async_scheduling=False)`), all on the calle
 
     plan = scheduler.schedule(now)             host: who computes how many tokens (committed)
     built = builder.build(plan.scheduled)      host: numpy gathers from per-slot state
-    kv, ..., packed = engine_step(...)         device: one jitted call, state donated
+    packed = runner.run(batch, shape, program) device: one jitted call, state donated
     packed = device_get(packed)                the one device->host transfer (wait)
-    scheduler.update_after_step(plan, tokens)  host: append sampled tokens, cache pages
-    stop checks (EOS, stop ids/strings, max_tokens) -> finish_request -> RequestOutput deltas
+    scheduler.receive_tokens(plan, tokens)     host: append sampled tokens, cache pages
+    outputs.emit: stop checks (EOS, stop ids/strings, max_tokens) -> RequestOutput deltas
+
+The collaborators: Scheduler (engine/sched/scheduler.py), BatchBuilder
+(engine/batch/builder.py), ModelRunner (engine/runner/model_runner.py: params and the
+device state, the only owner of both), OutputProcessor (engine/sched/outputs.py), and with
+speculative decoding the SpecDecoder (engine/spec/decode.py: propose, then the runner
+verifies, then it commits).
 
 Overlapped (the default): JAX dispatch is asynchronous, so `step()` launches step N+1 (schedule,
 build, dispatch) BEFORE it waits for step N and processes N's tokens. The device runs N+1
@@ -56,33 +62,31 @@ import random
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from configs.engine_config import EngineConfig
-from engine.api_types import EngineRequest, RequestOutput
+from engine.api_types import AdapterRef, EngineRequest, RequestOutput
 from engine.batch.builder import BatchBuilder, BuiltStep
-from engine.lora.core_adapters import EngineAdapters
+from engine.errors import InvalidRequestError
+from engine.lora.adapters import UnknownAdapterError
 from engine.parallel import sharding
 from engine.runner import compiles
-from engine.runner.kv_cache import PagedKVCache
-from engine.runner.penalties import PenaltyState
-from engine.runner.programs import StepPrograms, structured_bitmask
+from engine.runner.model_runner import ModelRunner
+from engine.runner.programs import StepProgram, structured_bitmask
 from engine.runner.shapes import ShapeSet, sampler_variants
-from engine.runner.step import NONFINITE_TOKEN
+from engine.runner.step import NONFINITE_ERROR, NONFINITE_TOKEN
 from engine.sampling.logprobs import step_logprobs
-from engine.sampling.sampler import FULL_FLAGS, SampleResult, resolve_seed, uses_penalties
+from engine.sampling.sampler import SampleResult, resolve_seed, uses_penalties
 from engine.sched.outputs import OutputProcessor
 from engine.sched.page_pool import PagePool, model_keys_of
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler, SchedulerOutput
-from engine.spec.decode import SpecDecoder
+from engine.spec.decode import Proposal, SpecDecoder
+from engine.spec.step import spec_engine_step
 from engine.structured.matcher import StructuredRequests
-from models.llama import cast_params, layer_layout
 from models.registry import engine_model
 
 log = logging.getLogger(__name__)
-NONFINITE_ERROR = "model produced non-finite logits"
 
 
 @dataclasses.dataclass
@@ -112,31 +116,39 @@ class _Launched:
 
     plan: SchedulerOutput
     built: BuiltStep
-    packed: jax.Array  # [Sd + Sp, 2 + 2K] on device
-    # speculative decoding (engine/spec/decode.py): (packed, spec_packed, num_accepted) on
-    # device, the plan indices of the verified requests, and when it was dispatched
-    spec_results: tuple | None = None
-    spec_batch: list | None = None
+    packed: jax.Array | None  # [Sd + Sp, 2 + 2K] on device (None: a verify step)
+    # speculative decoding (engine/spec/decode.py): the verified drafts, (packed,
+    # spec_packed, num_accepted) on device (ModelRunner.verify), and when it was dispatched
+    proposal: Proposal | None = None
+    verified: tuple | None = None
     dispatched_at: float = 0.0
 
 
-class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
-    """The step loop. Mixins: the step programs it dispatches (engine/runner/programs.py),
-    the penalty token counts (engine/runner/penalties.py), LoRA (engine/lora/core_adapters.py)."""
+class EngineCore:
+    """The step loop over its collaborators: Scheduler, BatchBuilder, ModelRunner,
+    OutputProcessor, and the SpecDecoder when speculating (see the module docstring)."""
 
-    def __init__(self, model, config: EngineConfig, *, impl: str = "auto", mesh=None):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        *,
+        impl: str = "auto",
+        mesh=None,
+        runner_cls=ModelRunner,
+    ):
         """`model`: a models.registry.LoadedModel (quantized here if `config` asks for it and
-        it is float; its identity then names the quantization and the KV dtype)."""
+        it is float; its identity then names the quantization and the KV dtype).
+        `runner_cls`: the ModelRunner class (multi-host: one that announces each call)."""
         compiles.install()
         model = _with_speculation(engine_model(model, config), config)
         self.model = model
         self.config = config
-        self.cfg = model.config
         self.identity = model.identity
         self.tokenizer = model.tokenizer
         self.impl = impl
         self.mesh = None if mesh is None else sharding.engine_mesh(mesh)
-        self.sched_config = sc = config.scheduler_config(self.cfg)
+        self.sched_config = sc = config.scheduler_config(model.config)
         self.pool = PagePool.from_config(sc, model_keys_of(self.identity))
         self.scheduler = Scheduler(sc, self.pool)
         self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
@@ -150,33 +162,13 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
             fit_shape=self.shapes.fit,
         )
         self.builder.take_slot = self._take_slot  # build() takes a new request's slot
-        self.params, kv_sharding = cast_params(model.params, config.dtype), None
-        if self.mesh is not None:  # Megatron layout; cfg.num_kv_heads may grow (replication)
-            self.cfg, self.params = sharding.shard_params(self.params, self.cfg, self.mesh)
-            kv_sharding = sharding.kv_sharding(self.mesh, self.cfg)
-        else:  # NOTE: committed, like loaded params: an uncommitted cache is another jit cache
-            # key, so the first warm-up shape would compile again on first use.
-            kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
-            self.params = layer_layout(self.params, config.layer_loop)
-        self.kv = PagedKVCache.zeros(
-            self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=kv_sharding
-        )
-        # With a mesh: replicated, as the step returns them (the KV spec would not fit).
-        self._place = (
-            (lambda x: jax.device_put(x, kv_sharding))
-            if self.mesh is None
-            else (lambda x: sharding.replicate(x, self.mesh))
-        )
-        self._last_tokens = self._place(jnp.zeros((sc.max_num_seqs,), jnp.int32))
-        # ---- shapes (#21.3): the token counts exist from the start (the "full" sampler
-        # program always applies penalties), so every step program has one signature.
-        self._penalties_ready = False
-        self._counts = self._prompt_mask = self._place(jnp.zeros((1, 1), jnp.int32))
-        if self.mesh is None:  # NOTE: see full_program for the mesh case
-            self.init_penalty_state()
-        self._all_allowed: dict[int, np.ndarray] = {}  # rows -> all-ones token bitmask
-        # ---- end shapes ----
-        self.adapters = self._adapter_manager(model, kv_sharding)  # LoRA; None: max_loras=0
+        spec = config.speculative  # speculative decoding (engine/spec/decode.py)
+        self.runner = runner_cls(
+            model, config, sc, impl=impl, mesh=self.mesh,
+            verify_step=None if spec is None else spec_engine_step,
+        )  # fmt: skip
+        self.cfg = self.runner.cfg  # as the engine runs it (a mesh may replicate KV heads)
+        self.adapters = self.runner.adapters  # LoRA slots; None: max_loras=0
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -193,11 +185,12 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.last_step_info: dict | None = None  # the last processed step (serving trace)
         self.num_tokens_processed = 0
         self.num_failed_steps = 0
-        self.warmup_s: float | None = None
-        self._compiles_at_warmup: int | None = None
-        self._logged_compiles = 0
-        spec = config.speculative  # speculative decoding (engine/spec/decode.py)
-        self.spec = None if spec is None else SpecDecoder(self, spec)
+        self.spec = None
+        if spec is not None:
+            self.spec = SpecDecoder(
+                spec, model=model, runner=self.runner, scheduler=self.scheduler,
+                builder=self.builder, outputs=self.outputs, shapes=self.shapes,
+            )  # fmt: skip
 
     # ---- the interface ------------------------------------------------------------------
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
@@ -237,9 +230,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.model, self.identity, self.tokenizer = model, model.identity, model.tokenizer
         self.outputs.tokenizer = model.tokenizer  # for requests added from now on
         self.structured.set_tokenizer(model.tokenizer)
-        self.params = layer_layout(
-            cast_params(model.params, self.config.dtype), self.config.layer_loop
-        )
+        self.runner.load_params(model.params)
         self.pool.clear_cache(model_keys_of(self.identity))
 
     def clear_prefix_cache(self) -> None:
@@ -255,12 +246,10 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         # NOTE: structured output turns speculation off while constrained requests run
         # (drafts are not checked against the grammar matcher).
         if self.spec is not None and not self.structured.active and self.spec.should_speculate():
-            return self.spec.step()  # synchronous speculative step (engine/spec/decode.py)
+            return self._spec_step()
         outputs: list[RequestOutput] = []
         if not self.config.async_scheduling or self.structured.active:
-            if self._in_flight is not None:  # constrained rows need every token on the host
-                previous, self._in_flight = self._in_flight, None
-                self._finish_step(previous, outputs)
+            self._drain(outputs)  # constrained rows need every token on the host
             launched = self._launch(outputs)
             if launched is not None:
                 self._finish_step(launched, outputs)
@@ -271,14 +260,36 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
             self._finish_step(previous, outputs)
         return outputs
 
+    def _spec_step(self) -> list[RequestOutput]:
+        """One synchronous speculative step (engine/spec/decode.py): the speculator
+        proposes, the runner verifies, the speculator commits."""
+        outputs: list[RequestOutput] = []
+        self._drain(outputs)  # proposing needs every token on the host
+        drafted = self.spec.propose()
+        launched = self._launch(outputs, speculate=drafted > 0)
+        if launched is None:
+            return outputs
+        if launched.proposal is None:
+            self.spec.stats.plain_steps += 1
+            self._finish_step(launched, outputs)
+        else:
+            self._finish_verify(launched, outputs)
+        return outputs
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        """Finish the overlapped step in flight, if any."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._finish_step(previous, outputs)
+
     # ---- one step, in order --------------------------------------------------------------
-    def _launch(self, outputs: list[RequestOutput], spec=None) -> _Launched | None:
+    def _launch(self, outputs: list[RequestOutput], speculate: bool = False) -> _Launched | None:
         """Schedule, build and dispatch a step (returns None when nothing is scheduled).
-        `spec`: the SpecDecoder when drafts were proposed for this step."""
+        `speculate`: drafts were proposed for this step (the speculator prepares them)."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
-        if spec is not None:
-            spec.after_schedule(plan)
+        if speculate:
+            self.spec.after_schedule()
         outputs += self.outputs.finished(plan)
         for rid in plan.preempted_request_ids:
             self.builder.release(rid)
@@ -286,21 +297,28 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
             self.timings.schedule_s += time.perf_counter() - t0
             return None
         t1 = time.perf_counter()
-        built = self.builder.build(plan.scheduled, None if spec is None else spec.shapes.fit)
+        built = self.builder.build(plan.scheduled, self.spec.shapes.fit if speculate else None)
         t2 = time.perf_counter()
         try:
             # NOTE: two sampler programs per shape, what warm-up builds (engine/runner/shapes.py
             # sampler_variants); flags never change a row's token.
-            flags, use_penalties, bitmask = self._sampler_program(
-                built, structured_bitmask(self.structured, plan, built)
-            )
+            program = self.runner.program(built, structured_bitmask(self.structured, plan, built))
             # NOTE: no speculation while constrained requests run (step() checks), so a
             # step with a bitmask never takes the speculative path.
-            spec_run = None if spec is None else spec.run(plan, built, flags is FULL_FLAGS)
-            if spec_run is not None:  # speculative decoding: drafts verified in this step
-                return _Launched(plan, built, None, spec_run[:3], spec_run[3], t2)
-            packed = self.run_step(built.batch, built.shape, flags, use_penalties, bitmask)
-            self._check_compiles(built.shape, flags)  # the dispatch built it, if anything
+            proposal = self.spec.prepare(plan, built) if speculate else None
+            if proposal is not None:  # speculative decoding: drafts verified in this step
+                verified = self.runner.verify(
+                    built.batch,
+                    built.shape,
+                    proposal.batch,
+                    StepProgram(program.flags, built.penalties),
+                    proposal.draft_probs,
+                )
+                return _Launched(plan, built, None, proposal, verified, t2)
+            if self.spec is not None:
+                self.spec.follow(built.batch, built.shape)
+            packed = self.runner.run(built.batch, built.shape, program)
+            self.runner.check_compiles(built.shape, program.flags)  # what the dispatch built
         except Exception as e:  # a failed step fails only the requests in it
             self._fail(plan, e, outputs)
             return None
@@ -323,9 +341,9 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         result = SampleResult.unpack(packed)
         tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
         now = time.monotonic()
-        if (tokens == NONFINITE_TOKEN).any():  # hostspeed: the per-row check only when needed
+        if (tokens == NONFINITE_TOKEN).any():  # the per-row check only when needed
             self._fail_nonfinite(step.plan, tokens, now, outputs)
-        # host2 (#20): finished requests' tokens are left in; receive_tokens skips them
+        # finished requests' tokens are left in; receive_tokens skips them
         self.num_steps += 1
         self.num_tokens_processed += step.plan.total_num_scheduled_tokens
         shape = step.built.shape  # what the step ran (the serving trace reads it)
@@ -338,7 +356,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         }  # fmt: skip
         received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
-        logprobs = (  # hostspeed: no per-row pass when no row asked for logprobs
+        logprobs = (  # no per-row pass when no row asked for logprobs
             step_logprobs(step.plan, result, step.built.sampler_rows)
             if step.built.logprobs
             else None
@@ -347,6 +365,42 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.timings.wait_s += t1 - t0
         self.timings.update_s += t2 - t1
         self.timings.outputs_s += time.perf_counter() - t2
+        self.timings.num_steps += 1
+
+    def _finish_verify(self, step: _Launched, outputs: list[RequestOutput]) -> None:
+        """Wait for a speculative step: its plain rows as `_finish_step` takes them, then
+        the speculator commits each verified run."""
+        t0 = time.perf_counter()
+        plan, built = step.plan, step.built
+        try:
+            packed, spec_packed, num_accepted = jax.device_get(step.verified)
+        except Exception as e:
+            self._fail(plan, e, outputs)
+            return
+        now = time.monotonic()
+        self.spec.stats.verify_s += time.perf_counter() - step.dispatched_at
+        spec_set = set(step.proposal.indices)
+        plain = dataclasses.replace(
+            plan, scheduled=[s for i, s in enumerate(plan.scheduled) if i not in spec_set]
+        )
+        plain_rows = np.asarray(
+            [r for i, r in enumerate(built.sampler_rows) if i not in spec_set], np.int32
+        )
+        result = SampleResult.unpack(np.asarray(packed))
+        tokens = result.tokens[plain_rows]
+        self._fail_nonfinite(plain, tokens, now, outputs)
+        sampled = {
+            s.request.request_id: int(t)
+            for s, t in zip(plain.scheduled, tokens)
+            if s.samples and not s.request.is_finished
+        }
+        received = self.scheduler.update_after_step(plain, sampled, now)
+        outputs += self.outputs.emit(received, now, step_logprobs(plain, result, plain_rows))
+        verified = SampleResult.unpack(np.asarray(spec_packed))
+        outputs += self.spec.commit(plan, step.proposal, verified, num_accepted, now)
+        self.num_steps += 1
+        self.num_tokens_processed += plan.total_num_scheduled_tokens
+        self.timings.wait_s += time.perf_counter() - t0
         self.timings.num_steps += 1
 
     def _fail_nonfinite(self, plan: SchedulerOutput, tokens, now: float, outputs) -> None:
@@ -371,7 +425,7 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         if self.adapters is not None:
             self.adapters.bind(slot, req.request_id)
         if is_new and uses_penalties([req.sampling]):
-            self._reset_penalty_row(slot, req)
+            self.runner.reset_slot(slot, req.prompt_token_ids, req.output_token_ids)
 
     def _forget(self, request_id: str) -> None:
         """A request left the engine (OutputProcessor's on_finished): free its seed and slot."""
@@ -380,29 +434,49 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.builder.release(request_id)
         self._release_adapter(request_id)
 
+    # ---- LoRA adapters (engine/lora/adapters.py; self.adapters is None when max_loras = 0) ---
+    def load_adapter(self, name: str, path: str) -> AdapterRef:
+        """Installs a PEFT LoRA adapter under `name` (between steps; safe while requests
+        run). Returns its AdapterRef. Needs EngineConfig(max_loras >= 1)."""
+        if self.adapters is None:
+            raise InvalidRequestError("max_loras", 0, ">= 1 to load LoRA adapters")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise UnknownAdapterError(name, [])
+        self.adapters.unload(name)
+
+    def _acquire_adapter(self, er: EngineRequest) -> AdapterRef | None:
+        """The request's adapter (its content hash keys the prefix cache), or None."""
+        if er.adapter is None:
+            return None
+        if self.adapters is None:
+            raise UnknownAdapterError(er.adapter, [])
+        return self.adapters.acquire(er.request_id, er.adapter)
+
+    def _release_adapter(self, request_id: str) -> None:
+        if self.adapters is not None:
+            self.adapters.release(request_id)
+
     # ---- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        pool, sc = self.pool, self.sched_config
+        pool, sc, runner = self.pool, self.sched_config, self.runner
         used = pool.num_used_pages
-        page_bytes = self.kv.num_bytes // sc.num_pages
-        weights_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+        page_bytes = runner.kv_bytes // sc.num_pages
         return {
             **self.scheduler.stats(),
-            "kv_bytes_total": self.kv.num_bytes,
+            "kv_bytes_total": runner.kv_bytes,
             "kv_bytes_used": used * page_bytes,
-            "weights_bytes": weights_bytes,
+            "weights_bytes": runner.weights_bytes,
             "tokens_processed": self.num_tokens_processed,
             "num_steps": self.num_steps,
             "num_failed_steps": self.num_failed_steps,
             "num_step_shapes": len(self.shapes),
             "num_step_programs": sum(len(sampler_variants(s)) for s in self.shapes.shapes),
             "num_compiled_steps": compiles.count("engine_step"),  # in this process
-            "warmup_s": self.warmup_s,
-            "compiles_after_warmup": (
-                None
-                if self._compiles_at_warmup is None
-                else compiles.count() - self._compiles_at_warmup
-            ),
+            "warmup_s": runner.warmup_s,
+            "compiles_after_warmup": runner.compiles_after_warmup(),
             **compiles.stats(),
             **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
             **({} if self.spec is None else self.spec.stats.as_dict()),

@@ -61,7 +61,7 @@ def main() -> None:
     run(a)
     run(b, [dataclasses.replace(er, request_id="warm") for er in ers[:1]])  # compiles B
     b.warm_transfer("decode")  # the scatter programs, as a decode worker's start-up does
-    sharding = b.core.kv.k_pages.sharding
+    sharding = b.core.runner.state.kv.k_pages.sharding
     for er in ers:
         b.stage(er.request_id, a.take_export(er.request_id, timeout_s=0))
     before = compiles.count()
@@ -71,7 +71,7 @@ def main() -> None:
             {
                 "same": got == want,
                 "imports": b.counters["kv_imports"],
-                "sharding_kept": b.core.kv.k_pages.sharding == sharding,
+                "sharding_kept": b.core.runner.state.kv.k_pages.sharding == sharding,
                 "num_devices": len(sharding.device_set),
                 "compiles": compiles.count() - before,
                 "pages_used": [e.pool.num_used_pages for e in (a, b)],

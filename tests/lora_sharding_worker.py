@@ -57,7 +57,7 @@ def run_one(model, root: str, mesh: str | None) -> dict:
     llm.load_adapter("a2", os.path.join(root, "a3"))  # swap content: no recompile either
     swapped = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, adapter=ADAPTERS)]
     eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
-    w, p = eng.adapters.weights, eng.params
+    w, p = eng.adapters.weights, eng.runner.params
     if mesh is None:  # one device: unrolled layers (a tuple), nothing sharded
         return {"out": out, "swapped": swapped, "lora_b_wk_shape": list(w.b["wk"].shape)}
     return {

@@ -34,7 +34,7 @@ def main(scheme: str) -> None:
     for mesh in ("model:2", "model:4", "data:2,model:2"):
         llm = LLM("tiny", mesh=mesh, **opts)
         eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
-        p = eng.params
+        p = eng.runner.params
         res[mesh] = {
             "same": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref,
             "revision": eng.identity.revision,

@@ -52,7 +52,7 @@ def describe(llm: LLM, prompts, ref) -> dict:
     """Greedy outputs vs ref, and the shardings and per-device bytes the engine holds."""
     out = generate(llm, prompts)
     eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
-    p = eng.params
+    p = eng.runner.params
     before = compiles.count()
     again = generate(llm, prompts)  # a second run must reuse the compiled steps
     return {
@@ -70,15 +70,16 @@ def describe(llm: LLM, prompts, ref) -> dict:
                 ("w_gate", p.layers.w_gate),
                 ("w_down", p.layers.w_down),
                 ("attn_norm", p.layers.attn_norm),
-                ("k_pages", eng.kv.k_pages),
+                ("k_pages", eng.runner.state.kv.k_pages),
             ]
         },
-        "kv_bytes_per_device": sorted(sharding.bytes_per_device(eng.kv).values()),
-        "kv_bytes_total": eng.kv.num_bytes,
+        "kv_bytes_per_device": sorted(sharding.bytes_per_device(eng.runner.state.kv).values()),
+        "kv_bytes_total": eng.runner.state.kv.num_bytes,
         "weights_bytes_per_device": sorted(sharding.bytes_per_device(p).values()),
-        "kv_devices": sorted(sharding.bytes_per_device(eng.kv)),
+        "kv_devices": sorted(sharding.bytes_per_device(eng.runner.state.kv)),
         "replica_devices": [
-            sorted(sharding.bytes_per_device(r.kv)) for r in getattr(llm.engine, "replicas", [])
+            sorted(sharding.bytes_per_device(r.runner.state.kv))
+            for r in getattr(llm.engine, "replicas", [])
         ],
     }
 
@@ -90,7 +91,7 @@ def run(model, prompts, meshes, load_name: str | None = None) -> dict:
     ref = generate(single, prompts)
     res = {
         "ref": ref,
-        "ref_kv_bytes": single.engine.kv.num_bytes,
+        "ref_kv_bytes": single.engine.runner.state.kv.num_bytes,
         "ref_weights_bytes": single.stats()["weights_bytes"],
     }
     for mesh in meshes:

@@ -191,7 +191,7 @@ def test_dtype_option_casts_the_params_and_the_engine_runs():
 
     small = dict(TINY_OPTS, num_pages=32, max_num_seqs=2)
     llm = LLM("tiny", dtype="bfloat16", **small)
-    assert {x.dtype for x in jax.tree.leaves(llm.engine.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(llm.engine.runner.params)} == {jnp.dtype(jnp.bfloat16)}
     out = llm.generate([[1, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))[0]
     assert len(out.token_ids) == 6 and all(0 <= t < 512 for t in out.token_ids)
     assert llm.stats()["weights_bytes"] * 2 == sum(
@@ -200,7 +200,7 @@ def test_dtype_option_casts_the_params_and_the_engine_runs():
     # An already loaded float32 model is cast by the engine (the LLM(model=LoadedModel) path).
     f32 = load_model("tiny")
     core = EngineCore(f32, EngineConfig(model="tiny", dtype="bfloat16", num_pages=32))
-    assert {x.dtype for x in jax.tree.leaves(core.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(core.runner.params)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(f32.params)} == {jnp.dtype(jnp.float32)}
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int4")

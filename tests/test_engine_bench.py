@@ -99,8 +99,8 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     from engine.batch.builder import BatchShape
     from engine.core import EngineCore
     from engine.runner import compiles
+    from engine.runner.programs import GREEDY_PROGRAM
     from engine.runner.warmup import dummy_batch
-    from engine.sampling.sampler import GREEDY_FLAGS
     from models.registry import load_model
 
     model = load_model("tiny")
@@ -114,7 +114,7 @@ def test_warm_shape_does_not_compile_again_with_committed_params():
     first, second = BatchShape(1, 0, 0, 4, 1), BatchShape(2, 0, 0, 4, 1)
     sizes = []
     for shape in (first, second, first):
-        jax.block_until_ready(engine.run_step(dummy_batch(shape), shape, GREEDY_FLAGS, False))
+        jax.block_until_ready(engine.runner.run(dummy_batch(shape), shape, GREEDY_PROGRAM))
         sizes.append(compiles.count())
     assert sizes[2] == sizes[1]
 
@@ -131,7 +131,7 @@ def test_reached_shapes_dry_run_finds_the_run_shapes():
     shapes = engine_bench.reached_shapes(engine, w)
     assert any(s.num_prefill_tokens > 0 for s in shapes)  # the prompts' prefill
     assert any(s.num_decode >= 3 and s.num_prefill_tokens == 0 for s in shapes)  # decodes
-    assert not engine.has_unfinished() and "run_step" not in vars(engine)
+    assert not engine.has_unfinished() and "run" not in vars(engine.runner)
 
 
 @pytest.mark.compile

@@ -34,8 +34,10 @@ def _run(engine, requests):
 def llms():
     healthy = LLM("tiny", num_pages=200, **OPTS)
     poisoned = LLM("tiny", num_pages=200, **OPTS)
-    params = poisoned.engine.params
-    poisoned.engine.params = dataclasses.replace(params, embed=params.embed.at[POISON].set(jnp.nan))
+    runner = poisoned.engine.runner
+    runner.params = dataclasses.replace(
+        runner.params, embed=runner.params.embed.at[POISON].set(jnp.nan)
+    )
     return healthy, poisoned
 
 

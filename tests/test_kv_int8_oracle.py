@@ -74,7 +74,7 @@ def test_int8_kv_logprobs_equal_a_dense_int8_simulation():
         prefill_chunk_size=16,
         max_model_len=128,
     )
-    assert llm.engine.kv.k_pages.dtype == jnp.int8
+    assert llm.engine.runner.state.kv.k_pages.dtype == jnp.int8
     out = llm.generate(
         [prompt],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP),
@@ -83,7 +83,7 @@ def test_int8_kv_logprobs_equal_a_dense_int8_simulation():
 
     ids = prompt + out.token_ids[:-1]  # output token i is predicted at position n - 1 + i
     tokens = jnp.asarray(np.pad(np.asarray(ids, np.int32), (0, 64 - len(ids))))  # [64]
-    params, cfg = llm.engine.params, llm.model.config
+    params, cfg = llm.engine.runner.params, llm.model.config
     rows = slice(PROMPT_LEN - 1, PROMPT_LEN - 1 + MAX_TOKENS)
     ref_q = np.asarray(teacher_forced_log_probs(params, tokens, cfg=cfg, int8=True))[rows]
     ref_f = np.asarray(teacher_forced_log_probs(params, tokens, cfg=cfg, int8=False))[rows]

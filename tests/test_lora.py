@@ -292,7 +292,7 @@ def test_engine_without_lora_has_no_adapter_state(tiny_model):
     from engine.core import EngineCore
 
     core = EngineCore(tiny_model, EngineConfig(model="tiny", num_pages=8, max_num_seqs=2))
-    assert core.adapters is None and core._lora_inputs(None, None) is None
+    assert core.adapters is None and core.runner.adapters is None
     from engine.api_types import EngineRequest
 
     with pytest.raises(UnknownAdapterError, match="no adapter is loaded"):

@@ -78,7 +78,7 @@ def test_penalties_match_a_dense_loop_token_for_token(llm):
     the step never applying penalties (engine/runner/step.py `use_penalties` forced False),
     presence subtracted without the `counts > 0` test (apply_penalties using counts),
     the repetition penalty ignoring the prompt (prompt_mask dropped from apply_penalties)."""
-    params, cfg = llm.engine.params, llm.model.config
+    params, cfg = llm.engine.runner.params, llm.model.config
     sps = [
         SamplingParams(
             temperature=0,

@@ -150,7 +150,7 @@ def test_engine_greedy_equals_dense_loop_with_the_same_quantized_params(
     tiny_model, scheme, kv_dtype
 ):
     llm = LLM(tiny_model, quantization=scheme, kv_dtype=kv_dtype, **OPTS)
-    params = llm.engine.params
+    params = llm.engine.runner.params
     layer0 = params.layers[0] if isinstance(params.layers, tuple) else params.layers  # unrolled?
     assert isinstance(layer0.w_up, Int8Weight)
     assert layer0.w_up.activations == ("int8" if scheme == "w8a8" else "float")

@@ -59,7 +59,7 @@ def other_draft(tiny_model):
 
 def with_draft(core, draft):
     """Swap in another draft model (before any request: its cache starts empty)."""
-    core.spec.draft = DraftModel(core, draft, core.config.dtype, core.config.layer_loop)
+    core.spec.draft = DraftModel(core.model, draft, core.runner)
 
 
 def test_target_as_its_own_draft_accepts_everything(tiny_model, reference):  # noqa: F811

@@ -172,6 +172,8 @@ def test_server_prints_warmup_progress(monkeypatch, capsys, execute):
 
     import engine.runner.warmup
     from engine.batch.builder import BatchShape
+    from engine.runner.programs import StepProgram
+    from engine.sampling.sampler import FULL_FLAGS
     from serving.engine_host import build as engine_build
 
     compiled, marked, executed = [], [], []
@@ -184,8 +186,9 @@ def test_server_prints_warmup_progress(monkeypatch, capsys, execute):
     shapes = [BatchShape(n, 0, 0, 4, 1) for n in range(1, 11)]  # decode-only: 2 programs each
     eng = types.SimpleNamespace(
         shapes=types.SimpleNamespace(shapes=shapes),
-        mark_warm=marked.append,
-        full_program=lambda shape: (True, None),
+        runner=types.SimpleNamespace(
+            mark_warm=marked.append, full_program=lambda shape: StepProgram(FULL_FLAGS, True)
+        ),
     )
     engine_build.warmup_with_progress(eng, num_reports=4, execute=execute)
     assert compiled == [shapes[0:3], shapes[3:6], shapes[6:9], shapes[9:]]

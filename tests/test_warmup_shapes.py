@@ -111,13 +111,13 @@ def test_every_max_shapes_is_honoured_by_the_server_default_config():
 
 
 class _CountingEngine:
-    """Just what `build_all` calls: compile_step, here a short sleep that counts."""
+    """Just what `build_all` calls: a runner's compile, here a short sleep that counts."""
 
     def __init__(self):
         self.started = 0
         self.lock = threading.Lock()
 
-    def compile_step(self, *program):
+    def compile(self, *program):
         with self.lock:
             self.started += 1
         time.sleep(0.01)
@@ -143,11 +143,11 @@ def test_an_executed_warmup_runs_each_program_once_and_changes_no_output(tiny_mo
     warmup(built)
     executed = EngineCore(tiny_model, EngineConfig(**CONFIG))
     runs = []
-    run_step = executed.run_step
-    executed.run_step = lambda *a: runs.append(a[1]) or run_step(*a)
+    run = executed.runner.run
+    executed.runner.run = lambda *a: runs.append(a[1]) or run(*a)
     before = compiles.count()
     warmup(executed, execute=True)
-    del executed.run_step
+    del executed.runner.run
     assert compiles.count() == before  # same programs as `built`'s: all in jit's cache
     assert len(runs) == len(step_programs(executed, executed.shapes.shapes))
     assert set(runs) == set(executed.shapes.shapes)

@@ -321,6 +321,13 @@ class BatchBuilder:
         if slot is not None:
             self._free_slots.append(slot)
 
+    def trim_pages(self, request_id: str, num_pages: int) -> None:
+        """The request's page table row keeps at most `num_pages` entries (its pages were
+        cut: a speculative step's rejected lookahead, Scheduler.roll_back_drafts)."""
+        slot = self.slot_of.get(request_id)
+        if slot is not None:
+            self.num_pages[slot] = min(int(self.num_pages[slot]), num_pages)
+
     def _sync_pages(self, slot: int, page_ids: list[int]) -> None:
         n = self.num_pages[slot]
         if len(page_ids) > n:  # a request's page table only grows while it holds a slot

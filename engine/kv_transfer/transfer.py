@@ -26,11 +26,12 @@ the decode of that first token. When the pool or the running slots are full, the
 queued normally instead (it recomputes its prompt: slower, same tokens) and counted as a
 fallback.
 
-Ordering with overlapped steps: both the gather and the scatter take `core.kv` as it is after
-the step in flight (data dependence on the donated cache), and the pages they touch are held
-by no step in flight (exported pages are referenced until the gather is dispatched; every
-later step takes the cache after it; imported pages were free). With a tensor-parallel mesh
-the gather / scatter are plain jit over the sharded cache; the scatter keeps its sharding
+Ordering with overlapped steps: both the gather and the scatter take the runner's KV cache
+(ModelRunner.state.kv) as it is after the step in flight (data dependence on the donated
+cache), and the pages they touch are held by no step in flight (exported pages are
+referenced until the gather is dispatched; every later step takes the cache after it;
+imported pages were free). With a tensor-parallel mesh the gather / scatter are plain jit
+over the sharded cache; the scatter keeps its sharding
 (tests/kv_transfer_mesh_worker.py, model:2). JAX is imported on first use, so serving
 imports this module (metadata, wire format) without it (the server with --model=mock
 starts without JAX).
@@ -152,7 +153,7 @@ def payload_checksum(meta: KVMeta, arrays: dict[str, np.ndarray], device_digest:
 
 def engine_kv_meta(core) -> dict:
     """What this engine's K/V depends on, in KVMeta's field names."""
-    cfg, kv = core.cfg, core.kv
+    cfg, kv = core.cfg, core.runner.state.kv
     return {
         "model": core.identity.as_dict(),
         "kv_dtype": str(kv.k_pages.dtype),
@@ -212,7 +213,8 @@ def device_fns():
 
 
 def export_pages(core, page_ids: list[int]) -> dict[str, np.ndarray]:
-    """Copy pages `page_ids` of `core.kv` to host numpy arrays ({field: [L, K, n, ...]})."""
+    """Copy pages `page_ids` of the engine's KV cache to host numpy arrays
+    ({field: [L, K, n, ...]})."""
     return _host_pages(gather_pages(core, page_ids), len(page_ids))
 
 
@@ -220,7 +222,7 @@ def gather_pages(core, page_ids: list[int]):
     """Dispatch the gather of pages `page_ids` (a PagedKVCache of device arrays [L, K, b,
     ...], b = the page count's power-of-two bucket). Returns without waiting for it."""
     gather, _ = device_fns()
-    return gather(core.kv, _padded_ids(page_ids))
+    return gather(core.runner.state.kv, _padded_ids(page_ids))
 
 
 def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
@@ -235,13 +237,14 @@ def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
 
 
 def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> None:
-    """Write `arrays` into pages `page_ids` of `core.kv` (the cache is donated and replaced)."""
+    """Write `arrays` into pages `page_ids` of the engine's KV cache (donated and replaced,
+    through ModelRunner.update_kv)."""
     ids = _padded_ids(page_ids)
     pad = len(ids) - len(page_ids)
 
     def padded(name):
         a = arrays.get(name)
-        if getattr(core.kv, name) is None:
+        if getattr(core.runner.state.kv, name) is None:
             return None
         if a is None:
             raise KVTransferMismatchError(name, None, "present (int8 KV)")
@@ -252,7 +255,7 @@ def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> No
     from engine.runner.kv_cache import PagedKVCache
 
     _, scatter = device_fns()
-    core.kv = scatter(core.kv, ids, PagedKVCache(*(padded(name) for name in KV_FIELDS)))
+    core.runner.update_kv(scatter, ids, PagedKVCache(*(padded(name) for name in KV_FIELDS)))
 
 
 def transfer_buckets(core) -> list[int]:
@@ -285,29 +288,29 @@ def _arrays_of(kv) -> dict:
 
 def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool = False) -> int:
     """Compile the gather (prefill side) and / or scatter (decode side) program of every
-    bucket, so no transfer compiles while serving. Engine thread: the scatter replaces
-    `core.kv`, writing zeros into the null page only (nobody reads it). Returns the number
-    of programs run. `on_device`: the scatter of device arrays too (the jax transport's
+    bucket, so no transfer compiles while serving. Engine thread: the scatter replaces the
+    engine's KV cache, writing zeros into the null page only (nobody reads it). Returns the
+    number of programs run. `on_device`: the scatter of device arrays too (the jax transport's
     pulled pages; another jit cache entry than host arrays) and the device digest of the
     pages (engine/kv_transfer/digest.py) on either side."""
     import jax
 
     gather_fn, scatter_fn = device_fns()
-    runs = 0
+    runner, runs = core.runner, 0
     for n in transfer_buckets(core):
         ids = np.zeros(n, np.int32)  # the null page
         if gather:
-            jax.block_until_ready(gather_fn(core.kv, ids))
+            jax.block_until_ready(gather_fn(runner.state.kv, ids))
             runs += 1
         for device in ((False, True) if on_device else (False,)) if scatter else ():
-            core.kv = scatter_fn(core.kv, ids, _zero_pages(core.kv, n, device))
+            runner.update_kv(scatter_fn, ids, _zero_pages(runner.state.kv, n, device))
             runs += 1
         if on_device:  # the jax transport's digest of the offered / pulled pages
             from engine.kv_transfer.digest import device_digest
 
-            device_digest(_arrays_of(_zero_pages(core.kv, n, True)))
+            device_digest(_arrays_of(_zero_pages(runner.state.kv, n, True)))
             runs += 1
-    jax.block_until_ready(core.kv)
+    jax.block_until_ready(runner.state.kv)
     return runs
 
 
@@ -340,7 +343,7 @@ def start_export(
     """Engine thread: the metadata of a request that ended after its first token (`request`
     is the scheduler's Request as the on_finish hook saw it; `page_ids` hold its prompt K/V)
     and the dispatched gather of its pages. The pages may be freed as soon as this returns:
-    every later step takes `core.kv` after the gather (the cache is donated), so none can
+    every later step takes the KV cache after the gather (the cache is donated), so none can
     overwrite them before they are read."""
     lp = None
     if first_logprob is not None:

@@ -2,7 +2,9 @@
 
     adapters.py       AdapterManager: names -> device slots, requests -> slots, a step's rows
     refs.py           adapter references and identities (no JAX)
-    core_adapters.py  EngineCore's side of LoRA (a mixin): load/unload, per-request acquire
+
+The slot stack is built by the ModelRunner (engine/runner/model_runner.py), whose steps
+read it; EngineCore loads, unloads, acquires and releases adapters through it.
 
 May import: configs, models, engine's top level, engine/parallel/, engine/batch/.
 Never serving.

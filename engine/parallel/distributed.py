@@ -3,7 +3,8 @@
     every host:  initialize(DistributedConfig(coordinator, num_processes, process_id))
                  engine = create_multihost_engine(model, config, mesh="model:8")
     process 0:   a LeaderEngineCore: the normal EngineCore (scheduler, page pool, gRPC
-                 server on top); before each device call it broadcasts the call to the others
+                 server on top) whose LeaderRunner broadcasts each device call to the others
+                 before it makes it
     others:      follow(engine) runs the same device calls in the same order until STOP
 
 Why: under multi-controller JAX every process must launch the same jitted computations with
@@ -27,15 +28,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
 import pickle
-import types
 
 import numpy as np
 
 from engine.core import EngineCore
+from engine.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -172,27 +174,31 @@ class StepChannel:
 
 
 # ---- leader and followers --------------------------------------------------------------------
-class LeaderEngineCore(EngineCore):
-    """EngineCore on process 0: every device call is announced to the followers first."""
+class LeaderRunner(ModelRunner):
+    """The ModelRunner of process 0: every device call is announced to the followers first
+    (warm-up's own penalty reset is not: each process runs its own)."""
 
     def __init__(self, *args, channel: StepChannel, **kwargs):
         super().__init__(*args, **kwargs)
         self.channel = channel
 
-    def run_step(self, batch, shape, flags, use_penalties, token_bitmask=None):
-        args = (batch, shape, flags, use_penalties, token_bitmask)
-        self.channel.send(STEP, args)
-        return super().run_step(*args)
+    def run(self, batch, shape, program):
+        self.channel.send(STEP, (batch, shape, program))
+        return super().run(batch, shape, program)
 
-    def _reset_penalty_row(self, slot, req):
-        ids = types.SimpleNamespace(
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            prompt_token_ids=list(req.prompt_token_ids),
-            output_token_ids=list(req.output_token_ids),
-        )
-        self.channel.send(RESET_COUNTS, (slot, ids))
-        super()._reset_penalty_row(slot, ids)
+    def reset_slot(self, slot, prompt_token_ids, output_token_ids):
+        ids = (slot, list(prompt_token_ids), list(output_token_ids))
+        self.channel.send(RESET_COUNTS, ids)
+        super().reset_slot(*ids)
+
+
+class LeaderEngineCore(EngineCore):
+    """EngineCore on process 0: its runner announces every device call to the followers."""
+
+    def __init__(self, *args, channel: StepChannel, **kwargs):
+        runner_cls = functools.partial(LeaderRunner, channel=channel)
+        super().__init__(*args, runner_cls=runner_cls, **kwargs)
+        self.channel = channel
 
     def shutdown(self) -> None:
         self.channel.send(STOP, None)
@@ -224,10 +230,10 @@ def follow(engine, channel: StepChannel | None = None) -> int:
         if kind == STOP:
             return steps
         if kind == STEP:
-            engine.run_step(*payload)
+            engine.runner.run(*payload)
             steps += 1
         elif kind == RESET_COUNTS:
-            engine._reset_penalty_row(*payload)
+            engine.runner.reset_slot(*payload)
         else:
             raise RuntimeError(f"unknown step message kind {kind}")
 

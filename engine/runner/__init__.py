@@ -1,15 +1,20 @@
-"""The device side of a step: the jitted step, its compiled programs, the KV cache pytree,
-penalty counts, step shapes and the warm-up that builds them.
+"""The device side of a step: the runner that owns params and device state, the jitted
+step, its programs, the KV cache pytree, penalty counts, step shapes and warm-up.
 
+    model_runner.py       ModelRunner: params + DeviceState; program / run / verify /
+                          compile / reset_slot (the one owner of device state)
+    state.py              DeviceState: KV cache, penalty counts, prompt mask, last tokens
     step.py               engine_step: forward + sample, one jitted function of a StepBatch
-    programs.py           the step programs EngineCore compiles (greedy/full sampler, variants)
+    programs.py           StepProgram (greedy/full sampler, penalties, bitmask), the bitmask
     kv_cache.py           PagedKVCache: the paged K/V pytree
-    penalties.py          EngineCore's per-slot token counts and prompt mask (a mixin)
+    penalties.py          the per-slot token counts and prompt mask: allocate, reset a slot
     shapes.py             ShapeSet: the fixed set of step shapes an engine compiles
     warmup.py             builds (and optionally runs) every program of the shape set
     compiles.py           counts XLA programs built (jax.monitoring)
     compilation_cache.py  JAX's persistent compilation cache
 
 May import: configs, models, pallas_kernels, engine's top level (api_types, errors),
-engine/sched/, engine/batch/, engine/sampling/, engine/structured/. Never serving.
+engine/sched/, engine/batch/, engine/sampling/, engine/structured/, engine/lora/,
+engine/parallel/. Never engine/spec/ (it imports the runner: the verify program is handed
+in) and never serving.
 """

@@ -1,9 +1,9 @@
 """The device step: one pure function, jitted once per `BatchShape` (and sampler variant).
 
-    (params, kv_cache, penalty_state, last_tokens, batch)
-        -> (kv_cache, penalty_state, last_tokens, packed results)
+    (params, state: DeviceState, batch) -> (state, packed results)
 
-The KV cache, the penalty state and `last_tokens` are donated, so XLA updates them in place.
+The device state (engine/runner/state.py: KV cache, penalty counts, prompt mask,
+`last_tokens`) is donated, so XLA updates it in place.
 The results come back as ONE [Sd + Sp, 2 + 2 * MAX_LOGPROBS] float32 array (tokens
 bit-cast), the only device->host transfer of a step. A row whose logits hold a NaN or inf
 has its token set to NONFINITE_TOKEN on device (the flag travels in the same array); the
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig
 from engine.batch.builder import BatchShape, PackedBatch, StepBatch
 from engine.runner.kv_cache import PagedKVCache
+from engine.runner.state import DeviceState
 from engine.sampling.sampler import SamplingFlags, sample, update_counts
 from models.families import forward
 from models.llama import Params
@@ -33,6 +34,7 @@ from models.lora import LoraInputs
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
 
 NONFINITE_TOKEN = -1  # sampled-token value of a row whose logits were not all finite
+NONFINITE_ERROR = "model produced non-finite logits"  # the error of a request failed for it
 
 
 def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, impl: str, mesh=None):
@@ -129,14 +131,11 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
-    donate_argnames=("kv_cache", "counts", "last_tokens"),
+    donate_argnames=("state",),
 )
 def engine_step(
     params: Params,
-    kv_cache: PagedKVCache,
-    counts: jax.Array,
-    prompt_mask: jax.Array,
-    last_tokens: jax.Array,
+    state: DeviceState,
     batch: StepBatch | PackedBatch,
     *,
     cfg: ModelConfig,
@@ -148,13 +147,15 @@ def engine_step(
     lora: LoraInputs | None = None,
     token_bitmask: jax.Array | None = None,
 ):
-    """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one
-    device) or the engine's ("data", "model") mesh (params/cache placed by
-    engine/parallel/sharding). `batch` may come packed (two flat buffers: one host->device copy
-    each, engine/batch/builder.py); it is unpacked here by static slices. `lora`: the adapter
-    slot stack and each token row's slot (engine/lora/adapters.py); None (no LoRA) is the plain
-    model. `token_bitmask` [Sd + Sp, ceil(V/32)] int32: structured output's allowed tokens
-    (None: a separate trace, so steps without constrained rows are unchanged)."""
+    """Returns (state, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one device) or the
+    engine's ("data", "model") mesh (params/cache placed by engine/parallel/sharding).
+    `batch` may come packed (two flat buffers: one host->device copy each,
+    engine/batch/builder.py); it is unpacked here by static slices. `lora`: the adapter
+    slot stack and each token row's slot (engine/lora/adapters.py); None (no LoRA) is the
+    plain model. `token_bitmask` [Sd + Sp, ceil(V/32)] int32: structured output's allowed
+    tokens (None: a separate trace, so steps without constrained rows are unchanged)."""
+    kv_cache, counts, last_tokens = state.kv, state.counts, state.last_tokens
+    prompt_mask = state.prompt_mask  # read only; returned as it came
     if isinstance(batch, PackedBatch):
         batch = batch.unpack(shape)
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
@@ -181,10 +182,10 @@ def engine_step(
     result.tokens = jnp.where(finite, result.tokens, NONFINITE_TOKEN)
     packed = result.pack()
     if mesh is not None:  # replicated: every process can read it; one jit key for the state
-        packed, counts, last_tokens = jax.lax.with_sharding_constraint(
-            (packed, counts, last_tokens), _replicated(mesh)
+        packed, counts, prompt_mask, last_tokens = jax.lax.with_sharding_constraint(
+            (packed, counts, prompt_mask, last_tokens), _replicated(mesh)
         )
-    return kv_cache, counts, last_tokens, packed
+    return DeviceState(kv_cache, counts, prompt_mask, last_tokens), packed
 
 
 def _replicated(mesh):

@@ -47,13 +47,13 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from engine.batch.builder import BatchShape, StepBatch
 from engine.errors import WarmupCancelled
 from engine.runner import compilation_cache
+from engine.runner.programs import GREEDY_PROGRAM, StepProgram
 from engine.runner.shapes import reachable_shapes, sampler_variants  # noqa: F401  (re-exported)
-from engine.sampling.sampler import FULL_FLAGS, GREEDY_FLAGS
+from engine.sampling.sampler import FULL_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -82,25 +82,23 @@ def warmup(
     if shapes is None:
         shapes = engine.shapes.shapes[:max_shapes]
     t0 = time.perf_counter()
+    runner = engine.runner
     programs = step_programs(engine, shapes, sampling)
     with compilation_cache.warmup_guard():  # a crash while loading sets the cache aside
-        _warm_penalty_state(engine)
-        build_all(engine, programs, workers, stop)
+        runner.warm_reset()
+        build_all(runner, programs, workers, stop)
         if execute:
-            for shape, flags, use_penalties, bitmask in programs:
+            for shape, program in programs:
                 _check(stop)
-                packed = engine.run_step(
-                    StepBatch.zeros(shape), shape, flags, use_penalties, bitmask
-                )
-                jax.block_until_ready(packed)
+                jax.block_until_ready(runner.run(StepBatch.zeros(shape), shape, program))
         # ---- speculative decoding: its verify (and draft) programs (engine/spec/decode.py)
         if getattr(engine, "spec", None) is not None:
             _check(stop)
-            variants = {"greedy": (GREEDY_FLAGS, False), "full": (FULL_FLAGS, False)}
+            variants = {"greedy": GREEDY_PROGRAM, "full": StepProgram(FULL_FLAGS, False)}
             _call_all(engine.spec.warm_programs([variants[name] for name in sampling]), workers)
         # ---- end speculative decoding
     warmup_s = time.perf_counter() - t0
-    engine.mark_warm(warmup_s)
+    runner.mark_warm(warmup_s)
     log.warning(
         "warm-up built %d step programs%s + 1 penalty reset (%d shapes of %d) in %.1fs",
         len(programs),
@@ -112,18 +110,20 @@ def warmup(
     return warmup_s
 
 
-def step_programs(engine, shapes: list[BatchShape], sampling=SAMPLER_VARIANTS) -> list[tuple]:
-    """(shape, flags, use_penalties, token_bitmask) of every step program of `shapes`,
-    cheapest shape first (see the module docstring)."""
+def step_programs(
+    engine, shapes: list[BatchShape], sampling=SAMPLER_VARIANTS
+) -> list[tuple[BatchShape, StepProgram]]:
+    """(shape, StepProgram) of every step program of `shapes`, cheapest shape first (see
+    the module docstring)."""
     programs = []
     for shape in shapes:
-        # a mesh keeps greedy on every shape (EngineCore.full_program says why)
+        # a mesh keeps greedy on every shape (ModelRunner.full_program says why)
         names = ("greedy", "full") if getattr(engine, "mesh", None) else sampler_variants(shape)
         for name in names:
             if name == "greedy" and "greedy" in sampling:
-                programs.append((shape, GREEDY_FLAGS, False, None))
+                programs.append((shape, GREEDY_PROGRAM))
             elif name == "full" and ("full" in sampling or shape.num_prefill_tokens):
-                programs.append((shape, FULL_FLAGS, *engine.full_program(shape)))
+                programs.append((shape, engine.runner.full_program(shape)))
     return programs
 
 
@@ -134,15 +134,15 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def build_all(engine, programs: list, workers: int | None, stop=None) -> None:
-    """`engine.compile_step` for each (shape, flags, use_penalties, bitmask), `workers` at a time,
-    cheapest first (the order of `programs`); the first error is raised. At most `workers`
-    programs are submitted at once, so a `stop()` leaves only those to finish."""
+def build_all(runner, programs: list, workers: int | None, stop=None) -> None:
+    """`runner.compile` for each (shape, StepProgram), `workers` at a time, cheapest first
+    (the order of `programs`); the first error is raised. At most `workers` programs are
+    submitted at once, so a `stop()` leaves only those to finish."""
     workers = default_workers() if workers is None else workers
     if workers <= 1 or len(programs) <= 1:
         for program in programs:
             _check(stop)
-            engine.compile_step(*program)
+            runner.compile(*program)
         return
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool:
         building: set[concurrent.futures.Future] = set()
@@ -154,7 +154,7 @@ def build_all(engine, programs: list, workers: int | None, stop=None) -> None:
                 for future in done:
                     future.result()
             _check(stop)
-            building.add(pool.submit(engine.compile_step, *program))
+            building.add(pool.submit(runner.compile, *program))
         for future in concurrent.futures.as_completed(building):
             future.result()
 
@@ -170,17 +170,3 @@ def _call_all(builders: list, workers: int | None) -> None:
     with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
         for future in [pool.submit(build) for build in builders]:
             future.result()
-
-
-def _warm_penalty_state(engine) -> None:
-    """Allocate the token counts and run the slot reset once (slot 0, empty lists): the
-    slot a real request takes is reset again when it does."""
-    from engine.runner.penalties import reset_counts_jit
-
-    engine.init_penalty_state()
-    width = engine.sched_config.max_model_len
-    empty = np.zeros(width, np.int32)
-    engine._counts, engine._prompt_mask = reset_counts_jit(
-        engine._counts, engine._prompt_mask, np.int32(0), empty, np.int32(0), empty, np.int32(0)
-    )
-    jax.block_until_ready(engine._counts)

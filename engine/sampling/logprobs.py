@@ -7,7 +7,7 @@
 Host side, numpy only, called once per step in which some row asked for logprobs
 (`BuiltStep.logprobs`). Separate from EngineCore's loop (engine/core.py) because it is a
 pure function of the step's results. A verify step of speculative decoding converts its
-accepted tokens itself (engine/spec/decode.py SpecDecoder._logprobs: a list per request).
+accepted run with the same `row_logprob`, one TokenLogprob per emitted token.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ def step_logprobs(plan: SchedulerOutput, result: SampleResult, rows) -> dict[str
         n = s.request.sampling.logprobs
         if n is None or not s.samples:
             continue
-        r = int(r)
-        top = [
-            (int(i), float(lp)) for i, lp in zip(result.top_ids[r][:n], result.top_logprobs[r][:n])
-        ]
-        out[s.request.request_id] = TokenLogprob(
-            int(result.tokens[r]), float(result.logprobs[r]), top
-        )
+        out[s.request.request_id] = row_logprob(result, int(r), n)
     return out
+
+
+def row_logprob(result: SampleResult, row: int, n: int) -> TokenLogprob:
+    """Row `row`'s sampled token, its logprob and the top `n` (id, logprob)."""
+    top = [
+        (int(i), float(lp)) for i, lp in zip(result.top_ids[row][:n], result.top_logprobs[row][:n])
+    ]
+    return TokenLogprob(int(result.tokens[row]), float(result.logprobs[row]), top)

@@ -236,6 +236,19 @@ class Scheduler:
                 got.append(token)
         return received, got
 
+    def roll_back_drafts(self, request: Request, now_s: float) -> None:
+        """After a speculative step appended a request's accepted run (its computed count
+        already excludes the rejected drafts): free the lookahead pages past what its
+        tokens need, then register its full pages in the prefix cache, which so never
+        holds an unverified token. Stale K/V in a kept page sits past kv_len and is
+        overwritten before it is read."""
+        keep = self.pool.pages_for_tokens(request.num_tokens)
+        extra = request.page_ids[keep:]
+        if extra:
+            self.pool.free(extra, now_s)
+            del request.page_ids[keep:]
+        self.pool.cache_full_pages(request)
+
     def _schedule_running(
         self, now_s: float, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
     ) -> int:

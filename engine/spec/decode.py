@@ -1,22 +1,26 @@
-"""Speculative decoding in the engine loop (host side): propose, schedule, verify, commit.
+"""Speculative decoding beside the engine loop (host side): propose, verify, commit.
 
-One speculative step (`SpecDecoder.step`, called by EngineCore.step when speculating):
+`SpecDecoder` is the speculator of one EngineCore. It holds public collaborators only (the
+core's ModelRunner, Scheduler, BatchBuilder and OutputProcessor); the core drives one
+speculative step (EngineCore._spec_step) in this order:
 
     1. drain: an overlapped step still in flight is finished first (its tokens are needed)
-    2. propose: each running decode gets up to k drafts (engine/spec/ngram.py), capped so
-       that the step can never emit more than max_tokens; rows with penalties do not
-       speculate (their counts would change inside the step). Model proposers (layers,
+    2. propose (`propose`): each running decode gets up to k drafts (engine/spec/ngram.py),
+       capped so that the step can never emit more than max_tokens; rows with penalties do
+       not speculate (their counts would change inside the step). Model proposers (layers,
        draft) propose k placeholders here and draw the real drafts on device after the
-       build (`_draft_on_device`, engine/spec/layers.py, engine/spec/draft.py)
+       build (`prepare`, engine/spec/layers.py, engine/spec/draft.py)
     3. schedule: a decode with drafts computes 1 + len(drafts) tokens (the scheduler gives
        it the lookahead pages; drafts are dropped rather than preempting anyone)
-    4. build: the speculating decodes go in the prefill group with query_len 1 + drafts,
-       mixed with plain decodes and prefill chunks (engine/batch/builder.py); `SpecBatch` names
-       their k+1 verified rows (engine/spec/step.py)
-    5. verify on device (the exact rule, engine/spec/rule.py), one device->host copy
-    6. commit each speculating request: the n accepted drafts + 1 correction/bonus token
-       are appended one by one with the stop checks (EOS, stop ids, stop strings,
-       max_tokens: a stop inside the run truncates there); then rollback:
+    4. build (`prepare`): the speculating decodes go in the prefill group with query_len
+       1 + drafts, mixed with plain decodes and prefill chunks (engine/batch/builder.py);
+       `SpecBatch` names their k+1 verified rows (engine/spec/step.py)
+    5. verify on device (ModelRunner.verify: the exact rule, engine/spec/rule.py), one
+       device->host copy
+    6. commit (`commit`) each speculating request: the n accepted drafts + 1
+       correction/bonus token are appended one by one with the stop checks (EOS, stop ids,
+       stop strings, max_tokens: a stop inside the run truncates there); then rollback
+       (Scheduler.roll_back_drafts, BatchBuilder.trim_pages):
 
            before: computed = start + 1 + len(drafts)   pages cover it (lookahead)
            after:  computed = start + 1 + n             K/V of rejected drafts are stale
@@ -48,12 +52,11 @@ import numpy as np
 from configs.spec_config import SpeculativeConfig
 from engine.api_types import RequestOutput, TokenLogprob
 from engine.batch.builder import BatchShape, BuiltStep, StepBatch
+from engine.runner.programs import StepProgram
 from engine.runner.shapes import ShapeSet, spec_shapes
-from engine.runner.step import NONFINITE_TOKEN
-from engine.sampling.logprobs import step_logprobs
+from engine.runner.step import NONFINITE_ERROR, NONFINITE_TOKEN
+from engine.sampling.logprobs import row_logprob
 from engine.sampling.sampler import (
-    FULL_FLAGS,
-    GREEDY_FLAGS,
     SampleResult,
     SamplingTensors,
     greedy_sampler_rows,
@@ -62,7 +65,7 @@ from engine.sampling.sampler import (
 from engine.spec.draft import DraftModel, fill
 from engine.spec.layers import draft_layers
 from engine.spec.ngram import propose_ngram
-from engine.spec.step import SpecBatch, spec_engine_step
+from engine.spec.step import SpecBatch
 
 
 @dataclasses.dataclass
@@ -134,79 +137,80 @@ def back_off(req, num_accepted: int) -> None:
     req.spec_resume_at = req.num_output_tokens + 1 + wait  # + 1: the token this step emits
 
 
-class SpecDecoder:
-    """Speculation for one EngineCore (it reads and drives the core's scheduler, builder,
-    output processor and device state; see the module docstring)."""
+@dataclasses.dataclass
+class Proposal:
+    """A speculative step's drafts, ready to verify: which scheduled requests speculate,
+    the SpecBatch of their verified rows, and a model proposer's q [Sv, k, V] (None for
+    point-mass drafts)."""
 
-    def __init__(self, core, config: SpeculativeConfig):
-        if core.mesh is not None:
+    indices: list[int]  # positions in plan.scheduled of the speculating requests
+    batch: SpecBatch
+    draft_probs: jax.Array | None = None
+
+
+class SpecDecoder:
+    """The speculator of one EngineCore (see the module docstring): `runner` (the core's
+    ModelRunner) runs the model proposers and holds the target's state; `scheduler`,
+    `builder`, `outputs` are the core's own, used through their public methods."""
+
+    def __init__(
+        self, config: SpeculativeConfig, *, model, runner, scheduler, builder, outputs, shapes
+    ):
+        """`model`: the target's LoadedModel (a draft model is checked against it);
+        `shapes`: the engine's ShapeSet (verify shapes are added to it)."""
+        if runner.mesh is not None:
             raise NotImplementedError("speculative decoding with a mesh (one device only)")
-        if getattr(core, "adapters", None) is not None:  # spec_engine_step has no LoRA input
+        if runner.adapters is not None:  # spec_engine_step has no LoRA input
             raise NotImplementedError("speculative decoding with LoRA adapters (max_loras > 0)")
-        self.core = core
+        self.runner, self.scheduler, self.builder, self.outputs = (
+            runner,
+            scheduler,
+            builder,
+            outputs,
+        )
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(self.k)
+        sc = runner.sched_config
+        self.engine_shapes = shapes.shapes
         # the engine's shapes plus verify shapes (max_query_len = k + 1; engine/runner/shapes.py)
-        self.shapes = ShapeSet(
-            core.shapes.shapes + spec_shapes(core.sched_config, self.k + 1),
-            core.sched_config.page_size,
-        )
+        self.shapes = ShapeSet(shapes.shapes + spec_shapes(sc, self.k + 1), sc.page_size)
         # (request, max drafts) -> drafted token ids; tests swap in other proposers
         self.proposer = lambda req, k: propose_ngram(
             req.all_token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
         )
         if config.method == "layers":
-            L, n = core.cfg.num_layers, config.num_draft_layers
+            L, n = runner.cfg.num_layers, config.num_draft_layers
             # NOTE: n == L is allowed: the whole model drafts for itself, every draft is
             # accepted (q == p); a check of the machinery (tests), never a speed-up.
             if n > L:
                 raise ValueError(
                     f"speculative.num_draft_layers={n} is invalid: must be <= the model's "
-                    f"num_layers ({L}) for {core.cfg.name!r}"
+                    f"num_layers ({L}) for {runner.cfg.name!r}"
                 )
         self.draft = None  # the draft model (method "draft"): engine/spec/draft.py
         if config.method == "draft":
             from models.registry import load_model
 
-            draft = load_model(config.draft_model)
-            self.draft = DraftModel(core, draft, core.config.dtype, core.config.layer_loop)
+            self.draft = DraftModel(model, load_model(config.draft_model), runner)
         if config.method in ("layers", "draft"):
-            # placeholders: the real drafts are drawn on device after scheduling (run())
+            # placeholders: the real drafts are drawn on device after scheduling (prepare())
             self.proposer = lambda req, k: [0] * k
 
     def should_speculate(self) -> bool:
         """The batch-size policy: speculate while at most disable_by_batch_size run, and
         some running request is not backing off (else plain overlapped steps)."""
-        running = self.core.scheduler.running
+        running = self.scheduler.running
         limit = self.config.disable_by_batch_size
         if not running or (limit is not None and len(running) > limit):
             return False
         return any(r.num_output_tokens >= r.spec_resume_at for r in running)
 
-    # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        core, outputs = self.core, []
-        if core._in_flight is not None:  # 1. drain the overlapped step
-            previous, core._in_flight = core._in_flight, None
-            core._finish_step(previous, outputs)
-        t0 = time.perf_counter()
-        drafted = self._propose()  # 2.
-        self.stats.draft_s += time.perf_counter() - t0
-        launched = core._launch(outputs, spec=self if drafted else None)
-        if launched is None:
-            return outputs
-        if launched.spec_batch is None:
-            self.stats.plain_steps += 1
-            core._finish_step(launched, outputs)
-        else:
-            self._finish(launched, outputs)
-        return outputs
-
-    def _propose(self) -> int:
+    # ---- 2-3. propose ---------------------------------------------------------------------
+    def propose(self) -> int:
         """Drafts for every running decode that may speculate; returns how many got one."""
-        num = 0
-        for req in self.core.scheduler.running:
+        t0, num = time.perf_counter(), 0
+        for req in self.scheduler.running:
             req.spec_token_ids = []
             room = req.sampling.max_tokens - req.num_output_tokens - 1  # + 1 emitted always
             if req.num_remaining_tokens != 1 or room <= 0 or uses_penalties([req.sampling]):
@@ -215,48 +219,36 @@ class SpecDecoder:
                 continue
             req.spec_token_ids = list(self.proposer(req, min(self.k, room)))[: min(self.k, room)]
             num += bool(req.spec_token_ids)
+        self.stats.draft_s += time.perf_counter() - t0
         return num
 
-    def after_schedule(self, plan) -> None:
+    def after_schedule(self) -> None:
         """Drafts of running requests not scheduled this step are dropped (stale next step)."""
-        for req in self.core.scheduler.running:
+        for req in self.scheduler.running:
             req.spec_token_ids = []
 
-    # ---- 4-5. build and dispatch ----------------------------------------------------------
-    def run(self, plan, built: BuiltStep, flags_full: bool):
-        """Dispatch the speculative step; returns (packed, spec_packed, num_accepted, spec
-        indices) on device, or None when no scheduled request kept its drafts."""
+    def follow(self, batch, shape: BatchShape) -> None:
+        """Before a plain step: a draft model's cache follows every step (engine/spec/draft.py)."""
+        if self.draft is not None:
+            self.draft.fill(batch, shape, self.runner.state.last_tokens)
+
+    # ---- 4. build -------------------------------------------------------------------------
+    def prepare(self, plan, built: BuiltStep) -> Proposal | None:
+        """The verify inputs of a built step (model proposers' drafts drawn on device), or
+        None when no scheduled request kept its drafts."""
         spec_idx = [i for i, s in enumerate(plan.scheduled) if s.spec_token_ids]
         if not spec_idx:
             return None
-        core = self.core
         spec = self._spec_batch(plan, built, spec_idx)
-        flags = FULL_FLAGS if flags_full else GREEDY_FLAGS
-        draft_probs = None
         if self.config.method in ("layers", "draft"):
-            spec, draft_probs = self._draft_on_device(plan, built, spec_idx, spec)
-        core.kv, core._counts, core._last_tokens, packed, spec_packed, num_acc = spec_engine_step(
-            core.params,
-            core.kv,
-            core._counts,
-            core._prompt_mask,
-            core._last_tokens,
-            built.batch.pack(),
-            spec,
-            cfg=core.cfg,
-            shape=built.shape,
-            flags=flags,
-            use_penalties=built.penalties,
-            impl=core.impl,
-            draft_probs=draft_probs,
-        )
-        return packed, spec_packed, num_acc, spec_idx
+            return Proposal(spec_idx, *self._draft_on_device(plan, built, spec_idx, spec))
+        return Proposal(spec_idx, spec)
 
     def _draft_on_device(self, plan, built: BuiltStep, spec_idx: list[int], spec: SpecBatch):
         """The layers / draft proposer on device (engine/spec/layers.py, engine/spec/draft.py):
         the drafts and their q stay on device and go straight into the verify step (no
         host round trip)."""
-        core, b, Sd = self.core, built.batch, built.shape.num_decode
+        runner, b, Sd = self.runner, built.batch, built.shape.num_decode
         Sv = spec.num_drafts.shape[0]
         first_tokens = np.zeros(Sv, np.int32)
         start = np.zeros(Sv, np.int32)
@@ -268,9 +260,10 @@ class SpecDecoder:
             page_table[j] = b.page_table_p[int(built.sampler_rows[i]) - Sd]
         inputs = (first_tokens, start, page_table, spec.num_drafts, spec.sampling)
         if self.draft is None:  # layers: the target's first N layers over its own cache
-            core.kv, drafts, q = draft_layers(
-                core.params, core.kv, *inputs,
-                cfg=core.cfg, num_layers=self.config.num_draft_layers, k=self.k, impl=core.impl,
+            drafts, q = runner.update_kv(
+                functools.partial(draft_layers, runner.params), *inputs,
+                cfg=runner.cfg, num_layers=self.config.num_draft_layers, k=self.k,
+                impl=runner.impl,
             )  # fmt: skip
             return dataclasses.replace(spec, drafts=drafts), q
         d = self.draft
@@ -278,7 +271,7 @@ class SpecDecoder:
             d.params, d.kv, *inputs, cfg=d.cfg, num_layers=None, k=self.k, impl=d.impl
         )
         spec = dataclasses.replace(spec, drafts=drafts)
-        d.fill(built.batch, built.shape, core._last_tokens, spec)  # the whole step's K/V
+        d.fill(built.batch, built.shape, runner.state.last_tokens, spec)  # the whole step's K/V
         return spec, q
 
     def _spec_batch(self, plan, built: BuiltStep, spec_idx: list[int]) -> SpecBatch:
@@ -299,7 +292,7 @@ class SpecDecoder:
             drafts[j, :nd], num_drafts[j] = s.spec_token_ids, nd
             slots[j] = built.slots[i]
             steps[j] = s.output_index + np.arange(k1)
-        per_slot = self.core.builder.sampling
+        per_slot = self.builder.sampling
         rows = {name: np.repeat(v[slots], k1, axis=0) for name, v in per_slot.items()}
         rows["step"] = steps.reshape(-1)
         return SpecBatch(verify_rows, drafts, num_drafts, SamplingTensors(**rows))
@@ -311,29 +304,29 @@ class SpecDecoder:
         step that also carries a prefill chunk fits an engine shape instead: that program
         is not among these (compiled on first use; counted in compiles_after_warmup)."""
         limit = self.config.disable_by_batch_size
-        shapes = spec_shapes(self.core.sched_config, self.k + 1)
+        shapes = spec_shapes(self.runner.sched_config, self.k + 1)
         if limit is None:
             return shapes
         return [s for s in shapes if s.num_decode + s.num_prefill_seqs <= max(limit, 1)]
 
-    def warm_programs(self, variants: list[tuple]) -> list:
-        """Zero-argument builders, one per (verify shape, sampler variant) and, for the
+    def warm_programs(self, programs: list[StepProgram]) -> list:
+        """Zero-argument builders, one per (verify shape, sampler program) and, for the
         layers proposer, one draft program per (Sv, P): each lowers and compiles without
-        running (as EngineCore.compile_step). `variants`: (flags, use_penalties) pairs."""
-        programs = [
-            functools.partial(self._compile_verify, shape, flags, penalties)
+        running (as ModelRunner.compile)."""
+        builders = [
+            functools.partial(self._compile_verify, shape, program)
             for shape in self.warm_shapes()
-            for flags, penalties in variants
+            for program in programs
         ]
         if self.config.method in ("layers", "draft"):
             sizes = sorted({(s.num_prefill_seqs, s.pages_per_seq) for s in self.warm_shapes()})
-            programs += [functools.partial(self._compile_draft, sv, p) for sv, p in sizes]
+            builders += [functools.partial(self._compile_draft, sv, p) for sv, p in sizes]
         if self.draft is not None:  # the draft cache's fill: every engine and verify shape
-            programs += [
-                functools.partial(self._compile_fill, s, False) for s in self.core.shapes.shapes
+            builders += [
+                functools.partial(self._compile_fill, s, False) for s in self.engine_shapes
             ]
-            programs += [functools.partial(self._compile_fill, s, True) for s in self.warm_shapes()]
-        return programs
+            builders += [functools.partial(self._compile_fill, s, True) for s in self.warm_shapes()]
+        return builders
 
     def _zero_spec_batch(self, Sv: int) -> SpecBatch:
         k1 = self.k + 1
@@ -345,30 +338,26 @@ class SpecDecoder:
             SamplingTensors(**rows),
         )
 
-    def _compile_verify(self, shape: BatchShape, flags, use_penalties: bool) -> None:
-        core, Sv = self.core, shape.num_prefill_seqs
+    def _compile_verify(self, shape: BatchShape, program: StepProgram) -> None:
+        Sv = shape.num_prefill_seqs
         spec, draft_probs = self._zero_spec_batch(Sv), None
         if self.config.method == "layers":  # drafts and q arrive from the draft program
             on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            V = core.cfg.vocab_size
+            V = self.runner.cfg.vocab_size
             spec.drafts = jax.ShapeDtypeStruct((Sv, self.k), np.int32, sharding=on_device)
             draft_probs = jax.ShapeDtypeStruct((Sv, self.k, V), np.float32, sharding=on_device)
-        spec_engine_step.lower(
-            core.params, core.kv, core._counts, core._prompt_mask, core._last_tokens,
-            StepBatch.zeros(shape).pack(), spec,
-            cfg=core.cfg, shape=shape, flags=flags, use_penalties=use_penalties,
-            impl=core.impl, draft_probs=draft_probs,
-        ).compile()  # fmt: skip
+        self.runner.compile(shape, program, spec=spec, draft_probs=draft_probs)
 
     def _compile_draft(self, Sv: int, pages_per_seq: int) -> None:
-        core, zeros = self.core, np.zeros(Sv, np.int32)
-        params, kv, cfg, n = core.params, core.kv, core.cfg, self.config.num_draft_layers
+        runner, zeros = self.runner, np.zeros(Sv, np.int32)
+        params, kv, cfg = runner.params, runner.state.kv, runner.cfg
+        n = self.config.num_draft_layers
         if self.draft is not None:
             params, kv, cfg, n = self.draft.params, self.draft.kv, self.draft.cfg, None
         draft_layers.lower(
             params, kv, zeros, zeros, np.zeros((Sv, pages_per_seq), np.int32),
             zeros, self._zero_spec_batch(Sv).sampling,
-            cfg=cfg, num_layers=n, k=self.k, impl=core.impl,
+            cfg=cfg, num_layers=n, k=self.k, impl=runner.impl,
         ).compile()  # fmt: skip
 
     def _compile_fill(self, shape: BatchShape, with_drafts: bool) -> None:
@@ -379,59 +368,34 @@ class SpecDecoder:
             drafts = jax.ShapeDtypeStruct(spec.drafts.shape, np.int32, sharding=on_device)
             extra = (spec.verify_rows, drafts, spec.num_drafts)
         fill.lower(
-            d.params, d.kv, self.core._last_tokens, StepBatch.zeros(shape).pack(), *extra,
+            d.params, d.kv, self.runner.state.last_tokens, StepBatch.zeros(shape).pack(), *extra,
             cfg=d.cfg, shape=shape, impl=d.impl,
         ).compile()  # fmt: skip
 
-    # ---- 6. results ---------------------------------------------------------------------------
-    def _finish(self, launched, outputs: list[RequestOutput]) -> None:
-        core, plan, built = self.core, launched.plan, launched.built
-        t0 = time.perf_counter()
-        try:
-            packed, spec_packed, num_acc = jax.device_get(launched.spec_results)
-        except Exception as e:
-            core._fail(plan, e, outputs)
-            return
-        now = time.monotonic()
-        self.stats.verify_s += time.perf_counter() - launched.dispatched_at
-        spec_idx = launched.spec_batch
-        spec_set = set(spec_idx)
-        plain = dataclasses.replace(
-            plan, scheduled=[s for i, s in enumerate(plan.scheduled) if i not in spec_set]
-        )
-        plain_rows = np.asarray(
-            [r for i, r in enumerate(built.sampler_rows) if i not in spec_set], np.int32
-        )
-        result = SampleResult.unpack(np.asarray(packed))
-        tokens = result.tokens[plain_rows]
-        core._fail_nonfinite(plain, tokens, now, outputs)
-        sampled = {
-            s.request.request_id: int(t)
-            for s, t in zip(plain.scheduled, tokens)
-            if s.samples and not s.request.is_finished
-        }
-        received = core.scheduler.update_after_step(plain, sampled, now)
-        outputs += core.outputs.emit(received, now, step_logprobs(plain, result, plain_rows))
-        verified = SampleResult.unpack(np.asarray(spec_packed))
-        for j, i in enumerate(spec_idx):
-            out = self._commit(plan.scheduled[i], j, int(num_acc[j]), verified, now)
+    # ---- 6. commit ----------------------------------------------------------------------------
+    def commit(
+        self, plan, proposal: Proposal, verified: SampleResult, num_accepted, now: float
+    ) -> list[RequestOutput]:
+        """Each speculating request's verified run (`verified`: the host copy of the verify
+        step's spec_packed, unpacked; `num_accepted` [Sv]): appended, stop-checked and
+        rolled back; returns their RequestOutput deltas."""
+        outputs = []
+        for j, i in enumerate(proposal.indices):
+            out = self._commit(plan.scheduled[i], j, int(num_accepted[j]), verified, now)
             if out is not None:
                 outputs.append(out)
         self.stats.verify_steps += 1
-        core.num_steps += 1
-        core.num_tokens_processed += plan.total_num_scheduled_tokens
-        core.timings.wait_s += time.perf_counter() - t0
-        core.timings.num_steps += 1
+        return outputs
 
     def _commit(self, s, j: int, n: int, verified: SampleResult, now: float):
         """Append the emitted run of one speculating request (stop checks per token), then
         roll back its rejected drafts (module docstring, step 6)."""
-        core, req = self.core, s.request
+        req = s.request
         req.num_pending_outputs -= 1
         if req.is_finished:
             return None
         if n == NONFINITE_TOKEN:
-            return core.outputs.end(req, "failed", now, "model produced non-finite logits")
+            return self.outputs.end(req, "failed", now, NONFINITE_ERROR)
         nd, k1 = len(s.spec_token_ids), self.k + 1
         rows = range(j * k1, j * k1 + n + 1)
         emitted = [int(verified.tokens[r]) for r in rows]
@@ -440,37 +404,13 @@ class SpecDecoder:
         back_off(req, n)
         self.stats.record(nd, n)
         req.num_computed_tokens = s.start + 1 + n  # rejected drafts' K/V no longer count
-        out = core.outputs.emit_tokens(req, emitted, now, self._logprobs(req, verified, rows))
+        out = self.outputs.emit_tokens(req, emitted, now, self._logprobs(req, verified, rows))
         if not req.is_finished:
-            self._free_lookahead(req)
-            core.pool.cache_full_pages(req)
+            self.scheduler.roll_back_drafts(req, time.monotonic())
+            self.builder.trim_pages(req.request_id, len(req.page_ids))
         return out
-
-    def _free_lookahead(self, req) -> None:
-        keep = self.core.pool.pages_for_tokens(req.num_tokens)
-        extra = req.page_ids[keep:]
-        if extra:
-            self.core.pool.free(extra, time.monotonic())
-            del req.page_ids[keep:]
-            slot = self.core.builder.slot_of.get(req.request_id)
-            if slot is not None:  # the builder's page table row shrinks with it
-                self.core.builder.num_pages[slot] = min(
-                    int(self.core.builder.num_pages[slot]), len(req.page_ids)
-                )
 
     @staticmethod
     def _logprobs(req, verified: SampleResult, rows) -> list[TokenLogprob] | None:
         n = req.sampling.logprobs
-        if n is None:
-            return None
-        return [
-            TokenLogprob(
-                int(verified.tokens[r]),
-                float(verified.logprobs[r]),
-                [
-                    (int(i), float(lp))
-                    for i, lp in zip(verified.top_ids[r][:n], verified.top_logprobs[r][:n])
-                ],
-            )
-            for r in rows
-        ]
+        return None if n is None else [row_logprob(verified, r, n) for r in rows]

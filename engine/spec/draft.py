@@ -93,20 +93,21 @@ def fill(
 
 
 class DraftModel:
-    """The draft model's weights, config and paged KV cache for one EngineCore."""
+    """The draft model's weights, config and paged KV cache, beside the target's runner
+    (engine/runner/model_runner.py: its device, page count, page size and dtypes)."""
 
-    def __init__(self, core, draft, dtype, layer_loop: str):
-        check_draft(core.model, draft)
+    def __init__(self, target, draft, runner):
+        """`target`, `draft`: LoadedModels (the draft checked against the target)."""
+        check_draft(target, draft)
+        config, sc = runner.config, runner.sched_config
         self.cfg = draft.config
         self.identity = draft.identity
-        self.params = layer_layout(cast_params(draft.params, dtype), layer_loop)
-        device = next(iter(jax.tree.leaves(core.params)[0].devices()))
-        self.params = jax.device_put(self.params, device)
-        sc = core.sched_config
+        self.params = layer_layout(cast_params(draft.params, config.dtype), config.layer_loop)
+        self.params = jax.device_put(self.params, runner.device)
         self.kv = PagedKVCache.zeros(
-            self.cfg, sc.num_pages, sc.page_size, core.config.kv_dtype, sharding=device
+            self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=runner.device
         )
-        self.impl = core.impl
+        self.impl = runner.impl
 
     def fill(self, batch, shape: BatchShape, last_tokens: jax.Array, spec=None) -> None:
         """Dispatch `fill` for a step (before the target step: last_tokens is donated by

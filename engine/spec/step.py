@@ -12,9 +12,11 @@ where those rows are and what was drafted (Sv = speculating sequences, padded; k
     sampling    SamplingTensors, rows [Sv * (k+1)]: the sequence's own parameters, `step`
                 = the output index the token at that position would have
 
-    (params, kv_cache, counts, prompt_mask, last_tokens, batch, spec)
-        -> (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K],
-            spec_packed [Sv * (k+1), 2 + 2K], num_accepted [Sv])
+    (params, state: DeviceState, batch, spec)
+        -> (state, packed [Sd + Sp, 2 + 2K], spec_packed [Sv * (k+1), 2 + 2K],
+            num_accepted [Sv])
+
+engine/runner/model_runner.py's ModelRunner.verify runs it over the runner's state.
 
 The normal rows (plain decodes and prefill chunks mixed in the same step) are sampled
 exactly as engine/runner/step.py does; a speculating sequence's own normal row is masked out by
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
 from engine.batch.builder import BatchShape, PackedBatch, StepBatch
-from engine.runner.kv_cache import PagedKVCache
+from engine.runner.state import DeviceState
 from engine.runner.step import NONFINITE_TOKEN, paged_attention_fn
 from engine.sampling.sampler import (
     SamplingFlags,
@@ -66,14 +68,11 @@ class SpecBatch:
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "shape", "flags", "use_penalties", "impl"),
-    donate_argnames=("kv_cache", "counts", "last_tokens"),
+    donate_argnames=("state",),
 )
 def spec_engine_step(
     params: Params,
-    kv_cache: PagedKVCache,
-    counts: jax.Array,
-    prompt_mask: jax.Array,
-    last_tokens: jax.Array,
+    state: DeviceState,
     batch: PackedBatch,
     spec: SpecBatch,
     *,
@@ -88,6 +87,7 @@ def spec_engine_step(
     `draft_probs` [Sv, k, V]: q of a model proposer (engine/spec/layers.py), whose drafts
     (`spec.drafts`, on device) replace the placeholder draft tokens of the batch; None: a
     point-mass proposer (ngram)."""
+    kv_cache, counts, last_tokens = state.kv, state.counts, state.last_tokens
     batch: StepBatch = batch.unpack(shape)
     Sv, k1 = spec.verify_rows.shape
     attention = paged_attention_fn(cfg, batch, shape, impl)
@@ -106,7 +106,11 @@ def spec_engine_step(
     # ---- the normal rows: as engine/runner/step.py ----
     if use_penalties:
         result = sample(
-            normal, batch.sampling, counts[batch.slot_ids], prompt_mask[batch.slot_ids], flags
+            normal,
+            batch.sampling,
+            counts[batch.slot_ids],
+            state.prompt_mask[batch.slot_ids],
+            flags,
         )
         counts = update_counts(counts, batch.slot_ids, result.tokens, batch.sample_mask)
     else:
@@ -128,7 +132,8 @@ def spec_engine_step(
     drawn.tokens = accepted.tokens.reshape(-1)  # -1 past the correction / bonus
     seq_finite = jnp.all(jnp.isfinite(verified).reshape(Sv, -1), axis=-1)  # [Sv]
     num_accepted = jnp.where(seq_finite, accepted.num_accepted, NONFINITE_TOKEN)
-    return kv_cache, counts, last_tokens, result.pack(), drawn.pack(), num_accepted
+    state = DeviceState(kv_cache, counts, state.prompt_mask, last_tokens)
+    return state, result.pack(), drawn.pack(), num_accepted
 
 
 def _accept_model_drafts(verified: jax.Array, spec: SpecBatch, q: jax.Array):

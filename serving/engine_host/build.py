@@ -103,7 +103,7 @@ def engine_warmup(engine, max_shapes: int, *, execute: bool = False) -> Warmup |
     `execute` (--warmup_execute): also run each program once (engine/runner/warmup.py says why).
     PagedJaxServer runs it on the engine thread."""
     replicas = getattr(engine, "replicas", [engine])
-    if not max_shapes or not hasattr(replicas[0], "run_step"):
+    if not max_shapes or not hasattr(replicas[0], "runner"):
         return None
 
     def run(stop: StopFn | None = None) -> None:
@@ -138,7 +138,7 @@ def warmup_with_progress(engine, num_reports: int = 8, stop=None, execute: bool 
     finally:
         warmup_log.setLevel(level)
     warmup_s = time.perf_counter() - t0
-    engine.mark_warm(warmup_s)  # compiles after this count as while serving
+    engine.runner.mark_warm(warmup_s)  # compiles after this count as while serving
     hits = compiles.stats()["compilation_cache_hits_total"] - hits0
     shared.progress(
         f"warm-up: {num_programs} step programs ({len(shapes)} shapes) + 1 penalty reset "
