@@ -6,6 +6,7 @@ device, so tests/test_sharding.py runs this file in a subprocess:
     python tests/sharding_worker.py tiny       # tiny config: model 1/2/4, data 2, data2xmodel2
     python tests/sharding_worker.py kv8        # 8-KV-head config: model 8 vs one device
     python tests/sharding_worker.py smollm2    # SmolLM2-135M: model 3 vs one device
+    python tests/sharding_worker.py spec       # ngram speculation under model 2 vs one device
 """
 
 from __future__ import annotations
@@ -103,6 +104,31 @@ def run(model, prompts, meshes, load_name: str | None = None) -> dict:
     return res
 
 
+def speculative(model) -> dict:
+    """ngram speculation under a model:2 mesh, drafts = the one-device continuation (so
+    each is accepted iff the sharded verify step computes the same tokens): greedy tokens
+    vs one device without speculation, and the acceptance counters."""
+    prompts = [[1] + [7 + i, 40 + i, 90 + i] * 4 for i in range(3)]
+    ref = generate(LLM(model, **OPTS), prompts)
+    spec = {"num_speculative_tokens": 3, "disable_by_batch_size": None}
+    llm = LLM(model, mesh="model:2", speculative=spec, **OPTS)
+    future = {tuple(p): p + r for p, r in zip(prompts, ref)}
+    llm.engine.spec.proposer = lambda req, k: future[tuple(req.prompt_token_ids)][
+        req.num_known_tokens : req.num_known_tokens + k
+    ]
+    stats_before = llm.stats()
+    out = generate(llm, prompts)
+    stats = llm.stats()
+    return {
+        "ref": ref,
+        "same": out == ref,
+        "drafted": stats["spec_drafted_tokens"] - stats_before["spec_drafted_tokens"],
+        "accepted": stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"],
+        "verify_steps": stats["spec_verify_steps"],
+        "k_pages_spec": spec_of(llm.engine.runner.state.kv.k_pages),
+    }
+
+
 def main(which: str) -> None:
     if which == "tiny":
         res = run(
@@ -142,6 +168,8 @@ def main(which: str) -> None:
         params = init_params(cfg, jax.random.key(2), scale=0.2)
         m = dataclasses.replace(m, config=cfg, params=params)
         res = run(m, ["Hello world, a prompt past the window", "abc"], ["model:2"])
+    elif which == "spec":
+        res = speculative(load_model("tiny"))
     elif which == "smollm2":
         m = load_model("smollm2-135m")
         res = run(m, [[1, 504, 3458, 282, 4649, 314]], ["model:3"], "smollm2-135m")

@@ -287,6 +287,53 @@ def test_adapter_errors(llm, tiny_model, adapter_dirs):
     assert set(llm.adapters()) == {"a1", "a2"}  # failed loads changed nothing
 
 
+def _spec_prompts():
+    rng = np.random.default_rng(4)
+    return [[1] + rng.integers(3, 512, 6).tolist() * 3 for _ in range(3)]
+
+
+def _spec_engine(tiny_model, adapter_dirs, spec):
+    on = LLM(tiny_model, speculative=dict(spec, disable_by_batch_size=None), **OPTS)
+    for name in ("a1", "a2"):
+        on.load_adapter(name, adapter_dirs[name])
+    return on
+
+
+@pytest.mark.compile
+def test_ngram_speculation_verifies_each_request_under_its_adapter(llm, tiny_model, adapter_dirs):
+    """Speculative decoding beside adapters: drafts = each request's own continuation under
+    its adapter (speculation off), so they are accepted only if the verify step runs that
+    request's rows under the same adapter; base, a1 and a2 requests share the steps."""
+    prompts, names = _spec_prompts(), [None, "a1", "a2"]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY, adapter=names)]
+    on = _spec_engine(tiny_model, adapter_dirs, dict(num_speculative_tokens=3))
+    future = {tuple(p): p + w for p, w in zip(prompts, want)}
+    on.engine.spec.proposer = lambda req, k: future[tuple(req.prompt_token_ids)][
+        req.num_known_tokens : req.num_known_tokens + k
+    ]
+    assert [o.token_ids for o in on.generate(prompts, GREEDY, adapter=names)] == want
+    stats = on.stats()
+    assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"] > 0, stats
+
+
+@pytest.mark.compile
+def test_layers_speculation_drafts_under_each_request_adapter(llm, tiny_model, adapter_dirs):
+    """The layers proposer with every layer (N = L) drafts with the request's own model, so
+    q == p and every draft is accepted only if the draft passes run under the request's
+    adapter too (a base-model draft would miss where the adapter changes the argmax). A
+    separate draft model cannot run the target's adapters: refused."""
+    prompts, names = _spec_prompts(), [None, "a1", "a2"]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY, adapter=names)]
+    L = tiny_model.config.num_layers
+    spec = dict(method="layers", num_draft_layers=L, num_speculative_tokens=3)
+    on = _spec_engine(tiny_model, adapter_dirs, spec)
+    assert [o.token_ids for o in on.generate(prompts, GREEDY, adapter=names)] == want
+    stats = on.stats()
+    assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"] > 0, stats
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        LLM(tiny_model, speculative=dict(method="draft", draft_model="tiny"), **OPTS)
+
+
 def test_engine_without_lora_has_no_adapter_state(tiny_model):
     from configs.engine_config import EngineConfig
     from engine.core import EngineCore

@@ -201,6 +201,17 @@ def test_eight_kv_heads_model_axis_8_matches_one_device():
     assert run["specs"]["k_pages"] == [None, "model"] and run["num_kv_heads"] == 8
 
 
+@pytest.mark.subprocess
+def test_ngram_speculation_under_a_model_mesh_matches_one_device():
+    """Speculative decoding (ngram) under model:2: the verify step runs attention per shard
+    with replicated logits and results, like the plain step; drafts = the one-device
+    continuation are all accepted and the tokens equal one device without speculation."""
+    res = _worker("spec", 900)
+    assert res["same"], res
+    assert res["verify_steps"] > 0 and res["accepted"] == res["drafted"] > 0, res
+    assert res["k_pages_spec"] == [None, "model"]
+
+
 # The tiny, kv8 and gemma3 scenarios above keep the sharding oracle in `make test`; SmolLM2
 # (model axis 3, Orbax restore into the shardings) is `make test-full-sizes`.
 @pytest.mark.slow

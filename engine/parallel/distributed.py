@@ -216,6 +216,11 @@ def create_multihost_engine(model, config, *, mesh, impl: str = "auto"):
             f"max_loras={config.max_loras} is invalid: 0 with several processes (multi-host "
             f"LoRA is not implemented)"
         )
+    if config.speculative is not None:  # NOTE: LeaderRunner announces run, not verify
+        raise ValueError(
+            f"speculative={config.speculative.describe()!r} is invalid: off with several "
+            f"processes (multi-host speculative decoding is not implemented)"
+        )
     if jax.process_index() == 0:
         return LeaderEngineCore(model, config, impl=impl, mesh=mesh, channel=StepChannel())
     return EngineCore(model, config, impl=impl, mesh=mesh)

@@ -47,6 +47,7 @@ from engine.runner.step import engine_step
 from engine.sampling.sampler import FULL_FLAGS, SamplingFlags
 from engine.structured.matcher import bitmask_width
 from models.llama import LayerWeights, cast_params, layer_layout
+from models.lora import LoraInputs
 
 log = logging.getLogger("engine.core")  # NOTE: the logger these warnings always had
 
@@ -170,7 +171,7 @@ class ModelRunner:
             self.state,
             batch.pack() if isinstance(batch, StepBatch) else batch,
             **self._static_args(shape, program.flags, program.use_penalties),
-            lora=self._lora_inputs(batch if isinstance(batch, StepBatch) else None, shape),
+            lora=self.lora_inputs(batch if isinstance(batch, StepBatch) else None, shape),
             **_bitmask_arg(program.token_bitmask),
         )
         return packed
@@ -190,6 +191,7 @@ class ModelRunner:
             batch.pack(),
             spec,
             **self._verify_args(shape, program, draft_probs),
+            lora=self.lora_inputs(batch, shape),
         )
         return tuple(results)
 
@@ -203,6 +205,7 @@ class ModelRunner:
             lowered = self.verify_step.lower(
                 self.params, self.state, batch, spec,
                 **self._verify_args(shape, program, draft_probs),
+                lora=self.lora_inputs(None, shape),
             )  # fmt: skip
         else:
             lowered = engine_step.lower(
@@ -210,7 +213,7 @@ class ModelRunner:
                 self.state,
                 batch,
                 **self._static_args(shape, program.flags, program.use_penalties),
-                lora=self._lora_inputs(None, shape),
+                lora=self.lora_inputs(None, shape),
                 **_bitmask_arg(program.token_bitmask),
             )
         lowered.compile()
@@ -233,9 +236,12 @@ class ModelRunner:
             use_penalties=program.use_penalties,
             impl=self.impl,
             draft_probs=draft_probs,
+            mesh=self.mesh,
         )
 
-    def _lora_inputs(self, batch: StepBatch | None, shape: BatchShape):
+    def lora_inputs(self, batch: StepBatch | None, shape: BatchShape) -> LoraInputs | None:
+        """The adapter stack and each token row's slot for `batch` (None: padding rows);
+        None without adapters."""
         return None if self.adapters is None else self.adapters.inputs(batch, shape)
 
     # ---- state outside the steps ----------------------------------------------------------

@@ -165,7 +165,7 @@ def engine_step(
         params, cfg, token_ids, batch.positions, kv_cache, attention, batch.logits_indices, lora
     )  # [Sd + Sp, V]
     if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
-        logits = jax.lax.with_sharding_constraint(logits, _replicated(mesh))
+        logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
     if use_penalties:
         rows_counts = counts[batch.slot_ids]  # [R, V]
         rows_mask = prompt_mask[batch.slot_ids]
@@ -183,12 +183,12 @@ def engine_step(
     packed = result.pack()
     if mesh is not None:  # replicated: every process can read it; one jit key for the state
         packed, counts, prompt_mask, last_tokens = jax.lax.with_sharding_constraint(
-            (packed, counts, prompt_mask, last_tokens), _replicated(mesh)
+            (packed, counts, prompt_mask, last_tokens), replicated(mesh)
         )
     return DeviceState(kv_cache, counts, prompt_mask, last_tokens), packed
 
 
-def _replicated(mesh):
+def replicated(mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     return NamedSharding(mesh, PartitionSpec())

@@ -1,6 +1,6 @@
 """Speculative decoding: proposers, the verify step and the acceptance rule.
 
-    decode.py   SpecDecoder: EngineCore's speculative path (propose, verify, commit)
+    decode.py   SpecDecoder: the speculator (propose, prepare, commit; the runner verifies)
     ngram.py    the n-gram (prompt lookup) proposer
     draft.py    the draft-model proposer
     layers.py   the early-exit (self-speculative layers) proposer

@@ -66,6 +66,7 @@ from engine.spec.draft import DraftModel, fill
 from engine.spec.layers import draft_layers
 from engine.spec.ngram import propose_ngram
 from engine.spec.step import SpecBatch
+from models.lora import LoraInputs
 
 
 @dataclasses.dataclass
@@ -158,10 +159,18 @@ class SpecDecoder:
     ):
         """`model`: the target's LoadedModel (a draft model is checked against it);
         `shapes`: the engine's ShapeSet (verify shapes are added to it)."""
-        if runner.mesh is not None:
-            raise NotImplementedError("speculative decoding with a mesh (one device only)")
-        if runner.adapters is not None:  # spec_engine_step has no LoRA input
-            raise NotImplementedError("speculative decoding with LoRA adapters (max_loras > 0)")
+        if runner.mesh is not None and config.method != "ngram":
+            # NOTE: draft_layers runs the decode kernel unsharded (WORKSPACE.md)
+            raise NotImplementedError(
+                f"speculative decoding method {config.method!r} with a mesh: only 'ngram'"
+            )
+        if runner.adapters is not None and config.method == "draft":
+            # NOTE: a request's adapter fits the target's weights, not another network's
+            # (ngram needs no model; layers drafts under the adapter; WORKSPACE.md)
+            raise NotImplementedError(
+                "speculative decoding method 'draft' with LoRA adapters (max_loras > 0): "
+                "the draft model cannot run a request's adapter; use 'ngram' or 'layers'"
+            )
         self.runner, self.scheduler, self.builder, self.outputs = (
             runner,
             scheduler,
@@ -260,10 +269,12 @@ class SpecDecoder:
             page_table[j] = b.page_table_p[int(built.sampler_rows[i]) - Sd]
         inputs = (first_tokens, start, page_table, spec.num_drafts, spec.sampling)
         if self.draft is None:  # layers: the target's first N layers over its own cache
+            adapters = runner.adapters  # each sequence's slot: that of its first token row
+            slots = None if adapters is None else adapters.row_slots(b, built.shape)
             drafts, q = runner.update_kv(
                 functools.partial(draft_layers, runner.params), *inputs,
                 cfg=runner.cfg, num_layers=self.config.num_draft_layers, k=self.k,
-                impl=runner.impl,
+                impl=runner.impl, lora=self._draft_lora(slots, spec.verify_rows[:, 0]),
             )  # fmt: skip
             return dataclasses.replace(spec, drafts=drafts), q
         d = self.draft
@@ -273,6 +284,15 @@ class SpecDecoder:
         spec = dataclasses.replace(spec, drafts=drafts)
         d.fill(built.batch, built.shape, runner.state.last_tokens, spec)  # the whole step's K/V
         return spec, q
+
+    def _draft_lora(self, row_slots: np.ndarray | None, rows: np.ndarray) -> LoraInputs | None:
+        """The layers proposer's adapter input: the slot stack and the slot of token row
+        `rows[j]` for speculating sequence j (None without adapters)."""
+        adapters = self.runner.adapters
+        if adapters is None:
+            return None
+        slots = np.zeros(len(rows), np.int32) if row_slots is None else row_slots[rows]
+        return LoraInputs(adapters.run_weights, slots)
 
     def _spec_batch(self, plan, built: BuiltStep, spec_idx: list[int]) -> SpecBatch:
         b, k1 = built.batch, self.k + 1
@@ -351,13 +371,14 @@ class SpecDecoder:
     def _compile_draft(self, Sv: int, pages_per_seq: int) -> None:
         runner, zeros = self.runner, np.zeros(Sv, np.int32)
         params, kv, cfg = runner.params, runner.state.kv, runner.cfg
-        n = self.config.num_draft_layers
+        n, lora = self.config.num_draft_layers, self._draft_lora(None, zeros)
         if self.draft is not None:
             params, kv, cfg, n = self.draft.params, self.draft.kv, self.draft.cfg, None
+        extra = {} if self.draft is not None else {"lora": lora}
         draft_layers.lower(
             params, kv, zeros, zeros, np.zeros((Sv, pages_per_seq), np.int32),
             zeros, self._zero_spec_batch(Sv).sampling,
-            cfg=cfg, num_layers=n, k=self.k, impl=runner.impl,
+            cfg=cfg, num_layers=n, k=self.k, impl=runner.impl, **extra,
         ).compile()  # fmt: skip
 
     def _compile_fill(self, shape: BatchShape, with_drafts: bool) -> None:

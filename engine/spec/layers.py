@@ -21,6 +21,10 @@ pages for layers < N. For Sv speculating sequences (k static, P pages per sequen
 
     -> (kv_cache, drafts [Sv, k] int32, q [Sv, k, V] float32)
 
+With LoRA adapters (`lora`: the engine's slot stack, row_slots [Sv] = each sequence's
+adapter slot) the draft passes run under each request's adapter, its first N layers'
+part (`truncated_lora`), so q is the truncated model of that request, not the base's.
+
 Rows past a sequence's num_drafts write the null page and their q is unused. The verify
 pass (engine/spec/step.py) then runs all layers over start..start + num_drafts, rewriting
 those positions' K/V for every layer, so the draft's layer-< N writes are overwritten with
@@ -50,6 +54,7 @@ from engine.sched.page_pool import NULL_PAGE
 from engine.spec.rule import target_probs
 from models.families import forward
 from models.llama import LayerWeights, Params
+from models.lora import LoraInputs
 from pallas_kernels import decode_paged_attention, write_kv
 
 DRAFT_SALT, ACCEPT_SALT, RESIDUAL_SALT = 1, 2, 3
@@ -75,6 +80,15 @@ def truncated(params: Params, cfg: ModelConfig, num_layers: int) -> tuple[Params
     return dataclasses.replace(params, layers=layers), dataclasses.replace(
         cfg, num_layers=num_layers, **per_layer
     )
+
+
+def truncated_lora(lora: LoraInputs, num_layers: int) -> LoraInputs:
+    """The adapter stack's first `num_layers` layers (stacked [L, ...] or one per layer)."""
+    if isinstance(lora.weights, tuple):
+        weights = tuple(lora.weights[:num_layers])
+    else:
+        weights = jax.tree.map(lambda a: a[:num_layers], lora.weights)
+    return dataclasses.replace(lora, weights=weights)
 
 
 def _decode_attention(cfg: ModelConfig, slots, kv_lens, page_table, impl: str):
@@ -112,14 +126,17 @@ def draft_layers(
     num_layers: int | None,
     k: int,
     impl: str = "auto",
+    lora: LoraInputs | None = None,
 ):
     """See the module docstring: k draft passes of the first `num_layers` layers (None:
-    all of them: a separate draft model over its own cache, engine/spec/draft.py)."""
+    all of them: a separate draft model over its own cache, engine/spec/draft.py).
+    `lora`: row_slots [Sv], each sequence's adapter slot (None: no adapters)."""
     Sv = first_tokens.shape[0]
     page_size = kv_cache.k_pages.shape[3]
     draft_params, draft_cfg = params, cfg
     if num_layers is not None:
         draft_params, draft_cfg = truncated(params, cfg, num_layers)
+        lora = None if lora is None else truncated_lora(lora, num_layers)
     rows = jax.tree.map(lambda a: a.reshape(Sv, k + 1, *a.shape[1:])[:, :k], sampling)
     keys = row_keys(jax.tree.map(lambda a: a.reshape(Sv * k, *a.shape[2:]), rows), DRAFT_SALT)
     keys = keys.reshape(Sv, k)
@@ -132,7 +149,7 @@ def draft_layers(
         slots = jnp.where(live, page * page_size + pos % page_size, NULL_PAGE * page_size)
         kv_lens = jnp.where(live, pos + 1, 1)  # [Sv]
         attention = _decode_attention(draft_cfg, slots, kv_lens, page_table, impl)
-        logits, cache = forward(draft_params, draft_cfg, tokens, pos, cache, attention)
+        logits, cache = forward(draft_params, draft_cfg, tokens, pos, cache, attention, None, lora)
         tensors = jax.tree.map(lambda a: a[:, i], rows)  # rows [Sv]
         q = target_probs(logits, tensors)  # [Sv, V]
         g = jax.vmap(lambda key: jax.random.gumbel(key, (q.shape[-1],)))(keys[:, i])  # [Sv, V]

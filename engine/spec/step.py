@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from configs.model_config import ModelConfig
 from engine.batch.builder import BatchShape, PackedBatch, StepBatch
 from engine.runner.state import DeviceState
-from engine.runner.step import NONFINITE_TOKEN, paged_attention_fn
+from engine.runner.step import NONFINITE_TOKEN, paged_attention_fn, replicated
 from engine.sampling.sampler import (
     SamplingFlags,
     SamplingTensors,
@@ -54,6 +54,7 @@ from engine.spec.layers import ACCEPT_SALT, RESIDUAL_SALT, row_keys
 from engine.spec.rule import accept_drafts, accept_point_mass_drafts, processed_logits, target_probs
 from models.families import forward
 from models.llama import Params
+from models.lora import LoraInputs
 
 
 @jax.tree_util.register_dataclass
@@ -67,7 +68,7 @@ class SpecBatch:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "shape", "flags", "use_penalties", "impl"),
+    static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
     donate_argnames=("state",),
 )
 def spec_engine_step(
@@ -82,15 +83,19 @@ def spec_engine_step(
     use_penalties: bool,
     impl: str = "auto",
     draft_probs: jax.Array | None = None,
+    lora: LoraInputs | None = None,
+    mesh=None,
 ):
-    """See the module docstring. One device, no mesh (speculation with a mesh: not yet).
+    """See the module docstring. `mesh`: None or the engine's mesh, as engine_step takes it
+    (attention per shard, logits and results replicated).
     `draft_probs` [Sv, k, V]: q of a model proposer (engine/spec/layers.py), whose drafts
     (`spec.drafts`, on device) replace the placeholder draft tokens of the batch; None: a
-    point-mass proposer (ngram)."""
+    point-mass proposer (ngram). `lora`: each token row's adapter (engine/lora/adapters.py),
+    as engine_step takes it: a speculating sequence's verified rows run under its adapter."""
     kv_cache, counts, last_tokens = state.kv, state.counts, state.last_tokens
     batch: StepBatch = batch.unpack(shape)
     Sv, k1 = spec.verify_rows.shape
-    attention = paged_attention_fn(cfg, batch, shape, impl)
+    attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
     from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
     token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]
     if draft_probs is not None:  # the drafts never went to the host: write them in here
@@ -99,8 +104,10 @@ def spec_engine_step(
         token_ids = token_ids.at[at.reshape(-1)].set(spec.drafts.reshape(-1), mode="drop")
     rows = jnp.concatenate([batch.logits_indices, spec.verify_rows.reshape(-1)])
     logits, kv_cache = forward(
-        params, cfg, token_ids, batch.positions, kv_cache, attention, rows
+        params, cfg, token_ids, batch.positions, kv_cache, attention, rows, lora
     )  # [Sd + Sp + Sv * (k+1), V]
+    if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
+        logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
     R = batch.logits_indices.shape[0]
     normal, verified = logits[:R], logits[R:]  # [Sd + Sp, V], [Sv * (k+1), V]
     # ---- the normal rows: as engine/runner/step.py ----
@@ -132,8 +139,16 @@ def spec_engine_step(
     drawn.tokens = accepted.tokens.reshape(-1)  # -1 past the correction / bonus
     seq_finite = jnp.all(jnp.isfinite(verified).reshape(Sv, -1), axis=-1)  # [Sv]
     num_accepted = jnp.where(seq_finite, accepted.num_accepted, NONFINITE_TOKEN)
-    state = DeviceState(kv_cache, counts, state.prompt_mask, last_tokens)
-    return state, result.pack(), drawn.pack(), num_accepted
+    packed, spec_packed, prompt_mask = result.pack(), drawn.pack(), state.prompt_mask
+    if mesh is not None:  # replicated, as engine_step returns them
+        packed, spec_packed, num_accepted, counts, prompt_mask, last_tokens = (
+            jax.lax.with_sharding_constraint(
+                (packed, spec_packed, num_accepted, counts, prompt_mask, last_tokens),
+                replicated(mesh),
+            )
+        )
+    state = DeviceState(kv_cache, counts, prompt_mask, last_tokens)
+    return state, packed, spec_packed, num_accepted
 
 
 def _accept_model_drafts(verified: jax.Array, spec: SpecBatch, q: jax.Array):
