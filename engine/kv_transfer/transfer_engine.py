@@ -80,7 +80,7 @@ class KVTransferEngine:
     def tokenizer(self):
         return self.core.tokenizer
 
-    def __getattr__(self, name):  # config, model, pool, reload_model, run_step, warm-up ...
+    def __getattr__(self, name):  # config, model, pool, reload_model, runner, warm-up ...
         return getattr(self.core, name)
 
     def add_request(self, er: EngineRequest, cache_salt: str | None = None) -> None:
