@@ -171,6 +171,9 @@ def build_engine_like_the_server():
         "layer_loop": "scan",
         "warmup_max_shapes": DEFAULT_MAX_SHAPES,
     }  # fmt: skip  (serving/server.py's flag defaults)
+    for arg in F.server_args.split():  # the one engine flag an A/B here changes
+        if arg.startswith("--attention_impl="):
+            options["impl"] = arg.split("=", 1)[1]
     return build_engine(F.model, options)
 
 

@@ -541,6 +541,13 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
     )
+    flags.DEFINE_enum(
+        "attention_impl",
+        "auto",
+        ["auto", "reference", "cpu", "gpu", "tpu"],
+        "paged attention (pallas_kernels): auto picks by backend (gpu/tpu: the Pallas "
+        "kernels, cpu: the data-bounded jnp loops); reference: the jnp oracle",
+    )
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
     flags.DEFINE_string(
         "compilation_cache_dir",
@@ -775,6 +782,7 @@ def engine_options_from_flags() -> dict:
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        **({} if FLAGS.attention_impl == "auto" else {"impl": FLAGS.attention_impl}),
         "speculative": shared.check_speculative(FLAGS.speculative),  # None: off
         **lora_options_from_flags(),
         # shapes (#21.4): scan compiles each step program ~4x faster than unrolled layers
