@@ -227,7 +227,9 @@ print("impl", built[-1]["impl"])
 """
 
 
-@pytest.mark.parametrize("argv, impl", [([], "auto"), (["--attention_impl=reference"], "reference")])
+@pytest.mark.parametrize(
+    "argv, impl", [([], "auto"), (["--attention_impl=reference"], "reference")]
+)
 def test_attention_impl_flag_reaches_the_engine(argv, impl):
     """--attention_impl becomes the engine's `impl` (the attention every step program runs);
     the default leaves the engine's own choice; a bad value is a usage error."""
