@@ -80,6 +80,7 @@ from engine.spec.decode import SpecDecoder
 from engine.structured.matcher import StructuredRequests
 from models.llama import cast_params, layer_layout
 from models.registry import engine_model
+from pallas_kernels import resolve_impl
 
 log = logging.getLogger(__name__)
 NONFINITE_ERROR = "model produced non-finite logits"
@@ -139,7 +140,9 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         self.sched_config = sc = config.scheduler_config(self.cfg)
         self.pool = PagePool.from_config(sc, model_keys_of(self.identity))
         self.scheduler = Scheduler(sc, self.pool)
-        self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
+        # attention bounded by the real lengths (the CPU loops) makes page-table padding free
+        bounded = resolve_impl(impl) == "cpu"
+        self.shapes = ShapeSet.for_config(sc, config.max_step_shapes, padded_attention=not bounded)
         self.builder = BatchBuilder(
             max_num_seqs=sc.max_num_seqs,
             # the widest page table of a step shape (at least 4, even for tiny max_model_len)
