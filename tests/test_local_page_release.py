@@ -20,7 +20,7 @@ from configs import kv_memory
 from configs.engine_config import EngineConfig
 from configs.model_config import from_name
 
-WINDOW, PAGE, CHUNK = 32, 8, 16
+WINDOW, PAGE, CHUNK = 32, 8, 32
 
 
 def _gemma3_config(**kw):
@@ -47,10 +47,10 @@ def test_ring_pages_cover_every_position_a_step_touches(window, page_size, chunk
     each step's writes, every position its queries may see is still in its ring page."""
     from engine.runner.kv_cache import ring_page_table
 
-    R = kv_memory.ring_pages(window, page_size, chunk)
+    ring = kv_memory.ring_pages(window, page_size, chunk)
     if chunk == 1:
-        assert R <= math.ceil(window / page_size) + 1
-    table = np.asarray(ring_page_table(np.array([3], np.int32), 4000 // page_size + 1, R))[0]
+        assert ring <= math.ceil(window / page_size) + 1
+    table = np.asarray(ring_page_table(np.array([3], np.int32), 4000 // page_size + 1, ring))[0]
     holder: dict[int, int] = {}  # ring page -> logical page written there last
     rng = np.random.default_rng(window)
     start = 0
@@ -62,7 +62,7 @@ def test_ring_pages_cover_every_position_a_step_touches(window, page_size, chunk
         for logical in range(first_visible // page_size, (start + n - 1) // page_size + 1):
             assert holder[int(table[logical])] == logical, (start, n, logical)
         start += n
-    assert set(holder) == set(range(1 + 3 * R, 1 + 4 * R))  # slot 3's pages only
+    assert set(holder) == set(range(1 + 3 * ring, 1 + 4 * ring))  # slot 3's pages only
 
 
 def test_ring_pages_formula():
@@ -169,9 +169,13 @@ def test_4000_token_context_holds_a_window_of_local_pages(gemma3_folder):
     ref_model, folder = gemma3_folder
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, 4000).tolist(), rng.integers(3, 512, 45).tolist()]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    # a pool a little larger than the long request: the short one is preempted (recompute)
-    num_pages = math.ceil(4008 / PAGE) + 4
+    # the short request decodes while the long one prefills, until the pool (a little larger
+    # than the long request) runs out: the short one is preempted and recomputed later
+    max_tokens = (8, 150)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens
+    ]
+    num_pages = math.ceil(4008 / PAGE) + 1 + 12
     results = {}
     for release in (False, True):
         llm = LLM(
@@ -209,13 +213,13 @@ def test_4000_token_context_holds_a_window_of_local_pages(gemma3_folder):
             [t.logprob for t in plain.logprobs],
             atol=1e-5,
         )
-    for prompt, out in zip(prompts, results[True]):
+    for prompt, out, n in zip(prompts, results[True], max_tokens):
         with torch.no_grad():
             x = torch.tensor([prompt])
             ref = ref_model.generate(
                 x,
                 attention_mask=torch.ones_like(x),
-                max_new_tokens=8,
+                max_new_tokens=n,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
