@@ -65,7 +65,7 @@ from engine.batch.builder import BatchBuilder, BuiltStep
 from engine.lora.core_adapters import EngineAdapters
 from engine.parallel import sharding
 from engine.runner import compiles
-from engine.runner.kv_cache import PagedKVCache
+from engine.runner.kv_cache import PagedKVCache, WindowedKVCache
 from engine.runner.penalties import PenaltyState
 from engine.runner.programs import StepPrograms, structured_bitmask
 from engine.runner.shapes import ShapeSet, sampler_variants
@@ -161,9 +161,23 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.params = layer_layout(self.params, config.layer_loop)
-        self.kv = PagedKVCache.zeros(
-            self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=kv_sharding
-        )
+        ring = config.local_ring_pages(self.cfg)  # release_local_pages: K/V per layer group
+        if ring is not None and self.mesh is not None:
+            raise NotImplementedError("release_local_pages with a mesh (model sharding)")
+        if ring is None:
+            self.kv = PagedKVCache.zeros(
+                self.cfg, sc.num_pages, sc.page_size, config.kv_dtype, sharding=kv_sharding
+            )
+        else:
+            self.kv = WindowedKVCache.zeros(
+                self.cfg,
+                sc.num_pages,
+                sc.page_size,
+                sc.max_num_seqs,
+                ring,
+                config.kv_dtype,
+                sharding=kv_sharding,
+            )
         # With a mesh: replicated, as the step returns them (the KV spec would not fit).
         self._place = (
             (lambda x: jax.device_put(x, kv_sharding))
@@ -387,7 +401,8 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
     def stats(self) -> dict:
         pool, sc = self.pool, self.sched_config
         used = pool.num_used_pages
-        page_bytes = self.kv.num_bytes // sc.num_pages
+        pool_kv = self.kv.full if isinstance(self.kv, WindowedKVCache) else self.kv
+        page_bytes = pool_kv.num_bytes // sc.num_pages
         weights_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
         return {
             **self.scheduler.stats(),

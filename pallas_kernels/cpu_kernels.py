@@ -114,6 +114,10 @@ def _attend_chunks(
     per_chunk = kv_chunk // page_size
     offsets = jnp.arange(kv_chunk, dtype=jnp.int32)  # [C]
 
+    if sliding_window is not None:  # each row's first visible position - 1
+        big = jnp.iinfo(jnp.int32).max
+        before = jnp.min(jnp.where(q_valid, q_pos, big), axis=1) - sliding_window  # [R]
+
     def body(state):
         c, carry = state
         ids = _chunk_pages(page_table, c, per_chunk)  # [R, n]
@@ -121,7 +125,10 @@ def _attend_chunks(
         values = _gather_chunk(v_pages, v_scales, layer, ids)
         kv_pos = c * kv_chunk + offsets  # [C]
         in_cache = kv_pos[None, :] < kv_lens[:, None]  # [R, C]
-        values = jnp.where(in_cache[:, None, :, None], values, 0.0)  # unwritten slots: NaN
+        used = in_cache
+        if sliding_window is not None:  # a chunk may start before the window: released pages
+            used = used & (kv_pos[None, :] > before[:, None])
+        values = jnp.where(used[:, None, :, None], values, 0.0)  # unwritten slots: NaN
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & in_cache[:, None, :]  # [R, Q, C]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window

@@ -106,3 +106,42 @@ def test_render_plan_states_replicas_and_caution():
     assert "8192 tokens: 60" in text
     assert "replicas: 6 = ceil(20 / 4.5 x (1 + 0.3))" in text
     assert "max_tokens" in text
+
+
+def test_local_page_release_in_the_plan():
+    """A Gemma 3 270M-shaped model (18 layers, 15 local with window 512, one KV head of 256):
+    the plan states KV per token at 32k with and without local page release; a model
+    without local layers gets no such entry."""
+    from models.gemma3 import GLOBAL, LOCAL, Gemma3Config
+
+    cfg = Gemma3Config(
+        name="gemma3-270m-shaped",
+        num_layers=18,
+        hidden_size=640,
+        num_heads=4,
+        num_kv_heads=1,
+        ffn_size=2048,
+        vocab_size=262144,
+        head_dim=256,
+        sliding_window=512,
+        layer_types=((LOCAL,) * 5 + (GLOBAL,)) * 3,
+    )
+    out = planner.plan(
+        cfg,
+        kv_dtype="bfloat16",
+        device_memory_bytes=16 * GIB,
+        weights_bytes=GIB,
+        workspace_bytes=GIB,
+        page_size=16,
+        samples=[(100, 50)],
+        max_tokens=1024,
+        seq_lens=[1024],
+        prefill_chunk=256,
+    )
+    release = out["local_page_release"]
+    assert release["ring_pages_per_slot"] == 49  # ceil((512 + 256 + 14) / 16)
+    at_32k = release["kv_bytes_per_token"]["32768"]
+    assert at_32k["without"] == 18 * 1024  # 18 layers x 2 x 256 x 2 bytes
+    assert at_32k["with"] == pytest.approx((3 * 32768 + 15 * 49 * 16) * 1024 / 32768)
+    assert "32768 tokens 18.0 -> 3.4 KiB" in planner.render_plan(out)
+    assert "local_page_release" not in seed_plan(samples=[(100, 50)], max_tokens=8, seq_lens=[8])

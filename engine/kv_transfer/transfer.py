@@ -150,9 +150,19 @@ def payload_checksum(meta: KVMeta, arrays: dict[str, np.ndarray], device_digest:
     return h.hexdigest()
 
 
+def paged_kv_of(core):
+    """`core.kv` when it is one PagedKVCache; NotImplementedError for the per-group cache of
+    release_local_pages (its local layers hold a window, not the prompt's K/V)."""
+    from engine.runner.kv_cache import PagedKVCache
+
+    if not isinstance(core.kv, PagedKVCache):
+        raise NotImplementedError("KV transfer with release_local_pages=True")
+    return core.kv
+
+
 def engine_kv_meta(core) -> dict:
     """What this engine's K/V depends on, in KVMeta's field names."""
-    cfg, kv = core.cfg, core.kv
+    cfg, kv = core.cfg, paged_kv_of(core)
     return {
         "model": core.identity.as_dict(),
         "kv_dtype": str(kv.k_pages.dtype),
@@ -220,7 +230,7 @@ def gather_pages(core, page_ids: list[int]):
     """Dispatch the gather of pages `page_ids` (a PagedKVCache of device arrays [L, K, b,
     ...], b = the page count's power-of-two bucket). Returns without waiting for it."""
     gather, _ = device_fns()
-    return gather(core.kv, _padded_ids(page_ids))
+    return gather(paged_kv_of(core), _padded_ids(page_ids))
 
 
 def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
@@ -236,6 +246,7 @@ def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
 
 def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> None:
     """Write `arrays` into pages `page_ids` of `core.kv` (the cache is donated and replaced)."""
+    paged_kv_of(core)
     ids = _padded_ids(page_ids)
     pad = len(ids) - len(page_ids)
 
@@ -292,6 +303,7 @@ def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool
     pages (engine/kv_transfer/digest.py) on either side."""
     import jax
 
+    paged_kv_of(core)
     gather_fn, scatter_fn = device_fns()
     runs = 0
     for n in transfer_buckets(core):

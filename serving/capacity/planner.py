@@ -12,6 +12,13 @@ Memory (the seeds' arithmetic, `configs.kv_memory`):
     KV pages           = floor(budget / (page_size x KV bytes / token))
     sequences that fit = floor(pages / ceil(tokens per sequence / page_size))
 
+Local-layer page release (a model with sliding-window and full-attention layers, Gemma 3;
+`EngineConfig.release_local_pages`): each local layer keeps a ring of R pages per sequence
+slot, R = ceil((window + prefill_chunk + page_size - 2) / page_size), so at a context of n
+tokens (the plan's `local_page_release`, for each of seq_lens and 32k)
+
+    KV bytes / token = per-layer bytes x (global layers x n + local layers x min(R x page, n)) / n
+
 A sequence's KV grows to prompt + output tokens, and the admission controller cannot know the
 output length in advance: the worst case it must budget is prompt + max_tokens, not the
 expected output. The plan reports both.
@@ -87,6 +94,44 @@ def memory_plan(
     return MemoryPlan(per_token, page_size, budget, budget // (per_token * page_size))
 
 
+def local_release_plan(
+    cfg: ModelConfig, kv_dtype: str, page_size: int, prefill_chunk: int, seq_lens: list[int]
+) -> dict | None:
+    """KV bytes per token with and without local-layer page release at each context length
+    (None for a model without a local/global split)."""
+    try:
+        window = kv_memory.local_layer_window(cfg)
+    except ValueError:
+        return None
+    ring = kv_memory.ring_pages(window, page_size, prefill_chunk)
+    num_local = sum(w is not None for w in cfg.layer_windows())
+
+    def per_token(n: int, release: bool) -> float:
+        return kv_memory.kv_bytes_per_token_in_context(
+            cfg,
+            n,
+            kv_dtype,
+            release_local_pages=release,
+            page_size=page_size,
+            max_query_len=prefill_chunk,
+        )
+
+    return {
+        "window": window,
+        "local_layers": num_local,
+        "global_layers": cfg.num_layers - num_local,
+        "ring_pages_per_slot": ring,
+        "ring_bytes_per_slot": ring
+        * page_size
+        * num_local
+        * kv_memory.kv_bytes_per_token_per_layer(cfg, kv_dtype),
+        "kv_bytes_per_token": {
+            str(n): {"without": per_token(n, False), "with": per_token(n, True)}
+            for n in sorted({*seq_lens, 32768})
+        },
+    }
+
+
 def replicas_needed(demand_rps: float, goodput_per_replica_rps: float, reserve: float) -> int:
     """ceil(demand / goodput_per_replica x (1 + reserve))."""
     if goodput_per_replica_rps <= 0:
@@ -154,6 +199,7 @@ def plan(
     goodput_per_replica_rps: float | None = None,
     reserve: float = 0.2,
     utilization: float = 1.0,
+    prefill_chunk: int = 256,
 ) -> dict:
     mem = memory_plan(
         cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes, page_size, utilization
@@ -180,6 +226,9 @@ def plan(
         "sequence may grow to prompt + max_tokens, so plan concurrency on the "
         "budgeted figure and treat the expected one as optimistic.",
     }
+    release = local_release_plan(cfg, kv_dtype, page_size, prefill_chunk, seq_lens)
+    if release is not None:
+        out["local_page_release"] = release
     if rate_rps is not None:
         out["output_token_demand_tps"] = output_token_demand(
             rate_rps, lengths["mean_output_tokens"]
@@ -221,13 +270,27 @@ def render_plan(p: dict) -> str:
         )
     if "replicas" in p:
         lines.append(f"replicas: {p['replicas']} = {p['replica_formula']}")
+    if "local_page_release" in p:
+        r = p["local_page_release"]
+        per = ", ".join(
+            f"{n} tokens {b['without'] / 1024:.1f} -> {b['with'] / 1024:.1f} KiB"
+            for n, b in r["kv_bytes_per_token"].items()
+        )
+        lines.append(
+            f"local page release ({r['local_layers']} local layers, window {r['window']}; "
+            f"{r['global_layers']} global; a ring of {r['ring_pages_per_slot']} pages, "
+            f"{r['ring_bytes_per_slot'] / 2**20:.1f} MiB per slot): KV per token {per}"
+        )
     return "\n".join(lines)
 
 
 # ---- command line ------------------------------------------------------------------------
 
 F = flags.FLAGS
-flags.DEFINE_string("model", "llama-3.1-8b", "configs preset name")
+flags.DEFINE_string(
+    "model", "llama-3.1-8b", "configs preset name, or a GGUF preset (gemma3-270m: its metadata)"
+)
+flags.DEFINE_integer("prefill_chunk", 256, "prefill chunk (sizes local page release's rings)")
 flags.DEFINE_string("kv_dtype", "bfloat16", "KV cache dtype")
 flags.DEFINE_string("weight_dtype", "bfloat16", "for the default weights size")
 flags.DEFINE_float("device_memory_gib", 80.0, "memory of one device (GiB)")
@@ -269,7 +332,11 @@ def check_flags(argv) -> None:
         f"expected the command 'plan' (got {' '.join(argv[1:]) or 'none'}): "
         "python -m serving.capacity.planner plan [--flags]",
     )
-    shared.require("model", F.model, F.model in PRESETS, f"unknown model; one of {sorted(PRESETS)}")
+    from models.registry import GGUF_PRESETS
+
+    known = sorted({*PRESETS, *GGUF_PRESETS})
+    shared.require("model", F.model, F.model in known, f"unknown model; one of {known}")
+    shared.require("prefill_chunk", F.prefill_chunk, F.prefill_chunk >= 1, ">= 1")
     for flag in ("kv_dtype", "weight_dtype"):
         shared.require(
             flag,
@@ -295,6 +362,19 @@ def check_flags(argv) -> None:
         shared.require(flag, path, path is None or os.path.isfile(path), "no such file")
 
 
+def model_config(name: str) -> ModelConfig:
+    """A configs preset, or a GGUF preset's config read from its metadata (no weights)."""
+    from configs.model_config import PRESETS
+
+    if name in PRESETS:
+        return from_name(name)
+    from models.loaders.gguf_loader import config_from_gguf, open_gguf
+    from models.registry import GGUF_PRESETS
+
+    path = GGUF_PRESETS[name]()
+    return config_from_gguf(open_gguf(path), path, name)
+
+
 def _goodput_from_sweep(path: str) -> float:
     try:
         with open(path) as f:
@@ -313,7 +393,7 @@ def _goodput_from_sweep(path: str) -> float:
 
 def main(argv):
     check_flags(argv)
-    cfg = from_name(F.model)
+    cfg = model_config(F.model)
     weights = (
         F.weights_gib * GIB
         if F.weights_gib is not None
@@ -335,6 +415,7 @@ def main(argv):
             goodput_per_replica_rps=goodput,
             reserve=F.reserve,
             utilization=F.utilization,
+            prefill_chunk=F.prefill_chunk,
         )
     except ValueError as e:  # e.g. weights + workspace leave no KV memory
         raise shared.UsageError("", "", str(e)) from None
