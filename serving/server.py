@@ -101,7 +101,7 @@ class ServerConfig:
     # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
     # serving/frontend/request_trace.py
     trace_requests: str | None = None
-    # chat tools / reasoning (serving/http/tool_calling.py): "" = from the model's chat
+    # chat tools / reasoning (engine/chat/setup.py): "" = from the model's chat
     # template / off
     tool_call_parser: str = ""
     reasoning_parser: str = ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from engine.api_types import RequestOutput
+from engine.chat.setup import chat_token_ids
 from engine.errors import InvalidRequestError
 from engine.sampling.params import SamplingParams
 from engine.structured.output import StructuredOutput
@@ -35,23 +36,6 @@ def chat_messages(chat: pb.ChatMessages) -> list[dict]:
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(f"chat.messages[{i}].role", m.role, f"one of {CHAT_ROLES}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-def chat_token_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
-):
-    """The template's text, encoded without adding special tokens again (it wrote its own).
-    `template_kwargs` (e.g. tools, enable_thinking) become template variables."""
-    if hasattr(tokenizer, "encode_chat"):
-        return list(
-            tokenizer.encode_chat(
-                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-            )
-        )
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
-    return list(tokenizer.encode(text))
 
 
 def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None) -> list[int]:

@@ -37,6 +37,7 @@ import uuid
 
 import grpc
 
+from engine.chat.setup import chat_token_ids
 from engine.errors import InvalidRequestError
 from serving.frontend.deadlines import GRPC_SOURCE
 from serving.frontend.generation import GenerateCall, Generator, Refusal, final_summary, is_done
@@ -175,9 +176,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             text = self.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt
             )
-            ids = convert.chat_token_ids(
-                self.engine.tokenizer, messages, request.add_generation_prompt
-            )
+            ids = chat_token_ids(self.engine.tokenizer, messages, request.add_generation_prompt)
         else:
             text = request.text
             ids = self.engine.tokenizer.encode(text)

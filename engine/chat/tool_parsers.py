@@ -24,7 +24,7 @@ is complete, not when its name is known: a call is never announced and then retr
 
 Each format also renders calls back into its syntax (history in a template without tool
 support) and describes its syntax as an llguidance Lark grammar over the tools' parameter
-schemas (serving/http/tool_calling.py: tool_choice required / named).
+schemas (engine/chat/setup.py: tool_choice required / named).
 """
 
 from __future__ import annotations
