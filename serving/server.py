@@ -32,6 +32,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.chat.setup import ChatOptions
 from engine.errors import WarmupCancelled
 from serving import flags as shared
 from serving.disagg import service as kv_transfer_service
@@ -203,7 +204,10 @@ class PagedJaxServer:
             self.loop,
             self.ledger,
         )
-        self.service = PagedJaxService(self.generator, config.engine_config)
+        chat_options = ChatOptions.for_tokenizer(
+            engine.tokenizer, config.tool_call_parser, config.reasoning_parser
+        )
+        self.service = PagedJaxService(self.generator, config.engine_config, chat_options)
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),

@@ -55,9 +55,19 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None)
 
 
 def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> SamplingParams:
-    """Raises InvalidRequestError naming the field (SamplingParams validates itself)."""
+    """Raises InvalidRequestError naming the field (SamplingParams validates itself); a field
+    of the `sampling` message is named by its path (sampling.top_p)."""
     s = req.sampling
     kwargs = {f: getattr(s, f) for f in SAMPLING_FIELDS if s.HasField(f)}
+    try:
+        return _sampling_params(req, kwargs, default_max_tokens)
+    except InvalidRequestError as e:
+        if e.field in kwargs:
+            raise InvalidRequestError(f"sampling.{e.field}", e.value, e.limit) from None
+        raise
+
+
+def _sampling_params(req: pb.GenerateRequest, kwargs: dict, default_max_tokens: int):
     return SamplingParams(
         **kwargs,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
@@ -106,6 +116,9 @@ def merge_into(acc: pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
     acc.token_times_unix_ns.extend(msg.token_times_unix_ns)
     acc.text += msg.text
     acc.logprobs.extend(msg.logprobs)
+    acc.content += msg.content
+    acc.reasoning_content += msg.reasoning_content
+    acc.tool_calls.extend(msg.tool_calls)
 
 
 def versions_message(identity) -> pb.ModelVersions:
