@@ -317,8 +317,8 @@ def history_call(field: str, call_id: str, name: str, arguments: str) -> dict:
     write them with `tojson`, as vLLM passes them). `field` names the arguments in the request."""
     try:
         args = json.loads(arguments or "{}")
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(field, shown(arguments), f"a JSON object: {e}") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise InvalidRequestError(field, shown(arguments), f"a JSON object: {e!s}") from None
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 

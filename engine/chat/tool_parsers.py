@@ -113,7 +113,7 @@ def _call_of(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters"))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -127,7 +127,7 @@ def _json_values(text: str, separator: str = "") -> list[Any] | None:
     while i < len(text):
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a model's output: never a crash
             return None
         values.append(value)
         while i < len(text) and (text[i].isspace() or (separator and text[i] == separator)):
