@@ -200,6 +200,7 @@ def _tool(name="f", parameters="{}"):
         (dict(chat_template_kwargs="[1]"), "chat_template_kwargs"),
         (dict(chat_template_kwargs='{"tools": 1}'), "chat_template_kwargs.tools"),
         (dict(max_thinking_tokens=-1), "max_thinking_tokens"),
+        (dict(tools=[_tool(parameters=" " * 300_000)]), "tools"),  # bounded before rendering
     ],
 )
 def test_bad_tool_fields_name_the_field(served, fields, field):
