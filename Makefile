@@ -38,7 +38,7 @@ test: install
 test-full-sizes: install
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py \
 	  tests/test_engine.py tests/test_model_parity.py tests/test_sharding.py \
-	  tests/test_http_engine_e2e.py -k "smollm2 or paris"
+	  tests/test_http_engine_e2e.py tests/test_llm_tools.py -k "smollm2 or paris"
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_http_deadline_burst.py tests/test_gemma3_gguf.py
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of

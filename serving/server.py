@@ -32,6 +32,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.chat.setup import ChatOptions
 from engine.errors import WarmupCancelled
 from serving import flags as shared
 from serving.disagg import service as kv_transfer_service
@@ -101,7 +102,7 @@ class ServerConfig:
     # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
     # serving/frontend/request_trace.py
     trace_requests: str | None = None
-    # chat tools / reasoning (serving/http/tool_calling.py): "" = from the model's chat
+    # chat tools / reasoning (engine/chat/setup.py): "" = from the model's chat
     # template / off
     tool_call_parser: str = ""
     reasoning_parser: str = ""
@@ -203,7 +204,10 @@ class PagedJaxServer:
             self.loop,
             self.ledger,
         )
-        self.service = PagedJaxService(self.generator, config.engine_config)
+        chat_options = ChatOptions.for_tokenizer(
+            engine.tokenizer, config.tool_call_parser, config.reasoning_parser
+        )
+        self.service = PagedJaxService(self.generator, config.engine_config, chat_options)
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
