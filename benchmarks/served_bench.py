@@ -164,7 +164,8 @@ def build_engine_like_the_server():
     options = {
         "page_size": 16,
         "num_pages": None,
-        "max_num_seqs": 32,
+        "kv_cache_bytes": int(1.5 * 2**30),
+        "max_num_seqs": 64,
         "max_num_batched_tokens": 512,
         "prefill_chunk_size": 256,
         "prefix_caching": True,

@@ -534,8 +534,16 @@ def define_flags() -> None:
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-    flags.DEFINE_integer("num_pages", None, "KV pages (None: engine default from memory)")
-    flags.DEFINE_integer("max_num_seqs", 32, "requests in one batch")
+    flags.DEFINE_integer("num_pages", None, "KV pages (None: as many as --kv_cache_gib holds)")
+    flags.DEFINE_float(
+        "kv_cache_gib",
+        1.5,
+        "KV pool size in GiB when --num_pages is not given (SmolLM2-135M float32: ~34k tokens)",
+    )
+    # 64: a decode of 64 rows costs ~2x one of 16 on CPU (weights dominate), so a client at
+    # concurrency 64 is served in one batch instead of half of it waiting (benchmarks/RESULTS.md,
+    # "CPU attention loops"); on CPU the shape set grows by one decode rung for it.
+    flags.DEFINE_integer("max_num_seqs", 64, "requests in one batch")
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
@@ -641,6 +649,7 @@ def define_flags() -> None:
 _LOWER_BOUNDS = {
     "page_size": (1, False),
     "num_pages": (2, True),
+    "kv_cache_gib": (0.001, False),
     "max_num_seqs": (1, False),
     "max_num_batched_tokens": (1, False),
     "prefill_chunk_size": (1, False),
@@ -779,6 +788,7 @@ def engine_options_from_flags() -> dict:
     return {
         "page_size": FLAGS.page_size,
         "num_pages": FLAGS.num_pages,
+        "kv_cache_bytes": int(FLAGS.kv_cache_gib * 2**30),
         "max_num_seqs": FLAGS.max_num_seqs,
         "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
         "prefill_chunk_size": FLAGS.prefill_chunk_size,

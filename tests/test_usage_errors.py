@@ -226,6 +226,17 @@ build.build_engine("tiny", server.engine_options_from_flags())
 print("impl", built[-1]["impl"])
 """
 
+ENGINE_OPTIONS_PROBE = """
+import sys
+from absl import flags
+from serving import server
+
+server.define_flags()
+flags.FLAGS(["server", *sys.argv[1:]])
+o = server.engine_options_from_flags()
+print(o["kv_cache_bytes"], o["max_num_seqs"], o["num_pages"])
+"""
+
 
 @pytest.mark.parametrize(
     "argv, impl", [([], "auto"), (["--attention_impl=reference"], "reference")]
@@ -236,6 +247,19 @@ def test_attention_impl_flag_reaches_the_engine(argv, impl):
     proc = run(["-c", ATTENTION_IMPL_PROBE, *argv])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == f"impl {impl}"
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [([], f"{3 * 2**29} 64 None"), (["--kv_cache_gib=0.25", "--num_pages=99"], f"{2**28} 64 99")],
+)
+def test_server_kv_pool_and_batch_defaults(argv, want):
+    """The server sizes its KV pool by --kv_cache_gib (1.5 GiB) unless --num_pages is given
+    (EngineConfig then ignores the bytes) and batches 64 requests by default."""
+    proc = run(["-c", ENGINE_OPTIONS_PROBE, *argv])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == want
+    assert_usage_error(run([*SERVER, "--kv_cache_gib=0"]), "--kv_cache_gib=0", ">= 0.001")
 
 
 def test_attention_impl_refusals():

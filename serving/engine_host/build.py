@@ -46,6 +46,7 @@ def build_engine(
         if options.get("max_loras"):
             raise ValueError("LoRA adapters (--lora, --max_loras) need a real --model")
 
+        options.pop("kv_cache_bytes", None)  # the mock engine's pool is --num_pages or 4096
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],
             num_pages=options.get("num_pages") or 4096,
