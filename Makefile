@@ -56,10 +56,11 @@ disagg-bench: install
 	$(VPY) -m benchmarks.disagg_bench $(DISAGG_ARGS)
 
 # The inner loop (about a minute of CPU): every package, without the three slow kinds of test
-# (markers in pyproject.toml). `make test` and CI run everything.
+# (markers in pyproject.toml). `make test` and CI run everything. TEST_XLA_CACHE=DIR: a
+# compilation cache kept between runs, as for `make test` (none by default).
 FAST := not slow and not interpret and not subprocess and not compile
 test-fast: install
-	$(VPY) -m pytest -q -m "$(FAST)" tests
+	PAGEDJAX_TEST_COMPILATION_CACHE_DIR=$(TEST_XLA_CACHE) $(VPY) -m pytest -q -m "$(FAST)" tests
 
 lint: install
 	$(VPY) -m ruff check .
