@@ -176,9 +176,10 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     start = time.monotonic()
     cache_dir = args.compilation_cache_dir
-    temporary = cache_dir is None
-    if temporary:
-        cache_dir = tempfile.mkdtemp(prefix="pagedjax-test-xla-")
+    temporary = None
+    if cache_dir is None:  # in a folder of its own: a set-aside `xla.crashed-*` goes with it
+        temporary = tempfile.mkdtemp(prefix="pagedjax-test-xla-")
+        cache_dir = os.path.join(temporary, "xla")
     elif cache_dir.strip().lower() in ("", "none", "off"):
         cache_dir = None
     env = shared_cache_env(cache_dir)
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
             lane.join()
     finally:
         if temporary:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+            shutil.rmtree(temporary, ignore_errors=True)
     cases = sorted(((s, c) for r in results for c, s in r["cases"].items()), key=lambda sc: -sc[0])
     if args.slowest > 0 and cases:
         print(f"---- slowest {min(args.slowest, len(cases))} test cases")
