@@ -8,7 +8,6 @@ with tool_choice=auto (lazy grammar) every call made is valid."""
 import concurrent.futures
 import contextlib
 import json
-import os
 
 import jsonschema
 import openai
@@ -41,10 +40,7 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What will the weather be in Paris this week?"}]
-# Forced calls: 50 choices in four concurrent requests (n <= 16 each) under
-# `make test-full-sizes`, 26 in two in `make test` (every one must validate either way).
-FULL_SIZES = os.environ.get("PAGEDJAX_FULL_SIZES") == "1"
-SPLIT = (13, 13, 12, 12) if FULL_SIZES else (13, 13)
+SPLIT = (13, 13, 12, 12)  # 50 choices in four concurrent requests (n <= 16 each)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +96,7 @@ def _valid_calls(choice) -> int:
 
 def test_forced_calls_all_parse_and_validate_and_free_text_does_not(sdk):
     forced = _sample(sdk, tool_choice="required", parallel_tool_calls=False)
-    assert len(forced) == sum(SPLIT)
+    assert len(forced) == 50
     for choice in forced:
         assert choice.finish_reason == "tool_calls", (choice.finish_reason, choice.message)
         assert _valid_calls(choice) == 1
