@@ -60,6 +60,9 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": MODEL,
     "head_dim": None,
     "ffn": MODEL,
+    "experts": None,  # mixture-of-experts stacks (models/moe.py)
+    "moe_ffn": MODEL,  # each expert's FFN width: tensor-parallel like "ffn"
+    "expert_logits": None,  # the router's output: every shard routes every token
     "pages": None,
     "page_slot": None,
     "lora_slots": None,  # LoRA adapter slot stacks (engine/lora/adapters.py)
@@ -128,6 +131,9 @@ def _layout_error(cfg: ModelConfig, m: int) -> str | None:
         )
     if cfg.ffn_size % m:
         return f"ffn_size={cfg.ffn_size} must be divisible by the model axis ({m})"
+    moe_ffn = getattr(cfg, "moe_ffn_size", 0)
+    if moe_ffn % m:
+        return f"moe_ffn_size={moe_ffn} must be divisible by the model axis ({m})"
     return None
 
 
