@@ -58,6 +58,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "llama",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "qwen3moe": "qwen3_moe",
 }
 
 

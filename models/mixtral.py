@@ -34,6 +34,15 @@ HF_EXPERT_NAMES = {
     "gate": "block_sparse_moe.experts.{e}.w1.weight",
     "up": "block_sparse_moe.experts.{e}.w3.weight",
     "down": "block_sparse_moe.experts.{e}.w2.weight",
+    "stacked": "block_sparse_moe.experts.{p}_stacked.weight",
+}
+# llama.cpp's names (a "llama" GGUF with expert_count): router and stacked experts
+GGUF_NAMES = {
+    "ffn_gate_inp.weight": HF_EXPERT_NAMES["router"],
+    **{
+        f"ffn_{p}_exps.weight": HF_EXPERT_NAMES["stacked"].format(p=p)
+        for p in ("gate", "up", "down")
+    },
 }
 
 

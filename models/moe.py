@@ -242,21 +242,29 @@ def moe_dense_reference(h, router, w_gate, w_up, w_down, *, top_k, routing, norm
 
 # ---- loading -------------------------------------------------------------------------------
 def expert_stacks(t, prefix: str, cfg: MoeConfig, names: dict[str, str]) -> dict:
-    """One sparse layer's router and expert stacks in our layout from Hugging Face's
-    per-expert tensors. `t(name, hf_shape)` reads a checked float32 tensor; `names` maps
-    "router", "gate", "up", "down" to the suffix (with `{e}` for the expert index)."""
+    """One sparse layer's router and expert stacks in our layout. `t(name, hf_shape,
+    optional=False)` reads a checked float32 tensor (None for a missing optional one);
+    `names` maps "router", "gate", "up", "down" to Hugging Face's per-expert suffixes (`{e}`:
+    the expert index) and "stacked" to the suffix format of one stacked tensor per
+    projection (`{p}`: gate / up / down; PyTorch [E, out, in], as GGUF stores experts),
+    which is read first when present."""
     import numpy as np
 
     D, E, Fm = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size
+    shapes = {"gate": (Fm, D), "up": (Fm, D), "down": (D, Fm)}
 
-    def stack(key, hf_shape):
-        return np.stack([t(prefix + names[key].format(e=e), hf_shape).T for e in range(E)])
+    def stack(key):
+        if "stacked" in names:
+            whole = t(prefix + names["stacked"].format(p=key), (E, *shapes[key]), optional=True)
+            if whole is not None:
+                return whole.transpose(0, 2, 1)
+        return np.stack([t(prefix + names[key].format(e=e), shapes[key]).T for e in range(E)])
 
     return {
         "router": t(prefix + names["router"], (E, D)).T,  # [D, E]
-        "moe_gate": stack("gate", (Fm, D)),  # [E, D, Fm]
-        "moe_up": stack("up", (Fm, D)),  # [E, D, Fm]
-        "moe_down": stack("down", (D, Fm)),  # [E, Fm, D]
+        "moe_gate": stack("gate"),  # [E, D, Fm]
+        "moe_up": stack("up"),  # [E, D, Fm]
+        "moe_down": stack("down"),  # [E, Fm, D]
     }
 
 

@@ -41,8 +41,17 @@ HF_EXPERT_NAMES = {
     "gate": "mlp.experts.{e}.gate_proj.weight",
     "up": "mlp.experts.{e}.up_proj.weight",
     "down": "mlp.experts.{e}.down_proj.weight",
+    "stacked": "mlp.experts.{p}_stacked.weight",
 }
-GGUF_NAMES = qwen3_family.GGUF_NAMES
+# llama.cpp's names (GGUF "qwen3moe"): QK norms, router and stacked experts
+GGUF_NAMES = {
+    **qwen3_family.GGUF_NAMES,
+    "ffn_gate_inp.weight": HF_EXPERT_NAMES["router"],
+    **{
+        f"ffn_{p}_exps.weight": HF_EXPERT_NAMES["stacked"].format(p=p)
+        for p in ("gate", "up", "down")
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,22 +158,113 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    """(family, HF model, folder) with random weights (std 0.2: peaked logits, no ties)."""
+def _save(name, folder):
+    """The HF model `name` with random weights (std 0.2: peaked logits, no greedy ties),
+    saved as safetensors with a tokenizer.json in `folder`."""
     from models.registry import tiny_tokenizer
 
-    family, make = FAMILIES[request.param]
     torch.manual_seed(0)
-    model = make()
+    model = FAMILIES[name][1]()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.config._attn_implementation = "eager"
-    folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder, safe_serialization=True)
     tiny_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    return request.param, family, model.eval(), str(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(name, family, HF model, folder)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    model = _save(request.param, folder)
+    return request.param, FAMILIES[request.param][0], model, str(folder)
+
+
+def _permute(w, n_heads):
+    """llama.cpp's Q/K row permutation (the inverse of gguf_loader.unpermute_heads)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, cfg, hf: dict, arch: str):
+    """A float32 GGUF with llama.cpp's names and stacked experts from HF tensors."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_feed_forward_length(cfg.ffn_size)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg.moe_ffn_size)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    w.add_tensor("output.weight", hf["lm_head.weight"])
+    mlp = "mlp" if arch == "qwen3moe" else "block_sparse_moe"
+    names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    if arch != "qwen3moe":
+        names = {"gate": "w1", "up": "w3", "down": "w2"}
+    for i in range(cfg.num_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        q, k = hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _permute(q, cfg.num_heads), _permute(k, cfg.num_kv_heads)
+        tensors = {
+            "attn_norm": hf[p + "input_layernorm.weight"],
+            "ffn_norm": hf[p + "post_attention_layernorm.weight"],
+            "attn_q": q,
+            "attn_k": k,
+            "attn_v": hf[p + "self_attn.v_proj.weight"],
+            "attn_output": hf[p + "self_attn.o_proj.weight"],
+            "ffn_gate_inp": hf[p + f"{mlp}.gate.weight"],
+        }
+        if arch == "qwen3moe":
+            tensors["attn_q_norm"] = hf[p + "self_attn.q_norm.weight"]
+            tensors["attn_k_norm"] = hf[p + "self_attn.k_norm.weight"]
+        for ours, theirs in names.items():
+            experts = [hf[p + f"{mlp}.experts.{e}.{theirs}.weight"] for e in range(cfg.num_experts)]
+            tensors[f"ffn_{ours}_exps"] = np.stack(experts)  # [E, out, in]
+        for name, arr in tensors.items():
+            w.add_tensor(f"{b}{name}.weight", np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.slow  # torch, to make the checkpoint
+@pytest.mark.parametrize("name,arch", [("mixtral", "llama"), ("qwen3_moe_sparse", "qwen3moe")])
+def test_gguf_stacked_experts_load_like_safetensors(tmp_path, name, arch):
+    """llama.cpp's layout (stacked `ffn_*_exps`, router `ffn_gate_inp`, Q/K permuted for
+    "llama") loads into the same params and config as the safetensors checkpoint."""
+    from safetensors.numpy import load_file
+
+    from models.loaders.gguf_loader import load_gguf
+    from models.loaders.hf_loader import load_hf_dir
+
+    _save(name, tmp_path)
+    cfg, params, _ = load_hf_dir(str(tmp_path))
+    path = str(tmp_path / "m.gguf")
+    _write_gguf(path, cfg, load_file(str(tmp_path / "model.safetensors")), arch)
+    gcfg, gparams, _ = load_gguf(path)
+    assert type(gcfg) is type(cfg)
+    for field in ("num_experts", "num_experts_per_tok", "moe_ffn_size", "routing"):
+        assert getattr(gcfg, field) == getattr(cfg, field), field
+    assert gcfg.norm_topk_prob == cfg.norm_topk_prob or arch == "llama"
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), gparams, params)
+    assert all(jax.tree.leaves(same)), same
 
 
 @pytest.mark.slow  # transformers and torch

@@ -26,10 +26,14 @@ Getter = Callable[[str], np.ndarray]
 Int8Getter = Callable[[str], tuple[np.ndarray, np.ndarray]]  # -> (q [out, in], scale [out])
 
 
-def _checked(get: Getter, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+def _checked(
+    get: Getter, name: str, shape: tuple[int, ...], source: str, optional: bool = False
+) -> np.ndarray | None:
     try:
         arr = get(name)
     except KeyError:
+        if optional:
+            return None
         raise ModelLoadError(f"{source}: tensor {name!r} is missing") from None
     if tuple(arr.shape) != shape:
         raise ModelLoadError(
@@ -89,8 +93,10 @@ def params_from_hf_tensors(
     D, V = cfg.hidden_size, cfg.vocab_size
     np_dtype = np.float32
 
-    def t(name, shape):
-        return _checked(get, name, shape, source).astype(np_dtype)
+    def t(name, shape, optional=False):
+        """The checked float32 tensor; with `optional`, None when the checkpoint lacks it."""
+        arr = _checked(get, name, shape, source, optional)
+        return None if arr is None else arr.astype(np_dtype)
 
     family = family_of(cfg)
     if hasattr(family, "hf_getter"):  # fused tensors (Phi-3) split at load
