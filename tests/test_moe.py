@@ -325,3 +325,43 @@ def test_engine_greedy_matches_transformers(checkpoint):
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert out.token_ids == ref, (family, len(prompt))
+
+
+# ---- the Pallas grouped matmul (TPU kernel, interpret mode) -----------------------------------
+GROUPS = [[10, 0, 27, 0], [37, 0, 0, 0], [0, 0, 0, 37], [5, 9, 0, 23], [3, 4, 0, 10]]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("sizes", GROUPS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("tm", [8, 128])
+def test_pallas_grouped_matmul_equals_ragged_dot_and_float64(sizes, tm):
+    """Ragged groups with empty experts, one expert taking every row, tiles straddling
+    group boundaries (tm 8) or one tile for all (tm 128), and rows past the groups."""
+    from pallas_kernels.grouped_matmul import gmm_tpu, grouped_matmul
+
+    rng = np.random.default_rng(sum(sizes) + tm)
+    x = jnp.asarray(rng.normal(size=(37, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 16, 24)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = np.asarray(gmm_tpu(x, w, gs, tm=tm, interpret=True))
+    ragged = np.asarray(grouped_matmul(x, w, gs, impl="ragged_dot"))
+    group = np.repeat(np.arange(4), sizes)
+    ref = np.zeros((37, 24))
+    ref[: len(group)] = np.einsum(
+        "mk,mkn->mn", np.asarray(x, np.float64)[: len(group)], np.asarray(w, np.float64)[group]
+    )
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(ragged, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.interpret
+def test_pallas_grouped_matmul_lowers_for_tpu_and_rejects_bad_shapes():
+    from pallas_kernels.grouped_matmul import grouped_matmul
+
+    x, w, gs = jnp.zeros((64, 256)), jnp.zeros((4, 256, 512)), jnp.full((4,), 16, jnp.int32)
+    f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl="tpu"))
+    assert "tpu_custom_call" in f.trace(x, w, gs).lower(lowering_platforms=("tpu",)).as_text()
+    with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\), expected \(4,\)"):
+        grouped_matmul(x, w, gs[:3])
+    with pytest.raises(ValueError, match="impl='gpu' is unknown"):
+        grouped_matmul(x, w, gs, impl="gpu")
