@@ -118,6 +118,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     )
 
 
+def family_presets() -> dict[str, ModelConfig]:
+    """Named configs the family modules declare (`PRESETS`; shapes only, e.g. the MoE
+    models the planner sizes), beside `configs.model_config.PRESETS`."""
+    out: dict[str, ModelConfig] = {}
+    for name in FAMILY_MODULES:
+        out.update(getattr(family_module(name), "PRESETS", {}))
+    return out
+
+
 def default_chat_template(gguf_architecture: str | None) -> str | None:
     """The family's chat template for a checkpoint that ships none (None: the family has
     no default; chat requests are then refused by the tokenizer)."""

@@ -52,6 +52,24 @@ class MixtralConfig(moe.MoeConfig):
     routing: str = "topk_softmax"
 
 
+# Named shapes (the planner's presets; no weights ship with them).
+PRESETS = {
+    "mixtral-8x7b": MixtralConfig(
+        name="mixtral-8x7b",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_size=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+}
+
+
 def param_shapes(cfg: MixtralConfig) -> Params:
     base = llama_family.param_shapes(cfg)
     return dataclasses.replace(base, layers=moe.moe_shapes(cfg, base.layers, moe.MoeLayerWeights))

@@ -59,6 +59,28 @@ class Qwen3MoeConfig(moe.MoeConfig):
     family = "qwen3_moe"
 
 
+# Named shapes (the planner's presets; no weights ship with them).
+PRESETS = {
+    "qwen3-30b-a3b": Qwen3MoeConfig(
+        name="qwen3-30b-a3b",
+        num_layers=48,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_size=6144,
+        vocab_size=151936,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_ffn_size=768,
+        norm_topk_prob=True,
+    ),
+}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights(moe.MoeLayerWeights):
