@@ -20,8 +20,9 @@ Padding rows of the engine's bucketed batch are routed like any token (their out
 discarded).
 
 NOTE: on XLA:CPU `ragged_dot` lowers to one dense [T*k, E*D] x [E*D, F] matmul with masks
-(E times the FLOPs of the grouped product); a TPU/GPU lowering (or a Pallas grouped matmul,
-`grouped_matmul=`) does only the groups' work.
+(E times the FLOPs of the grouped product), so the model runs `pallas_kernels.grouped_matmul`
+(`MoeConfig.grouped_matmul`): `lax` loops over the groups on CPU, ragged_dot elsewhere, a
+Pallas TPU kernel (megablox gmm style) on request.
 
 Weights (per layer; stacked on a leading L axis in `MoeLayerWeights`):
     router   [D, E]         moe_gate, moe_up [E, D, Fm]         moe_down [E, Fm, D]
@@ -30,6 +31,7 @@ Weights (per layer; stacked on a leading L axis in `MoeLayerWeights`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -60,6 +62,9 @@ class MoeConfig(ModelConfig):
     routing: str = "softmax_topk"
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()
+    # the grouped matmul (pallas_kernels.grouped_matmul): "auto" = `lax` loops on XLA:CPU,
+    # ragged_dot elsewhere; a mesh with an expert axis runs "ragged_dot" (XLA partitions it)
+    grouped_matmul: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
@@ -81,6 +86,9 @@ class MoeConfig(ModelConfig):
             )
         if self.moe_ffn_size <= 0:
             raise ValueError(f"moe_ffn_size={self.moe_ffn_size}: must be > 0")
+        impls = ("auto", "ragged_dot", "cpu", "tpu")
+        if self.grouped_matmul not in impls:
+            raise ValueError(f"grouped_matmul={self.grouped_matmul!r}: expected one of {impls}")
 
     @property
     def mixed(self) -> bool:
@@ -174,6 +182,13 @@ def ragged_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+def grouped_matmul_fn(impl: str) -> GroupedMatmul:
+    """`pallas_kernels.grouped_matmul` with `impl` ("auto", "ragged_dot", "cpu", "tpu")."""
+    from pallas_kernels.grouped_matmul import grouped_matmul
+
+    return functools.partial(grouped_matmul, impl=impl)
+
+
 def sort_by_expert(experts: Array, num_experts: int) -> tuple[Array, Array]:
     """experts [T, k] -> (order [T*k]: flat (token, choice) index of each sorted row,
     group_sizes [E] int32: rows per expert)."""
@@ -225,6 +240,7 @@ def mlp_block(cfg: MoeConfig, h: Array, w, kind: str, proj) -> Array:
         top_k=cfg.num_experts_per_tok,
         routing=cfg.routing,
         norm_topk_prob=cfg.norm_topk_prob,
+        grouped_matmul=grouped_matmul_fn(cfg.grouped_matmul),
     )
 
 

@@ -21,6 +21,8 @@ an empty group has no visit, and the visits past the real count repeat the last 
 same values stored again). Work is proportional to the rows, not to G x M as XLA:CPU's
 `ragged_dot` lowering (a dense matmul over every group with masks).
 
+On XLA:CPU `gmm_cpu` does the same walk with `lax` loops (impl "cpu", the default there).
+
 NOTE: not run on a TPU (none was available): correctness comes from TPU interpret mode on
 CPU against `jax.lax.ragged_dot` and a float64 dense reference (tests/test_moe.py), and the
 Mosaic lowering check there.
@@ -35,7 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-IMPLS = ("ragged_dot", "tpu")
+IMPLS = ("ragged_dot", "cpu", "tpu")
+CPU_TILE_ROWS = 8  # measured best of 8 / 32 / 128 at 8 - 4096 rows, 64 experts (WORKSPACE)
 
 
 def _pick_block(dim: int, choices: tuple[int, ...]) -> int:
@@ -118,8 +121,48 @@ def gmm_tpu(x, w, group_sizes, *, tm: int = 128, interpret: bool = False):
     return jnp.where(rows, out[:m], 0).astype(x.dtype)
 
 
+def gmm_cpu(x, w, group_sizes, *, tm: int = CPU_TILE_ROWS):
+    """The grouped matmul as `lax` loops for XLA:CPU: over the groups (each expert's weight
+    sliced once), and inside a group over its tiles of `tm` rows (masked where a tile runs
+    past the group). Work ~ (M + G x tm) x K x N and each non-empty group's weight read
+    once, against `ragged_dot`'s dense G x M x K x N on this backend. x [M, K], w [G, K, N]."""
+    m, _ = x.shape
+    g, _, n = w.shape
+    xp = jnp.pad(x, ((0, tm), (0, 0)))  # a tile starting at a group's last row stays in range
+    sizes = group_sizes.astype(jnp.int32)
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
+
+    def group(e, out):  # out [M + tm, N] float32
+        w_e = w[e]  # [K, N]
+        lo, hi = offsets[e], offsets[e + 1]
+
+        def tile(i, out):
+            start = lo + i * tm
+            rows = jax.lax.dynamic_slice_in_dim(xp, start, tm)  # [tm, K]
+            y = jnp.dot(rows, w_e, preferred_element_type=jnp.float32)  # [tm, N]
+            mine = (start + jnp.arange(tm))[:, None] < hi
+            cur = jax.lax.dynamic_slice_in_dim(out, start, tm)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, cur), start, 0)
+
+        return jax.lax.fori_loop(0, (hi - lo + tm - 1) // tm, tile, out)
+
+    out = jax.lax.fori_loop(0, g, group, jnp.zeros((m + tm, n), jnp.float32))
+    return out[:m].astype(x.dtype)  # rows past the groups were never written: zero
+
+
+def resolve_impl(impl: str) -> str:
+    """ "auto": the `lax` loops on XLA:CPU, `ragged_dot` elsewhere (the Pallas TPU kernel is
+    not the default until it has run on a TPU)."""
+    if impl == "auto":
+        return "cpu" if jax.default_backend() == "cpu" else "ragged_dot"
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul: impl={impl!r} is unknown (known: auto, {IMPLS})")
+    return impl
+
+
 def grouped_matmul(x, w, group_sizes, *, impl: str = "ragged_dot", interpret: bool = False):
-    """x [M, K] @ w[group] -> [M, N]; impl "ragged_dot" (XLA, every backend) or "tpu"."""
+    """x [M, K] @ w[group] -> [M, N]; impl "ragged_dot" (XLA, every backend), "cpu" (`lax`
+    loops), "tpu" (Pallas) or "auto" (`resolve_impl`)."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"grouped_matmul: x has shape {x.shape}, w {w.shape}: expected [M, K] and [G, K, N]"
@@ -128,8 +171,9 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "ragged_dot", interpret: bo
         raise ValueError(
             f"grouped_matmul: group_sizes has shape {group_sizes.shape}, expected ({w.shape[0]},)"
         )
+    impl = resolve_impl(impl)
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
-    if impl == "tpu":
-        return gmm_tpu(x, w, group_sizes, interpret=interpret)
-    raise ValueError(f"grouped_matmul: impl={impl!r} is unknown (known: {IMPLS})")
+    if impl == "cpu":
+        return gmm_cpu(x, w, group_sizes)
+    return gmm_tpu(x, w, group_sizes, interpret=interpret)

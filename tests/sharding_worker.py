@@ -61,6 +61,7 @@ def describe(llm: LLM, prompts, ref) -> dict:
         "again_same": again == ref,
         "recompiled": compiles.count() - before,
         "num_kv_heads": eng.cfg.num_kv_heads,
+        "grouped_matmul": getattr(eng.cfg, "grouped_matmul", None),
         "specs": {
             name: spec_of(x)
             for name, x in [

@@ -42,17 +42,22 @@ def _weights(key, D=16, F=24, E=4):
     )
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "cpu"])
 @pytest.mark.parametrize("routing,norm", [("topk_softmax", True), ("softmax_topk", False)])
-def test_moe_mlp_equals_dense_reference_with_empty_and_full_experts(routing, norm):
+def test_moe_mlp_equals_dense_reference_with_empty_and_full_experts(routing, norm, impl):
     """Grouped (sorted, ragged) equals every-expert-masked: random routing, and a routing
-    where experts 2 and 3 take every token and experts 0 and 1 none."""
+    where experts 2 and 3 take every token and experts 0 and 1 none; with ragged_dot and
+    with the CPU loops."""
     router, wg, wu, wd = _weights(jax.random.key(0))
     h = jax.random.normal(jax.random.key(1), (11, 16))
     kw = dict(top_k=2, routing=routing, norm_topk_prob=norm)
+    kw["grouped_matmul"] = moe.grouped_matmul_fn(impl)
     skewed = (h.at[:, 0].set(10.0), router.at[0, 2].set(50.0).at[0, 3].set(49.0))
     for x, r in ((h, router), skewed):
         out = moe.moe_mlp(x, r, wg, wu, wd, **kw)
-        ref = moe.moe_dense_reference(x, r, wg, wu, wd, **kw)
+        ref = moe.moe_dense_reference(
+            x, r, wg, wu, wd, top_k=2, routing=routing, norm_topk_prob=norm
+        )
         np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
     _, experts = moe.route(skewed[0] @ skewed[1], 2, routing, norm)
     assert np.bincount(np.asarray(experts).ravel(), minlength=4).tolist() == [0, 0, 11, 11]
@@ -292,14 +297,14 @@ def test_logits_match_transformers(checkpoint, layer_loop):
 
 @pytest.mark.slow
 @pytest.mark.compile
+@pytest.mark.parametrize("checkpoint", ["mixtral", "qwen3_moe"], indirect=True)
 def test_engine_greedy_matches_transformers(checkpoint):
     """24 greedy tokens per prompt through the engine (pages of 8, prefill chunks of 16,
-    mixed lengths batched together) equal transformers' generate."""
+    mixed lengths batched together) equal transformers' generate: Mixtral (all layers
+    sparse) and Qwen3-MoE (a sparse and a dense layer)."""
     from engine import LLM, SamplingParams
 
-    name, family, ref_model, folder = checkpoint
-    if name == "qwen3_moe_sparse":
-        pytest.skip("the engine path is covered by mixtral (all sparse) and qwen3_moe")
+    _, family, ref_model, folder = checkpoint
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 35, 21, 40)]
     llm = LLM(
@@ -335,9 +340,10 @@ GROUPS = [[10, 0, 27, 0], [37, 0, 0, 0], [0, 0, 0, 37], [5, 9, 0, 23], [3, 4, 0,
 @pytest.mark.parametrize("sizes", GROUPS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("tm", [8, 128])
 def test_pallas_grouped_matmul_equals_ragged_dot_and_float64(sizes, tm):
-    """Ragged groups with empty experts, one expert taking every row, tiles straddling
-    group boundaries (tm 8) or one tile for all (tm 128), and rows past the groups."""
-    from pallas_kernels.grouped_matmul import gmm_tpu, grouped_matmul
+    """The Pallas kernel (TPU interpret mode), the CPU loops and ragged_dot against float64:
+    ragged groups with empty experts, one expert taking every row, tiles straddling group
+    boundaries (tm 8) or one tile for all (tm 128), and rows past the groups."""
+    from pallas_kernels.grouped_matmul import gmm_cpu, gmm_tpu, grouped_matmul
 
     rng = np.random.default_rng(sum(sizes) + tm)
     x = jnp.asarray(rng.normal(size=(37, 16)), jnp.float32)
@@ -345,6 +351,7 @@ def test_pallas_grouped_matmul_equals_ragged_dot_and_float64(sizes, tm):
     gs = jnp.asarray(sizes, jnp.int32)
     out = np.asarray(gmm_tpu(x, w, gs, tm=tm, interpret=True))
     ragged = np.asarray(grouped_matmul(x, w, gs, impl="ragged_dot"))
+    loops = np.asarray(gmm_cpu(x, w, gs, tm=tm))
     group = np.repeat(np.arange(4), sizes)
     ref = np.zeros((37, 24))
     ref[: len(group)] = np.einsum(
@@ -352,6 +359,7 @@ def test_pallas_grouped_matmul_equals_ragged_dot_and_float64(sizes, tm):
     )
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(ragged, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(loops, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.interpret
@@ -363,5 +371,5 @@ def test_pallas_grouped_matmul_lowers_for_tpu_and_rejects_bad_shapes():
     assert "tpu_custom_call" in f.trace(x, w, gs).lower(lowering_platforms=("tpu",)).as_text()
     with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\), expected \(4,\)"):
         grouped_matmul(x, w, gs[:3])
-    with pytest.raises(ValueError, match="impl='gpu' is unknown"):
+    with pytest.raises(ValueError, match=r"impl='gpu' is unknown \(known: auto"):
         grouped_matmul(x, w, gs, impl="gpu")

@@ -247,6 +247,7 @@ def test_expert_axis_matches_one_device_and_splits_the_experts(moe_runs):
     for mesh, e in [("expert:2", 2), ("expert:4", 4), ("data:2,expert:2", 2)]:
         run = moe_runs[mesh]
         assert run["same"] and run["again_same"] and run["recompiled"] == 0, mesh
+        assert run["grouped_matmul"] == "ragged_dot"  # one device ran the CPU loops
         assert run["specs"]["moe_gate"] == [None, "expert"]
         assert run["specs"]["moe_down"] == [None, "expert"]
         assert run["specs"]["router"] == [] and run["specs"]["wq"] == []

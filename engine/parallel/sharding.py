@@ -34,7 +34,9 @@ sparse MLP (one `ragged_dot` per projection) XLA's partitioner gives each device
 its own experts (the others' rows come out zero) and all-reduces the projections' [T*k, F]
 and [T*k, D] outputs: local compute plus an all-reduce, no all-to-all and no weight
 all-gather (the tokens are already on every device). Weight memory per device: the expert
-stacks / e; KV: unchanged (not divided by e).
+stacks / e; KV: unchanged (not divided by e). With the axis the model runs the
+`ragged_dot` form of the grouped matmul (`MoeConfig.grouped_matmul`): the CPU loops index
+one expert at a time, which the partitioner would serve by gathering the stacks.
 
 Data axis: `data:d` runs d independent engine replicas, replica g on mesh row g (its own
 params copy, KV cache, scheduler and page pool; `replica_meshes`): engine/parallel/replicas.py's
@@ -287,6 +289,8 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelCon
     m = model_axis_size(mesh)
     check_expert_axis(cfg, expert_axis_size(mesh))
     run_cfg = sharded_config(cfg, m)
+    if expert_axis_size(mesh) > 1:  # the loops would gather every expert to each device
+        run_cfg = dataclasses.replace(run_cfg, grouped_matmul="ragged_dot")
     quant = quant_config_of(params)
     params = put_global(params, param_shardings(cfg, mesh, quant))
     r = kv_replication(cfg, m)
