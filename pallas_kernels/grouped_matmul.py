@@ -122,17 +122,22 @@ def gmm_tpu(x, w, group_sizes, *, tm: int = 128, interpret: bool = False):
 
 
 def gmm_cpu(x, w, group_sizes, *, tm: int = CPU_TILE_ROWS):
-    """The grouped matmul as `lax` loops for XLA:CPU: over the groups (each expert's weight
-    sliced once), and inside a group over its tiles of `tm` rows (masked where a tile runs
-    past the group). Work ~ (M + G x tm) x K x N and each non-empty group's weight read
-    once, against `ragged_dot`'s dense G x M x K x N on this backend. x [M, K], w [G, K, N]."""
+    """The grouped matmul as `lax` loops for XLA:CPU: over the non-empty groups (each
+    expert's weight sliced once), and inside a group over its tiles of `tm` rows (masked
+    where a tile runs past the group). Work ~ (M + G x tm) x K x N and each non-empty
+    group's weight read once, against `ragged_dot`'s dense G x M x K x N on this backend.
+    x [M, K], w [G, K, N]."""
     m, _ = x.shape
     g, _, n = w.shape
     xp = jnp.pad(x, ((0, tm), (0, 0)))  # a tile starting at a group's last row stays in range
     sizes = group_sizes.astype(jnp.int32)
     offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
 
-    def group(e, out):  # out [M + tm, N] float32
+    # the non-empty groups first (stable), so the loop never touches an unused weight
+    active = jnp.argsort(sizes == 0, stable=True).astype(jnp.int32)  # [G]
+
+    def group(j, out):  # out [M + tm, N] float32
+        e = active[j]
         w_e = w[e]  # [K, N]
         lo, hi = offsets[e], offsets[e + 1]
 
@@ -146,7 +151,8 @@ def gmm_cpu(x, w, group_sizes, *, tm: int = CPU_TILE_ROWS):
 
         return jax.lax.fori_loop(0, (hi - lo + tm - 1) // tm, tile, out)
 
-    out = jax.lax.fori_loop(0, g, group, jnp.zeros((m + tm, n), jnp.float32))
+    num_active = jnp.sum(sizes > 0)
+    out = jax.lax.fori_loop(0, num_active, group, jnp.zeros((m + tm, n), jnp.float32))
     return out[:m].astype(x.dtype)  # rows past the groups were never written: zero
 
 

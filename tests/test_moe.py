@@ -373,3 +373,15 @@ def test_pallas_grouped_matmul_lowers_for_tpu_and_rejects_bad_shapes():
         grouped_matmul(x, w, gs[:3])
     with pytest.raises(ValueError, match=r"impl='gpu' is unknown \(known: auto"):
         grouped_matmul(x, w, gs, impl="gpu")
+
+
+@pytest.mark.compile
+def test_moe_benchmark_runs_at_smoke_size(capsys):
+    from benchmarks import moe_bench
+
+    rows = moe_bench.main(["--sizes=smoke", "--iters=1"])
+    assert {(r["tokens"], r["impl"]) for r in rows} == {
+        (t, i) for t in (1, 4) for i in ("dense", "moe/cpu", "moe/ragged_dot", "routing")
+    }
+    assert all(r["time_s"] > 0 for r in rows)
+    assert "T=4: dense" in capsys.readouterr().out
