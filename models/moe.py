@@ -11,7 +11,7 @@ One sparse MLP over a flat token batch h [T, D] with E experts, each token sent 
           contiguous rows group_sizes[:e].sum() : group_sizes[:e+1].sum()
     x = h[token of row]                         [T*k, D]
     y = down(act(gate(x)) * up(x))              one grouped matmul per projection over the
-                                                ragged groups (`jax.lax.ragged_dot`)
+                                                ragged groups (`jax.lax.ragged_dot`, or see NOTE)
     out[t] = sum_j weights[t, j] * y[row of (t, j)]              [T, D]
 
 No token is dropped (no capacity factor): every shape is fixed by T and k, the groups are
