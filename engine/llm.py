@@ -79,7 +79,8 @@ class ResolvedPrompt:
 
 
 class LLM:
-    # mesh: None (one device), "model:4", "data:2,model:4" (engine/parallel/sharding.py)
+    # mesh: None (one device), "model:4", "data:2,model:4", "expert:2" (MoE models): see
+    # engine/parallel/sharding.py
     def __init__(
         self,
         model="smollm2-135m",

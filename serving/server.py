@@ -551,7 +551,10 @@ def define_flags() -> None:
     shared.define_speculative()
     shared.define_lora()
     flags.DEFINE_string(
-        "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
+        "mesh",
+        None,
+        "device mesh, e.g. 'model:4', 'data:2,model:4' or 'expert:2' (MoE models; None: one "
+        "device)",
     )
     flags.DEFINE_enum(
         "attention_impl",

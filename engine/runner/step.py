@@ -199,7 +199,7 @@ def engine_step(
     token_bitmask: jax.Array | None = None,
 ):
     """Returns (kv_cache, counts, last_tokens, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one
-    device) or the engine's ("data", "model") mesh (params/cache placed by
+    device) or the engine's ("data", "expert", "model") mesh (params/cache placed by
     engine/parallel/sharding). `batch` may come packed (two flat buffers: one host->device copy
     each, engine/batch/builder.py); it is unpacked here by static slices. `lora`: the adapter
     slot stack and each token row's slot (engine/lora/adapters.py); None (no LoRA) is the plain

@@ -23,6 +23,17 @@ A sequence's KV grows to prompt + output tokens, and the admission controller ca
 output length in advance: the worst case it must budget is prompt + max_tokens, not the
 expected output. The plan reports both.
 
+Mixture of experts (a config with `num_experts`; `--expert_parallel=e` devices share the
+experts, attention and the rest replicated on each):
+
+    total params   = every weight (all experts): what memory holds
+    active params  = attention + k experts + router per layer + embeddings: what one token
+                     reads and computes (2 x active FLOPs per token, plus attention)
+    expert weights per device = all expert stacks / e  (+ the non-expert weights whole)
+    all-to-all bytes per token per sparse layer = 2 x k x D x bytes x (e - 1) / e
+        (dispatch + combine: each of the k copies of a token's hidden state leaves its
+        device unless its expert is local, and comes back weighted)
+
 Replicas (goodput per replica measured by a rate sweep's operating point, not saturation):
 
     replicas              = ceil(demand / goodput_per_replica x (1 + reserve))
@@ -132,6 +143,45 @@ def local_release_plan(
     }
 
 
+def moe_plan(cfg: ModelConfig, weight_dtype: str, expert_parallel: int) -> dict | None:
+    """Active vs total parameters and the expert-parallel split (None for a dense model)."""
+    if not hasattr(cfg, "num_experts"):
+        return None
+    if expert_parallel < 1 or cfg.num_experts % expert_parallel:
+        raise ValueError(
+            f"expert_parallel={expert_parallel}: must divide num_experts={cfg.num_experts}"
+        )
+    from models.moe import expert_bytes
+
+    wb = kv_memory.dtype_bytes(weight_dtype)
+    experts = expert_bytes(cfg, wb)
+    rest = cfg.num_params * wb - experts
+    e = expert_parallel
+    sparse = sum(cfg.sparse_layers)
+    a2a = 2 * cfg.num_experts_per_tok * cfg.hidden_size * wb * (e - 1) / e
+    return {
+        "num_experts": cfg.num_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "sparse_layers": sparse,
+        "total_params": cfg.num_params,
+        "active_params": cfg.num_active_params,
+        "active_fraction": cfg.num_active_params / cfg.num_params,
+        "expert_parallel": e,
+        "expert_weights_gib": experts / GIB,
+        "weights_per_device_gib": (rest + experts / e) / GIB,
+        "all_to_all_bytes_per_token": a2a * sparse,
+    }
+
+
+def default_weights_bytes(cfg: ModelConfig, weight_dtype: str, expert_parallel: int) -> int:
+    """Weights one device holds: every parameter, the expert stacks split over
+    `expert_parallel` devices for a mixture of experts."""
+    moe = moe_plan(cfg, weight_dtype, expert_parallel)
+    if moe is None:
+        return cfg.num_params * kv_memory.dtype_bytes(weight_dtype)
+    return int(moe["weights_per_device_gib"] * GIB)
+
+
 def replicas_needed(demand_rps: float, goodput_per_replica_rps: float, reserve: float) -> int:
     """ceil(demand / goodput_per_replica x (1 + reserve))."""
     if goodput_per_replica_rps <= 0:
@@ -200,6 +250,8 @@ def plan(
     reserve: float = 0.2,
     utilization: float = 1.0,
     prefill_chunk: int = 256,
+    weight_dtype: str = "bfloat16",
+    expert_parallel: int = 1,
 ) -> dict:
     mem = memory_plan(
         cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes, page_size, utilization
@@ -226,6 +278,9 @@ def plan(
         "sequence may grow to prompt + max_tokens, so plan concurrency on the "
         "budgeted figure and treat the expected one as optimistic.",
     }
+    moe = moe_plan(cfg, weight_dtype, expert_parallel)
+    if moe is not None:
+        out["moe"] = moe
     release = local_release_plan(cfg, kv_dtype, page_size, prefill_chunk, seq_lens)
     if release is not None:
         out["local_page_release"] = release
@@ -270,6 +325,15 @@ def render_plan(p: dict) -> str:
         )
     if "replicas" in p:
         lines.append(f"replicas: {p['replicas']} = {p['replica_formula']}")
+    if "moe" in p:
+        m = p["moe"]
+        lines.append(
+            f"mixture of experts: {m['total_params'] / 1e9:.2f}B parameters, "
+            f"{m['active_params'] / 1e9:.2f}B active per token ({m['active_fraction']:.1%}; "
+            f"{m['experts_per_token']} of {m['num_experts']} experts); expert_parallel="
+            f"{m['expert_parallel']}: {m['weights_per_device_gib']:.2f} GiB of weights per "
+            f"device, {m['all_to_all_bytes_per_token'] / 1024:.1f} KiB all-to-all per token"
+        )
     if "local_page_release" in p:
         r = p["local_page_release"]
         per = ", ".join(
@@ -298,6 +362,7 @@ flags.DEFINE_float("weights_gib", None, "measured weights (default: params x wei
 flags.DEFINE_float("workspace_gib", 2.0, "measured activations/workspace/graphs (GiB)")
 flags.DEFINE_float("utilization", 0.95, "fraction of device memory the server may use")
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+flags.DEFINE_integer("expert_parallel", 1, "MoE: devices the experts are split over")
 flags.DEFINE_float("prompt_median", 512, "lognormal prompt length median")
 flags.DEFINE_float("prompt_sigma", 0.6, "lognormal sigma of prompt length")
 flags.DEFINE_float("output_median", 256, "lognormal output length median")
@@ -332,9 +397,10 @@ def check_flags(argv) -> None:
         f"expected the command 'plan' (got {' '.join(argv[1:]) or 'none'}): "
         "python -m serving.capacity.planner plan [--flags]",
     )
+    from models.families import family_presets
     from models.registry import GGUF_PRESETS
 
-    known = sorted({*PRESETS, *GGUF_PRESETS})
+    known = sorted({*PRESETS, *family_presets(), *GGUF_PRESETS})
     shared.require("model", F.model, F.model in known, f"unknown model; one of {known}")
     shared.require("prefill_chunk", F.prefill_chunk, F.prefill_chunk >= 1, ">= 1")
     for flag in ("kv_dtype", "weight_dtype"):
@@ -354,6 +420,7 @@ def check_flags(argv) -> None:
     shared.check_fraction("utilization", F.utilization, low_open=True)
     shared.require("rho", F.rho, -1 <= F.rho <= 1, "-1 <= rho <= 1")
     shared.require("page_size", F.page_size, F.page_size >= 1, ">= 1")
+    shared.require("expert_parallel", F.expert_parallel, F.expert_parallel >= 1, ">= 1")
     shared.require("max_tokens", F.max_tokens, F.max_tokens >= 1, ">= 1")
     bad = [s for s in F.seq_lens if not s.isdigit() or int(s) < 1]
     shared.require("seq_lens", ",".join(F.seq_lens), not bad, "positive integers, e.g. 1024,4096")
@@ -368,6 +435,10 @@ def model_config(name: str) -> ModelConfig:
 
     if name in PRESETS:
         return from_name(name)
+    from models.families import family_presets
+
+    if name in family_presets():
+        return family_presets()[name]
     from models.loaders.gguf_loader import config_from_gguf, open_gguf
     from models.registry import GGUF_PRESETS
 
@@ -394,13 +465,13 @@ def _goodput_from_sweep(path: str) -> float:
 def main(argv):
     check_flags(argv)
     cfg = model_config(F.model)
-    weights = (
-        F.weights_gib * GIB
-        if F.weights_gib is not None
-        else cfg.num_params * kv_memory.dtype_bytes(F.weight_dtype)
-    )
     goodput = _goodput_from_sweep(F.sweep_json) if F.sweep_json else F.goodput_per_replica
     try:
+        weights = (
+            F.weights_gib * GIB
+            if F.weights_gib is not None
+            else default_weights_bytes(cfg, F.weight_dtype, F.expert_parallel)
+        )
         result = plan(
             cfg,
             kv_dtype=F.kv_dtype,
@@ -416,8 +487,10 @@ def main(argv):
             reserve=F.reserve,
             utilization=F.utilization,
             prefill_chunk=F.prefill_chunk,
+            weight_dtype=F.weight_dtype,
+            expert_parallel=F.expert_parallel,
         )
-    except ValueError as e:  # e.g. weights + workspace leave no KV memory
+    except ValueError as e:  # e.g. weights + workspace leave no KV memory, experts / devices
         raise shared.UsageError("", "", str(e)) from None
     print(json.dumps(result, indent=1) if F.format == "json" else render_plan(result))
 
