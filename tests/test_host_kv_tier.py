@@ -292,3 +292,46 @@ def test_kv_events_report_the_move_to_cpu_and_back(tiny_model):
     assert ("BlockStored", "CPU") in media and ("BlockRemoved", "GPU") in media
     stored_cpu = {h for e in events if e[0] == "BlockStored" and e[-1] == "CPU" for h in e[1]}
     assert base_hash in stored_cpu
+
+
+def test_server_metrics_export_the_host_tier():
+    from prometheus_client import generate_latest
+
+    from serving.frontend.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny", "r1", compat="none")
+    stats = {"host_kv_hit_tokens": 48, "host_kv_saved_bytes": 4096, "host_kv_bytes_used": 8192}
+    metrics.observe_stats(stats, num_queued=0)
+    metrics.observe_stats({**stats, "host_kv_hit_tokens": 64}, num_queued=0)
+    text = generate_latest(metrics.registry).decode()
+    assert 'pagedjax_host_kv_hits_tokens_total{model="tiny",revision="r1"} 64.0' in text
+    assert 'pagedjax_host_kv_saved_bytes_total{model="tiny",revision="r1"} 4096.0' in text
+    assert 'pagedjax_host_kv_bytes_used{model="tiny",revision="r1"} 8192.0' in text
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model=mock", "--host_kv_gib=1"], "needs a real --model"),
+        (["--model=tiny", "--host_kv_gib=1", "--noprefix_caching"], "needs --prefix_caching"),
+        (["--model=tiny", "--host_kv_gib=-1"], "--host_kv_gib=-1"),
+    ],
+)
+def test_server_flag_mistakes_are_usage_errors(args, message):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.server", "--metrics_port=-1", *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]

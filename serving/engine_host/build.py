@@ -45,6 +45,8 @@ def build_engine(
             raise ValueError(f"attention_impl={options['impl']!r}: the mock engine has none")
         if options.get("max_loras"):
             raise ValueError("LoRA adapters (--lora, --max_loras) need a real --model")
+        if options.get("host_kv_gib"):
+            raise ValueError("host_kv_gib: the mock engine holds no K/V (needs a real --model)")
 
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],
