@@ -335,3 +335,15 @@ def test_server_flag_mistakes_are_usage_errors(args, message):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+@pytest.mark.compile  # its own engines and step programs
+def test_prefix_cache_bench_host_tier_smoke(tiny_model):
+    from benchmarks.prefix_cache_bench import HOST_SIZES, measure_host_tier, render_host_tier
+
+    result = measure_host_tier(HOST_SIZES["smoke"], model=tiny_model)
+    assert result["outputs_identical"]
+    assert result["host_stats"]["host_kv_hit_tokens"] > 0
+    # the host tier serves what the device-only engine recomputes
+    assert min(result["cached_tokens"]["host"]) > max(result["cached_tokens"]["device"])
+    assert "with host tier" in render_host_tier(result)
