@@ -132,13 +132,13 @@ class HostTierSizes:
     model: str = "smollm2-135m"
     system_tokens: int = 1024  # the repeated prefix
     # the evicting prompt: system_tokens + this many tokens, all of the pool's pages
-    evict_extra_tokens: int = 80
+    evict_extra_tokens: int = 79
     rounds: int = 5  # timed rounds per engine (after one untimed compile round)
     max_tokens: int = 4
     host_kv_gib: float = 0.25
     engine: tuple = (
         ("page_size", 16),
-        ("num_pages", 70),  # 69 pages: the evicting prompt (1,104 tokens) takes them all
+        ("num_pages", 70),  # 69 pages: the evicting prompt (1,103 tokens) takes them all
         ("max_num_seqs", 2),
         ("max_num_batched_tokens", 512),
         ("prefill_chunk_size", 512),
