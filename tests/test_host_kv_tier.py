@@ -100,6 +100,19 @@ def test_tier_full_evicts_least_recently_used_ready_entry_never_a_saving_one():
     tier.check_invariants()
 
 
+def test_tier_load_of_an_entry_dropped_after_its_lookup_reads_its_bytes():
+    tier = small_tier(1)
+    tier.offer(1, page(10))
+    land(tier)
+    hit = tier.get(10)
+    assert tier.offer(2, page(11))  # the admission's own allocation evicts it: slot reused
+    tier.queue_load(3, hit, now_s=1.0)
+    [(device_page, entry)] = tier.take_loads()
+    assert device_page == 3 and tier.read([entry])["k_pages"].max() == 1  # not yet 2
+    assert land(tier) == [2] and tier.get(11).slot == entry.slot
+    tier.check_invariants()
+
+
 def test_tier_expire_clear_and_collisions():
     tier = small_tier(3)
     tier.offer(1, page(10, released_s=0.0))

@@ -126,8 +126,11 @@ class HostKVTier:
         return entry if entry is not None and entry.ready else None
 
     def queue_load(self, page_id: int, entry: HostEntry, now_s: float) -> None:
-        """Copy `entry` into device page `page_id` before the next step (a hit)."""
-        self._entries.move_to_end(entry.page.key)
+        """Copy `entry` into device page `page_id` before the next step (a hit). The entry
+        may have been dropped since the lookup (the same admission's evictions needed its
+        slot): its bytes stay in the slot until the next launch, after this load is read."""
+        if self._entries.get(entry.page.key) is entry:
+            self._entries.move_to_end(entry.page.key)
         entry.page.released_s = now_s
         self.pending_loads.append((page_id, entry))
         self.stats.hit_pages += 1
