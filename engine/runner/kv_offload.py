@@ -30,7 +30,9 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from engine.runner.kv_cache import PagedKVCache
 from engine.sched.host_tier import HostEntry, HostKVTier
@@ -58,16 +60,39 @@ def bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# NOTE: a loop of one-page dynamic slices, not x[:, :, ids] / x.at[:, :, ids].set(p): on
+# XLA:CPU the gather / scatter along axis 2 ran 1.4x / 3x slower (64 SmolLM2 pages, 47 MB
+# per field: 23 vs 16 ms, 60 vs 18 ms, 2026-12-05 under load).
 @jax.jit
 def gather_pages(kv: PagedKVCache, ids: jax.Array) -> PagedKVCache:
     """every field [L, K, N, ...] -> [L, K, n, ...] (ids [n] int32)"""
-    return jax.tree.map(lambda x: x[:, :, ids], kv)
+
+    def gather(x):
+        out = jnp.zeros((*x.shape[:2], ids.shape[0], *x.shape[3:]), x.dtype)
+
+        def body(j, out):
+            page = lax.dynamic_slice_in_dim(x, ids[j], 1, axis=2)
+            return lax.dynamic_update_slice_in_dim(out, page, j, axis=2)
+
+        return lax.fori_loop(0, ids.shape[0], body, out)
+
+    return jax.tree.map(gather, kv)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def scatter_pages(kv: PagedKVCache, ids: jax.Array, pages: PagedKVCache) -> PagedKVCache:
     """kv with pages[:, :, j] written to page ids[j] of every field (cache donated)."""
-    return jax.tree.map(lambda x, p: x.at[:, :, ids].set(p.astype(x.dtype)), kv, pages)
+
+    def scatter(x, p):
+        p = p.astype(x.dtype)
+
+        def body(j, x):
+            page = lax.dynamic_slice_in_dim(p, j, 1, axis=2)
+            return lax.dynamic_update_slice_in_dim(x, page, ids[j], axis=2)
+
+        return lax.fori_loop(0, ids.shape[0], body, x)
+
+    return jax.tree.map(scatter, kv, pages)
 
 
 class KVOffload:
