@@ -3,8 +3,8 @@
 
 Per launch of a step (EngineCore._launch), around the scheduler:
 
-    offload.before_schedule()   saves dispatched by earlier launches land in the host
-                                store (their entries become hit-able)
+    offload.before_schedule()   saves dispatched by earlier launches whose gather has
+                                finished land in the host store (hit-able from now)
     scheduler.schedule()        evictions queue saves, host hits queue loads (page pool)
     kv = offload.flush(kv)      ONE gather of the pages to save, their copy to host started
                                 and not waited for; then ONE scatter of the pages to load
@@ -15,9 +15,10 @@ Ordering: JAX dispatch is asynchronous and the order of dispatch is the order of
 gather reads the cache as every step dispatched so far leaves it, before the step that
 reuses the evicted pages rewrites them; the scatter writes the loaded pages before the step
 that reads them. A page evicted and handed to a host hit in the same launch is gathered
-before the scatter overwrites it. The bytes of a save are read on the host one launch later,
-when the step that was in flight at its dispatch has finished anyway, so saving never makes
-the host wait for the device; loading costs a host read of the store and one transfer.
+before the scatter overwrites it. The bytes of a save are read on the host at the first launch
+that finds its gather finished (an entry is SAVING, not hit-able, until then), so saving
+never makes the host wait for the device; loading costs a host read of the store and one
+transfer.
 
 Page counts are padded to a power of two (the padding reads or writes the null page, which
 nobody reads) and capped at the pages of one max_model_len request (more is split), so a
@@ -123,15 +124,21 @@ class KVOffload:
         return cls(tier, max_pages_per_copy)
 
     # ---- per launch ------------------------------------------------------------------------
-    def before_schedule(self) -> None:
-        """Land every dispatched save in the host store (its entries become READY)."""
+    def before_schedule(self, wait: bool = False) -> None:
+        """Land the dispatched saves whose gather has finished in the host store (their
+        entries become READY), oldest first; `wait`: all of them. NOTE: never waiting is
+        what keeps the overlap: a gather runs after the step before it, beside the step
+        after it, so waiting here would wait for most of that step."""
         if not self._landing:
             return
         t0 = time.perf_counter()
-        for entries, gathered in self._landing:
+        while self._landing:
+            entries, gathered = self._landing[0]
+            if not wait and not all(x.is_ready() for x in jax.tree.leaves(gathered)):
+                break
             arrays = {name: np.asarray(getattr(gathered, name)) for name in self.tier.store}
             self.tier.write(entries, arrays)
-        self._landing = []
+            self._landing.pop(0)
         self.tier.stats.save_s += time.perf_counter() - t0
 
     def dispatch_saves(self, kv: PagedKVCache) -> None:

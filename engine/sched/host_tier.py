@@ -11,7 +11,8 @@ key gets a fresh device page and the K/V copied back instead of recomputing it:
                                                   dropped if full), entry SAVING, queued
     runner, same launch, before the step that overwrites the page (engine/runner/kv_offload.py):
         one gather of every queued page, its copy to host started (not waited for)
-    runner, next launch, before schedule():       the arrays land in their slots: READY
+    runner, a later launch, before schedule():    the arrays land in their slots: READY
+                                                  (the first launch finding the gather done)
     admission: PagePool.find_prefix() -> a READY entry -> attach_prefix(): a fresh device
         page, registered as cached at once, queued to LOAD
     runner, same launch, before the step that reads the page: one scatter of every load
@@ -205,7 +206,7 @@ class HostKVTier:
 
     def _drop(self, entry: HostEntry) -> None:
         # NOTE: a load of this entry queued in this launch still reads the right bytes: the
-        # runner reads loads before any later save lands in the freed slot (next launch).
+        # runner reads loads before any later save lands in the freed slot (a later launch).
         del self._entries[entry.page.key]
         self._free_slots.append(entry.slot)
         if entry.ready and self.events is not None:
