@@ -360,3 +360,42 @@ def test_prefix_cache_bench_host_tier_smoke(tiny_model):
     # the host tier serves what the device-only engine recomputes
     assert min(result["cached_tokens"]["host"]) > max(result["cached_tokens"]["device"])
     assert "with host tier" in render_host_tier(result)
+
+
+@pytest.mark.compile  # builds the copy programs of 4 page-count buckets
+def test_warm_builds_every_copy_program_and_int8_pages_round_trip():
+    import jax
+
+    from configs.model_config import ModelConfig
+    from engine.runner import compiles
+    from engine.runner.kv_cache import PagedKVCache
+    from engine.runner.kv_offload import KVOffload
+    from engine.sched.page_pool import PagePool
+
+    compiles.install()
+    cfg = ModelConfig(name="t", num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=2,
+                      ffn_size=64, vocab_size=64, head_dim=16)  # fmt: skip
+    kv = PagedKVCache.zeros(cfg, 9, 4, "int8", sharding=jax.devices()[0])
+    rng = np.random.default_rng(0)
+    kv = PagedKVCache(
+        *(
+            jax.device_put(rng.integers(-9, 9, x.shape).astype(x.dtype))
+            for x in kv.__dict__.values()
+        )
+    )
+    pool = PagePool(9, 4)
+    offload = KVOffload.attach(pool, kv, 2**20, 8)
+    assert offload.warm(kv) == 8  # gather + scatter of 1, 2, 4, 8 pages
+    before, tier = compiles.count(), pool.host_tier
+    original = {n: np.asarray(getattr(kv, n)) for n in tier.store}
+    for i, p in enumerate([3, 5, 6]):
+        tier.offer(p, CachedPage(100 + i, None, (i,), ()))
+    offload.dispatch_saves(kv)
+    offload.before_schedule(wait=True)
+    for i, p in enumerate([1, 2, 4]):  # back into other pages
+        tier.queue_load(p, tier.get(100 + i), now_s=0.0)
+    kv = offload.flush(kv)
+    for name, was in original.items():
+        now = np.asarray(getattr(kv, name))
+        np.testing.assert_array_equal(now[:, :, [1, 2, 4]], was[:, :, [3, 5, 6]])
+    assert compiles.count() == before
