@@ -118,6 +118,10 @@ class EngineConfig:
     priority_aging_per_s: float = 0.1
     prefix_caching: bool = True
     prefix_cache_ttl_s: float | None = 600.0
+    # A second prefix-cache tier in host memory, in GiB (0 = off): cached pages evicted from
+    # the device pool are copied there and copied back on a later hit instead of being
+    # recomputed (engine/sched/host_tier.py, engine/runner/kv_offload.py). Per replica.
+    host_kv_gib: float = 0.0
     # Sliding-window layers of a model with local and global layers (Gemma 3) keep K/V only
     # for their window: a ring of pages per sequence slot (engine/runner/kv_cache.py
     # WindowedKVCache) instead of pool pages for the whole context. Needs prefix_caching
@@ -183,6 +187,21 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len >= 2,
             "None or >= 2",
         )
+        _check("host_kv_gib", self.host_kv_gib, self.host_kv_gib >= 0, ">= 0 (0: off)")
+        if self.host_kv_gib > 0:
+            _check(
+                "prefix_caching",
+                self.prefix_caching,
+                self.prefix_caching,
+                f"True with host_kv_gib={self.host_kv_gib} (the host tier holds cached pages)",
+            )
+            method = None if self.speculative is None else self.speculative.method
+            _check(
+                "speculative",
+                method,
+                method != "draft",
+                "not 'draft' with host_kv_gib > 0 (the draft model's K/V is not offloaded)",
+            )
         if self.release_local_pages:
             _check(
                 "prefix_caching",

@@ -66,6 +66,7 @@ from engine.lora.core_adapters import EngineAdapters
 from engine.parallel import sharding
 from engine.runner import compiles
 from engine.runner.kv_cache import PagedKVCache, WindowedKVCache
+from engine.runner.kv_offload import KVOffload
 from engine.runner.penalties import PenaltyState
 from engine.runner.programs import StepPrograms, structured_bitmask
 from engine.runner.shapes import ShapeSet, sampler_variants
@@ -177,6 +178,14 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
                 ring,
                 config.kv_dtype,
                 sharding=kv_sharding,
+            )
+        self.offload = None  # the prefix cache's host tier (engine/runner/kv_offload.py)
+        if config.host_kv_gib > 0:
+            self.offload = KVOffload.attach(
+                self.pool,
+                self.kv,
+                int(config.host_kv_gib * 2**30),
+                min(self.pool.pages_for_tokens(sc.max_model_len), sc.num_pages - 1),
             )
         # With a mesh: replicated, as the step returns them (the KV spec would not fit).
         self._place = (
@@ -293,7 +302,11 @@ class EngineCore(StepPrograms, PenaltyState, EngineAdapters):
         """Schedule, build and dispatch a step (returns None when nothing is scheduled).
         `spec`: the SpecDecoder when drafts were proposed for this step."""
         t0 = time.perf_counter()
+        if self.offload is not None:  # host tier: saves land, hits become visible
+            self.offload.before_schedule()
         plan = self.scheduler.schedule(time.monotonic())
+        if self.offload is not None:  # host tier: evicted pages out, host hits in
+            self.kv = self.offload.flush(self.kv)
         if spec is not None:
             spec.after_schedule(plan)
         outputs += self.outputs.finished(plan)

@@ -547,6 +547,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
+    flags.DEFINE_float(
+        "host_kv_gib",
+        0.0,
+        "host memory (GiB, per replica) for prefix-cache pages evicted from the device: "
+        "copied back on a later hit instead of recomputed (0 = off)",
+    )
     shared.define_quantization()
     shared.define_speculative()
     shared.define_lora()
@@ -670,6 +676,7 @@ _LOWER_BOUNDS = {
     "breaker_failures": (1, False),
     "breaker_cooldown_s": (0, False),
     "max_workers": (1, True),
+    "host_kv_gib": (0, False),
 }
 
 
@@ -713,6 +720,13 @@ def check_flags() -> None:
     if FLAGS.distributed_env:  # gateway: multi-host serving
         _check_multihost()
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
+    if FLAGS.host_kv_gib > 0:
+        shared.require(
+            "host_kv_gib", FLAGS.host_kv_gib, FLAGS.prefix_caching, "needs --prefix_caching"
+        )
+        shared.require(
+            "host_kv_gib", FLAGS.host_kv_gib, FLAGS.model != "mock", "needs a real --model"
+        )
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
         shared.require(
@@ -796,6 +810,7 @@ def engine_options_from_flags() -> dict:
         "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
         "prefill_chunk_size": FLAGS.prefill_chunk_size,
         "prefix_caching": FLAGS.prefix_caching,
+        **({"host_kv_gib": FLAGS.host_kv_gib} if FLAGS.host_kv_gib else {}),
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,

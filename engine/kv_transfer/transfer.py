@@ -410,6 +410,8 @@ def import_request(
         return []  # another LoRA adapter here: its K/V differ, the prompt is recomputed
     now = time.monotonic()
     page_ids = core.pool.allocate(meta.num_pages)
+    if getattr(core, "offload", None) is not None:  # evicted pages to host before rewriting
+        core.offload.dispatch_saves(core.kv)
     import_pages(core, page_ids, payload.arrays)
     req = core.scheduler.adopt(er.request_id, page_ids, meta.kv_len, now)
     req.num_cached_tokens = meta.num_cached_tokens

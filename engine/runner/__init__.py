@@ -4,6 +4,7 @@ penalty counts, step shapes and the warm-up that builds them.
     step.py               engine_step: forward + sample, one jitted function of a StepBatch
     programs.py           the step programs EngineCore compiles (greedy/full sampler, variants)
     kv_cache.py           PagedKVCache: the paged K/V pytree
+    kv_offload.py         KVOffload: copies between the KV cache and the prefix cache's host tier
     penalties.py          EngineCore's per-slot token counts and prompt mask (a mixin)
     shapes.py             ShapeSet: the fixed set of step shapes an engine compiles
     warmup.py             builds (and optionally runs) every program of the shape set

@@ -45,6 +45,8 @@ def build_engine(
             raise ValueError(f"attention_impl={options['impl']!r}: the mock engine has none")
         if options.get("max_loras"):
             raise ValueError("LoRA adapters (--lora, --max_loras) need a real --model")
+        if options.get("host_kv_gib"):
+            raise ValueError("host_kv_gib: the mock engine holds no K/V (needs a real --model)")
 
         options.pop("kv_cache_bytes", None)  # the mock engine's pool is --num_pages or 4096
         return MockEngine(
