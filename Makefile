@@ -28,8 +28,11 @@ demo: install
 # groups of files as fresh processes on two lanes at once (most test time is single-threaded
 # XLA compilation and the machine has two cores), longest first by tests/durations.json
 # (`python -m tests.lanes --record` rewrites it), each group's output printed when it ends.
+# The run's processes share one temporary compilation cache; TEST_XLA_CACHE=DIR keeps it
+# between runs instead (a repeat run loads most programs: test_engine 195 -> 80 CPU s).
+TEST_XLA_CACHE ?=
 test: install
-	$(VPY) -m tests.lanes --lanes=2
+	$(VPY) -m tests.lanes --lanes=2 $(if $(TEST_XLA_CACHE),--compilation_cache_dir=$(TEST_XLA_CACHE))
 
 # The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
 # the SmolLM2 + peft adapter oracle, SmolLM2 on 3 sharded devices, the in-process SmolLM2
@@ -38,7 +41,7 @@ test: install
 test-full-sizes: install
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py \
 	  tests/test_engine.py tests/test_model_parity.py tests/test_sharding.py \
-	  tests/test_http_engine_e2e.py -k "smollm2 or paris"
+	  tests/test_http_engine_e2e.py tests/test_llm_tools.py -k "smollm2 or paris"
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_http_deadline_burst.py tests/test_gemma3_gguf.py
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of
@@ -52,10 +55,11 @@ disagg-bench: install
 	$(VPY) -m benchmarks.disagg_bench $(DISAGG_ARGS)
 
 # The inner loop (about a minute of CPU): every package, without the three slow kinds of test
-# (markers in pyproject.toml). `make test` and CI run everything.
+# (markers in pyproject.toml). `make test` and CI run everything. TEST_XLA_CACHE=DIR: a
+# compilation cache kept between runs, as for `make test` (none by default).
 FAST := not slow and not interpret and not subprocess and not compile
 test-fast: install
-	$(VPY) -m pytest -q -m "$(FAST)" tests
+	PAGEDJAX_TEST_COMPILATION_CACHE_DIR=$(TEST_XLA_CACHE) $(VPY) -m pytest -q -m "$(FAST)" tests
 
 lint: install
 	$(VPY) -m ruff check .

@@ -20,6 +20,14 @@ Phases (every request is greedy with `ignore_eos`, so on and off do the same wor
 Each phase runs once untimed first, so step compilation stays out of every figure. TTFT is
 the engine's arrival -> first token (time.monotonic()). The CPU may be shared: the load
 average is printed with the results.
+
+Host tier (`--host_tier`, a run of its own, `HOST_SIZES`): a device pool too small to keep
+a long system prompt. Each round sends system prompt + question, then a distinct prompt as
+long as the system prompt that evicts it from the device pool; the TTFT of the next
+system-prompt request is measured with the host KV tier (`host_kv_gib`) and without (the
+evicted pages recomputed), alternating the two engines, with the outputs compared.
+
+    python -m benchmarks.prefix_cache_bench --host_tier [--smoke] [--system_tokens=N]
 """
 
 from __future__ import annotations
@@ -115,6 +123,41 @@ SIZES = {
             ("prefill_chunk_size", 16),
             ("max_model_len", 32),
         ),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTierSizes:
+    model: str = "smollm2-135m"
+    system_tokens: int = 1024  # the repeated prefix
+    # the evicting prompt: system_tokens + this many tokens, all of the pool's pages
+    evict_extra_tokens: int = 79
+    rounds: int = 5  # timed rounds per engine (after one untimed compile round)
+    max_tokens: int = 4
+    host_kv_gib: float = 0.25
+    engine: tuple = (
+        ("page_size", 16),
+        ("num_pages", 70),  # 69 pages: the evicting prompt (1,103 tokens) takes them all
+        ("max_num_seqs", 2),
+        ("max_num_batched_tokens", 512),
+        ("prefill_chunk_size", 512),
+        ("max_model_len", 1120),
+        ("layer_loop", "scan"),  # compiles ~5x faster than unrolled on XLA:CPU
+    )
+
+
+HOST_SIZES = {
+    "full": HostTierSizes(),
+    # 4 device pages of 8 tokens: the 25-token evicting prompt takes them all
+    "smoke": HostTierSizes(
+        model="tiny",
+        system_tokens=16,
+        evict_extra_tokens=9,
+        rounds=2,
+        max_tokens=4,
+        host_kv_gib=1e-3,
+        engine=tuple({**dict(SIZES["smoke"].engine), "num_pages": 5}.items()),
     ),
 }
 
@@ -315,6 +358,105 @@ def run(sizes: BenchSizes, model=None) -> dict:
     return out
 
 
+def measure_host_tier(sizes: HostTierSizes, model=None) -> dict:
+    """TTFT of a repeated long prefix that the device pool cannot keep, host tier on / off."""
+    from models.registry import load_model
+
+    load_before = os.getloadavg()
+    model = model or load_model(sizes.model)
+    opts = dict(sizes.engine)
+    engines = {
+        "host": Runner(
+            EngineCore(
+                model, EngineConfig(model=sizes.model, host_kv_gib=sizes.host_kv_gib, **opts)
+            )
+        ),
+        "device": Runner(EngineCore(model, EngineConfig(model=sizes.model, **opts))),
+    }
+    host_core = engines["host"].core
+    host_core.offload.warm(
+        host_core.runner.state.kv
+    )  # its gather / scatter programs, as warm-up does
+    tok, vocab = model.tokenizer, model.config.vocab_size
+    system = system_prompt(tok, sizes.system_tokens)
+    qmax = 2 if sizes.model == "tiny" else 8  # one length: round 0 compiles every shape
+    ttft = {name: [] for name in engines}
+    cached = {name: [] for name in engines}
+    identical = True
+    t0 = time.perf_counter()
+    Runner.num_compiles = 0
+    for rnd in range(sizes.rounds + 1):  # round 0 compiles
+        order = list(engines.items()) if rnd % 2 else list(engines.items())[::-1]
+        outs = {}
+        for name, runner in order:
+            progress(f"host tier: round {rnd}, {name}")
+            runner.run([system + question_ids(tok, 2 * rnd, qmax)], 1, timed=rnd > 0)
+            n = len(system) + sizes.evict_extra_tokens
+            [evict] = random_prompts(1, n, vocab, seed=20_000 + rnd)
+            runner.run([evict], 1, timed=rnd > 0)  # pushes the system prompt out
+            prompt = system + question_ids(tok, 2 * rnd + 1, qmax)
+            _, [(tokens, out)] = runner.run([prompt], sizes.max_tokens, timed=rnd > 0)
+            outs[name] = tokens
+            if rnd:
+                ttft[name].append(out.metrics.ttft_s)
+                cached[name].append(out.metrics.cached_tokens)
+        identical &= outs["host"] == outs["device"]
+    stats = engines["host"].core.stats()
+    med = {name: statistics.median(v) for name, v in ttft.items()}
+    return {
+        "sizes": dataclasses.asdict(sizes),
+        "prompt_tokens": len(system) + len(question_ids(tok, 1, qmax)),
+        "device_pages": dict(sizes.engine)["num_pages"] - 1,
+        "ttft_s": ttft,
+        "ttft_median_s": med,
+        "ttft_speedup_median": med["device"] / med["host"],
+        "cached_tokens": cached,
+        "outputs_identical": identical,
+        "host_stats": {k: v for k, v in stats.items() if k.startswith("host_kv")},
+        "bench_s": time.perf_counter() - t0,
+        "compiles_in_timed_runs": Runner.num_compiles,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def render_host_tier(r: dict) -> str:
+    ms = lambda s: f"{1000 * s:9.1f} ms"
+    hs = r["host_stats"]
+    rows = [
+        (
+            f"Host KV tier: {r['sizes']['model']}, {r['prompt_tokens']}-token prompts on a "
+            f"{r['device_pages']}-page device pool (page {dict(r['sizes']['engine'])['page_size']}"
+            f"), host tier {r['sizes']['host_kv_gib']} GiB, {r['cpus']} CPUs, load average "
+            f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f}"
+        ),
+        f"  {'':28} {'TTFT median':>12}  {'samples (ms)':<40} cached tokens",
+    ]
+    for name, label in (("device", "device only (recompute)"), ("host", "with host tier")):
+        samples = " ".join(f"{1000 * t:.1f}" for t in r["ttft_s"][name])
+        rows.append(
+            f"  {label:28} {ms(r['ttft_median_s'][name])}  {samples:<40} {r['cached_tokens'][name]}"
+        )
+    rows += [
+        (
+            f"  recompute / host tier (median): {r['ttft_speedup_median']:.2f}x; outputs "
+            f"identical: {r['outputs_identical']}"
+        ),
+        (
+            f"  host tier: {hs['host_kv_hit_tokens']} tokens hit, {hs['host_kv_saved_pages']} "
+            f"pages saved ({hs['host_kv_saved_bytes'] / 2**20:.1f} MiB), "
+            f"{hs['host_kv_loaded_pages']} loaded ({hs['host_kv_loaded_bytes'] / 2**20:.1f} MiB), "
+            f"host copy time save {hs['host_kv_save_s']:.3f}s / load {hs['host_kv_load_s']:.3f}s"
+        ),
+        (
+            f"Benchmark time {r['bench_s']:.0f}s; programs compiled inside timed runs: "
+            f"{r['compiles_in_timed_runs']}"
+        ),
+    ]
+    return "\n".join(rows)
+
+
 def render(r: dict) -> str:
     t, sh, un = r["ttft"], r["shared"], r["unshared"]
     ms = lambda s: f"{1000 * s:9.1f} ms"
@@ -381,13 +523,40 @@ def main(argv: list[str] | None = None) -> int:
     for name in int_fields:
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--host_tier",
+        action="store_true",
+        help="only the host KV tier phase: TTFT of an evicted prefix, host tier on / off",
+    )
+    ap.add_argument("--host_kv_gib", type=float, default=None, help="with --host_tier")
+    ap.add_argument("--num_pages", type=int, default=None, help="with --host_tier: device pool")
     args = ap.parse_args(argv)
+    if args.host_tier:
+        return host_tier_main(args)
     sizes = SIZES["smoke" if args.smoke else "full"]
     for field in int_fields:
         if getattr(args, field) is not None:
             sizes = dataclasses.replace(sizes, **{field: getattr(args, field)})
     result = run(sizes)
     print(render(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def host_tier_main(args) -> int:
+    sizes = HOST_SIZES["smoke" if args.smoke else "full"]
+    for field in ("system_tokens", "max_tokens", "host_kv_gib"):
+        if getattr(args, field, None) is not None:
+            sizes = dataclasses.replace(sizes, **{field: getattr(args, field)})
+    if args.repeats is not None:
+        sizes = dataclasses.replace(sizes, rounds=args.repeats)
+    if args.num_pages is not None:
+        engine = {**dict(sizes.engine), "num_pages": args.num_pages}
+        sizes = dataclasses.replace(sizes, engine=tuple(engine.items()))
+    result = measure_host_tier(sizes)
+    print(render_host_tier(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -164,13 +164,17 @@ def build_engine_like_the_server():
     options = {
         "page_size": 16,
         "num_pages": None,
-        "max_num_seqs": 32,
+        "kv_cache_bytes": int(1.5 * 2**30),
+        "max_num_seqs": 64,
         "max_num_batched_tokens": 512,
         "prefill_chunk_size": 256,
         "prefix_caching": True,
         "layer_loop": "scan",
         "warmup_max_shapes": DEFAULT_MAX_SHAPES,
     }  # fmt: skip  (serving/server.py's flag defaults)
+    for arg in F.server_args.split():  # the one engine flag an A/B here changes
+        if arg.startswith("--attention_impl="):
+            options["impl"] = arg.split("=", 1)[1]
     return build_engine(F.model, options)
 
 

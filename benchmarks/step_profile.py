@@ -9,9 +9,13 @@ Cases (page size 16, pages laid out consecutively):
     decode64   64 decodes at context 77 (13-token prompts, 64 tokens generated)
     prefill39  39 prompts of 13 tokens in one 512-token prefill group (Sp bucket 64)
     prefill1k  one 256-token chunk of a 1,024-token prompt at positions 768..1023
+    served_prefill   two fresh 256-token chunks padded to Sp 8, P 64 (served c=16's prefill)
+    served_decode16  16 decodes at context 300 padded to P 32 (served c=16's decode)
 
 Variants, each one compiled program timed by its median over warm runs:
     step          the engine's step with the greedy sampler (what the benchmarks run)
+    step_reference  the same with the reference attention (impl="reference") instead of
+                  the backend's default (on CPU: the data-bounded loops of cpu_kernels.py)
     step_full     the same with the full sampler flags (top-k candidates, logprobs)
     no_attention  attention replaced by `q` (no KV write, no gathers): weights + sampling
     forward_only  no_attention without sampling: the weight matmuls, norms and LM head
@@ -59,6 +63,8 @@ class Case:
     prefill: tuple[tuple[int, int], ...]  # (start position, new tokens) of each prefill chunk
     prefill_bucket: int = 0  # Tp (0: pow2 bucket of the tokens)
     chunk_size: int = 256
+    seqs_bucket: int = 0  # Sp (0: pow2 bucket of the prefill chunks)
+    pages_bucket: int = 0  # P (0: pow2 bucket of the longest sequence's pages)
 
 
 CASES = {
@@ -66,6 +72,10 @@ CASES = {
     "decode64": Case((77,) * 64, ()),
     "prefill39": Case((), ((0, 13),) * 39, prefill_bucket=512),
     "prefill1k": Case((), ((768, 256),)),
+    # What the served c=16 workload ran most (benchmarks/RESULTS.md, "Served path"): two
+    # 256-token chunks padded to (Sp 8, P 64), and 16 decodes at ~300 tokens padded to P 32.
+    "served_prefill": Case((), ((0, 256), (0, 256)), seqs_bucket=8, pages_bucket=64),
+    "served_decode16": Case((300,) * 16, (), pages_bucket=32),
 }
 SMOKE_CASES = {
     "batch1": Case((20,), ()),
@@ -83,8 +93,8 @@ def make_batch(case: Case, page_size: int = PAGE_SIZE) -> tuple[StepBatch, Batch
     Sd = pow2_bucket(len(case.decode_contexts)) if case.decode_contexts else 0
     n_prefill = sum(n for _, n in case.prefill)
     Tp = case.prefill_bucket or (pow2_bucket(n_prefill, 16) if n_prefill else 0)
-    Sp = pow2_bucket(len(case.prefill)) if case.prefill else 0
-    P = pow2_bucket(max(pages_of), 4)
+    Sp = case.seqs_bucket or (pow2_bucket(len(case.prefill)) if case.prefill else 0)
+    P = case.pages_bucket or pow2_bucket(max(pages_of), 4)
     shape = BatchShape(Sd, Tp, Sp, P, min(Tp, case.chunk_size) if Tp else 1)
     T, R = Sd + Tp, Sd + Sp
     z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
@@ -192,7 +202,7 @@ def profile_case(
     state = DeviceState.without_penalties(kv, shape.num_decode + shape.num_prefill_seqs)
     out = {"shape": dataclasses.asdict(shape)}
 
-    def run_step(flags):
+    def run_step(flags, impl="auto"):
         def go():
             nonlocal state
             state, packed = step_module.engine_step(
@@ -203,6 +213,7 @@ def profile_case(
                 shape=shape,
                 flags=flags,
                 use_penalties=False,
+                impl=impl,
             )
             return packed
 
@@ -216,6 +227,7 @@ def profile_case(
     runners = {
         "step": run_step(GREEDY_FLAGS),
         "step_full": run_step(FULL_FLAGS),
+        "step_reference": run_step(GREEDY_FLAGS, "reference"),
         "forward_only": lambda: fwd(params, batch),
     }
     for name in variants:

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from configs.kv_memory import DTYPE_BYTES, kv_bytes_per_token
+from configs.kv_memory import (
+    DTYPE_BYTES,
+    kv_bytes_per_token,
+    kv_bytes_per_token_per_layer,
+    local_layer_window,
+    ring_pages,
+)
 from configs.model_config import ModelConfig
 from configs.quant_config import QuantConfig
 from configs.spec_config import SpeculativeConfig
@@ -112,6 +118,15 @@ class EngineConfig:
     priority_aging_per_s: float = 0.1
     prefix_caching: bool = True
     prefix_cache_ttl_s: float | None = 600.0
+    # A second prefix-cache tier in host memory, in GiB (0 = off): cached pages evicted from
+    # the device pool are copied there and copied back on a later hit instead of being
+    # recomputed (engine/sched/host_tier.py, engine/runner/kv_offload.py). Per replica.
+    host_kv_gib: float = 0.0
+    # Sliding-window layers of a model with local and global layers (Gemma 3) keep K/V only
+    # for their window: a ring of pages per sequence slot (engine/runner/kv_cache.py
+    # WindowedKVCache) instead of pool pages for the whole context. Needs prefix_caching
+    # False and no speculative decoding (a cached prefix or a rejected draft has no local K/V).
+    release_local_pages: bool = False
     # "auto" | "scan" | "unrolled": how the model loops over layers (models/llama.py
     # `layer_layout`); "auto" unrolls on a single CPU device, scans elsewhere and with a mesh.
     layer_loop: str = "auto"
@@ -172,6 +187,35 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len >= 2,
             "None or >= 2",
         )
+        _check("host_kv_gib", self.host_kv_gib, self.host_kv_gib >= 0, ">= 0 (0: off)")
+        if self.host_kv_gib > 0:
+            _check(
+                "prefix_caching",
+                self.prefix_caching,
+                self.prefix_caching,
+                f"True with host_kv_gib={self.host_kv_gib} (the host tier holds cached pages)",
+            )
+            method = None if self.speculative is None else self.speculative.method
+            _check(
+                "speculative",
+                method,
+                method != "draft",
+                "not 'draft' with host_kv_gib > 0 (the draft model's K/V is not offloaded)",
+            )
+        if self.release_local_pages:
+            _check(
+                "prefix_caching",
+                self.prefix_caching,
+                not self.prefix_caching,
+                "False with release_local_pages=True (a cached prefix's released local-layer "
+                "K/V cannot be restored)",
+            )
+            _check(
+                "speculative",
+                self.speculative,
+                self.speculative is None,
+                "None with release_local_pages=True (not supported together)",
+            )
         # The remaining fields are checked by SchedulerConfig; build one now so a bad value
         # fails at construction, not at engine start.
         self._scheduler_config(num_pages=2, max_model_len=self.max_model_len or 2)
@@ -185,14 +229,36 @@ class EngineConfig:
         if self.num_pages is not None:
             return self.num_pages
         page_bytes = kv_bytes_per_token(model_cfg, self.kv_dtype) * self.page_size
-        num_pages = self.kv_cache_bytes // page_bytes
+        budget = self.kv_cache_bytes
+        ring = self.local_ring_pages(model_cfg)
+        if ring is not None:  # the rings first; the pool's pages hold the global layers only
+            per_layer = kv_bytes_per_token_per_layer(model_cfg, self.kv_dtype) * self.page_size
+            num_local = sum(w is not None for w in model_cfg.layer_windows())
+            budget -= num_local * per_layer * (1 + self.max_num_seqs * ring)
+            page_bytes = (model_cfg.num_layers - num_local) * per_layer
+        num_pages = max(budget, 0) // page_bytes
         _check(
             "kv_cache_bytes",
             self.kv_cache_bytes,
             num_pages >= 2,
-            f">= 2 pages of {page_bytes} bytes for {model_cfg.name}",
+            f">= 2 pages of {page_bytes} bytes for {model_cfg.name}"
+            + (" after the local-layer rings" if ring is not None else ""),
         )
         return num_pages
+
+    def local_ring_pages(self, model_cfg: ModelConfig) -> int | None:
+        """With release_local_pages: the pages of one slot's ring in the sliding-window layers
+        (`configs.kv_memory.ring_pages` for the prefill chunk); None otherwise. ValueError
+        naming the model when it has no local/global split."""
+        if not self.release_local_pages:
+            return None
+        return ring_pages(local_layer_window(model_cfg), self.page_size, self._prefill_chunk_size)
+
+    @property
+    def _prefill_chunk_size(self) -> int:
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        return min(256, self.max_num_batched_tokens)
 
     def scheduler_config(self, model_cfg: ModelConfig) -> SchedulerConfig:
         return self._scheduler_config(
@@ -206,11 +272,7 @@ class EngineConfig:
             num_pages=num_pages,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            prefill_chunk_size=(
-                self.prefill_chunk_size
-                if self.prefill_chunk_size is not None
-                else min(256, self.max_num_batched_tokens)
-            ),
+            prefill_chunk_size=self._prefill_chunk_size,
             max_model_len=max_model_len,
             priority_aging_per_s=self.priority_aging_per_s,
             enable_prefix_caching=self.prefix_caching,

@@ -79,6 +79,11 @@ class ModelConfig:
             )
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (None: full attention). Every layer shares
+        `sliding_window` here; a family with local and global layers (Gemma 3) overrides it."""
+        return (self.sliding_window,) * self.num_layers
+
     @property
     def q_per_kv(self) -> int:
         """Grouped-query ratio: query heads per KV head."""

@@ -14,6 +14,7 @@ Sub-packages (each __init__ maps its own folder):
     sampling/     SamplingParams, the device sampler, logprobs
     spec/         speculative decoding: proposers, verify step, acceptance rule
     structured/   structured output (llguidance)
+    chat/         tool calls and reasoning in a chat's output; tools on the request side
     lora/         LoRA adapters
     parallel/     sharding (tensor), replicas (data), distributed (hosts)
     kv_transfer/  KV export/import between engines (disaggregation)

@@ -92,10 +92,16 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | Literal["tool_calls"] | None = None
     logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None
     request_id: str = ""  # the engine request that produced it
+    # LLM.chat with tools or a reasoning parser: `text` split as the HTTP API splits it
+    # (engine/chat/output.py); finish_reason is then "tool_calls" when it stopped after calls.
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list = dataclasses.field(default_factory=list)  # engine.chat ToolCall
+    message: dict | None = None  # the OpenAI assistant message: append it to continue the chat
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -71,6 +71,7 @@ from engine.errors import InvalidRequestError
 from engine.lora.adapters import UnknownAdapterError
 from engine.parallel import sharding
 from engine.runner import compiles
+from engine.runner.kv_offload import KVOffload
 from engine.runner.model_runner import ModelRunner
 from engine.runner.programs import StepProgram, structured_bitmask
 from engine.runner.shapes import ShapeSet, sampler_variants
@@ -85,6 +86,7 @@ from engine.spec.decode import Proposal, SpecDecoder
 from engine.spec.step import spec_engine_step
 from engine.structured.matcher import StructuredRequests
 from models.registry import engine_model
+from pallas_kernels import resolve_impl
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,9 @@ class EngineCore:
         self.sched_config = sc = config.scheduler_config(model.config)
         self.pool = PagePool.from_config(sc, model_keys_of(self.identity))
         self.scheduler = Scheduler(sc, self.pool)
-        self.shapes = ShapeSet.for_config(sc, config.max_step_shapes)
+        # attention bounded by the real lengths (the CPU loops) makes page-table padding free
+        bounded = resolve_impl(impl) == "cpu"
+        self.shapes = ShapeSet.for_config(sc, config.max_step_shapes, padded_attention=not bounded)
         self.builder = BatchBuilder(
             max_num_seqs=sc.max_num_seqs,
             # the widest page table of a step shape (at least 4, even for tiny max_model_len)
@@ -169,6 +173,14 @@ class EngineCore:
         )  # fmt: skip
         self.cfg = self.runner.cfg  # as the engine runs it (a mesh may replicate KV heads)
         self.adapters = self.runner.adapters  # LoRA slots; None: max_loras=0
+        self.offload = None  # the prefix cache's host tier (engine/runner/kv_offload.py)
+        if config.host_kv_gib > 0:
+            self.offload = KVOffload.attach(
+                self.pool,
+                self.runner.state.kv,
+                int(config.host_kv_gib * 2**30),
+                min(self.pool.pages_for_tokens(sc.max_model_len), sc.num_pages - 1),
+            )
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -287,7 +299,11 @@ class EngineCore:
         """Schedule, build and dispatch a step (returns None when nothing is scheduled).
         `speculate`: drafts were proposed for this step (the speculator prepares them)."""
         t0 = time.perf_counter()
+        if self.offload is not None:  # host tier: saves land, hits become visible
+            self.offload.before_schedule()
         plan = self.scheduler.schedule(time.monotonic())
+        if self.offload is not None:  # host tier: evicted pages out, host hits in
+            self.runner.update_kv(self.offload.flush)
         if speculate:
             self.spec.after_schedule()
         outputs += self.outputs.finished(plan)
@@ -463,7 +479,7 @@ class EngineCore:
     def stats(self) -> dict:
         pool, sc, runner = self.pool, self.sched_config, self.runner
         used = pool.num_used_pages
-        page_bytes = runner.kv_bytes // sc.num_pages
+        page_bytes = runner.pool_kv_bytes // sc.num_pages
         return {
             **self.scheduler.stats(),
             "kv_bytes_total": runner.kv_bytes,

@@ -8,6 +8,8 @@
     outs[0].prompt, outs[0].prompt_token_ids, outs[0].outputs[1].text, .token_ids, .finish_reason
     outs[0].text, outs[0].metrics.ttft_s          # flat fields: the first completion
     llm.chat([{"role": "user", "content": "Hi!"}])  # one conversation, or a list of them
+    out = llm.chat(messages, tools=[{"type": "function", "function": {...}}],
+                   tool_choice="required")   # out[0].outputs[0].tool_calls: parsed calls
     llm = LLM("smollm2-135m", max_loras=4, max_lora_rank=16)         # multi-LoRA serving
     llm.load_adapter("sql", "/path/to/peft_dir"); llm.generate(prompts, params, adapter="sql")
     for delta in llm.generate_stream("Tell me a story"): print(delta.new_text, end="")
@@ -44,8 +46,12 @@ from engine.api_types import (
     GenerateOutput,
     RequestOutput,
 )
+from engine.chat.reasoning import get_reasoning_format
+from engine.chat.setup import ChatOptions
+from engine.chat.tool_parsers import get_format
 from engine.errors import InvalidRequestError
 from engine.factory import create_engine
+from engine.llm_chat import chat_setup, split_completion, template_messages
 from engine.llm_options import (
     check_engine_options,
     check_fraction,
@@ -73,7 +79,8 @@ class ResolvedPrompt:
 
 
 class LLM:
-    # mesh: None (one device), "model:4", "data:2,model:4" (engine/parallel/sharding.py)
+    # mesh: None (one device), "model:4", "data:2,model:4", "expert:2" (MoE models): see
+    # engine/parallel/sharding.py
     def __init__(
         self,
         model="smollm2-135m",
@@ -84,6 +91,8 @@ class LLM:
         warmup: bool = False,
         impl: str = "auto",
         compilation_cache_dir: str | None = None,
+        tool_call_parser: str = "",
+        reasoning_parser: str = "",
         **engine_options,
     ):
         """`warmup=False` (the default) compiles each step program on first use, so a first
@@ -99,7 +108,10 @@ class LLM:
         default stays False because a notebook's first cell runs a handful of shapes, not
         the whole set; a later shape costs one compile stall in that call, not an error.
         Built programs are not run: on XLA:CPU each one's first execution still sets up its
-        dot calls (0.2-0.7 s); `engine.runner.warmup.warmup(engine, execute=True)` runs them too."""
+        dot calls (0.2-0.7 s); `engine.runner.warmup.warmup(engine, execute=True)` runs them too.
+        `tool_call_parser` (hermes | llama3_json | mistral; "" = from the chat template) and
+        `reasoning_parser` (qwen3 | deepseek_r1; "" = off) are the server's flags of the same
+        names: how `chat` splits its output (engine/chat/)."""
         from engine.runner.compilation_cache import enable as enable_compilation_cache
         from models.registry import load_model
         from models.source import check_model_source
@@ -109,6 +121,10 @@ class LLM:
         mesh = mesh_from(mesh, tensor_parallel_size)
         check_engine_options(engine_options)
         check_fraction(gpu_memory_utilization)
+        if tool_call_parser:
+            get_format(tool_call_parser)  # ValueError naming the known ones, before loading
+        if reasoning_parser:
+            get_reasoning_format(reasoning_parser)
         # `model` may also be an already loaded models.registry.LoadedModel (tests, notebooks
         # that build several engines over one set of weights).
         if isinstance(model, str):
@@ -133,6 +149,9 @@ class LLM:
         self.config = config
         self.engine = create_engine(self.model, self.config, impl=impl, mesh=mesh)
         self.tokenizer = self.model.tokenizer
+        self.chat_options = ChatOptions.for_tokenizer(
+            self.tokenizer, tool_call_parser, reasoning_parser
+        )
         self._ids = itertools.count()
         log.info("LLM(%s) ready in %.1fs", name, time.perf_counter() - t0)
         if warmup:
@@ -196,7 +215,12 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         resolved = [self.resolve_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         params = _params_per_prompt(sampling_params, len(prompts))
-        adapters = self._adapters_per_prompt(adapter, len(prompts))
+        return self._generate_resolved(resolved, params, use_tqdm, priority, tenant, adapter)
+
+    def _generate_resolved(
+        self, resolved: list[ResolvedPrompt], params, use_tqdm, priority, tenant, adapter
+    ) -> list[GenerateOutput]:
+        adapters = self._adapters_per_prompt(adapter, len(resolved))
         results = [
             GenerateOutput(
                 "", r.text, r.token_ids, [CompletionOutput(i) for i in range(sp.n)], adapter=a
@@ -229,9 +253,24 @@ class LLM:
         priority: int = 0,
         tenant: str = "default",
         adapter: str | None | Sequence[str | None] = None,
+        tools: Sequence[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict | None = None,
+        max_thinking_tokens: int | None = None,
     ) -> list[GenerateOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, each
-        rendered with the model's chat template and a generation prompt."""
+        rendered with the model's chat template and a generation prompt.
+
+        Tools and reasoning as in OpenAI's chat completions (checked, rendered, constrained
+        and parsed by engine/chat/, as the HTTP API does): `tools` [{"type": "function",
+        "function": {"name", "description", "parameters"}}], `tool_choice` none | auto |
+        required | {"type": "function", "function": {"name": N}} (required / named: decoding
+        is constrained so every call parses and validates), assistant messages with
+        `tool_calls` and `tool` messages in the history. Each completion then carries
+        `.tool_calls` (ToolCall: id, name, arguments as JSON text), `.content`,
+        `.reasoning_content` (with a reasoning_parser) and `.message` (the OpenAI assistant
+        message); finish_reason is "tool_calls" when it stopped after calls."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             conversations = [list(messages)]
         elif isinstance(messages, (list, tuple)) and messages:
@@ -245,14 +284,40 @@ class LLM:
             if not isinstance(conv, list) or not conv:
                 raise TypeError(f"messages[{i}]: expected a non-empty list of message dicts")
             _check_messages(conv, f"messages[{i}]")
-        return self.generate(
-            conversations,
-            sampling_params,
-            use_tqdm=use_tqdm,
-            priority=priority,
-            tenant=tenant,
-            adapter=adapter,
+        setup = chat_setup(
+            self.chat_options,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            chat_template_kwargs,
+            max_thinking_tokens,
         )
+        if setup is None:
+            return self.generate(
+                conversations,
+                sampling_params,
+                use_tqdm=use_tqdm,
+                priority=priority,
+                tenant=tenant,
+                adapter=adapter,
+            )
+        resolved = [
+            self._chat_prompt(setup, c, f"messages[{i}]") for i, c in enumerate(conversations)
+        ]
+        params = [setup.sampling(p) for p in _params_per_prompt(sampling_params, len(resolved))]
+        results = self._generate_resolved(resolved, params, use_tqdm, priority, tenant, adapter)
+        for res in results:
+            for c in res.outputs:
+                split_completion(c, setup)
+        return results
+
+    def _chat_prompt(self, setup, conversation: list[dict], where: str) -> ResolvedPrompt:
+        """The conversation through `setup`: the template sees the tools (or the fallback
+        instructions), token ids as the HTTP API computes them."""
+        messages = template_messages(conversation, where)
+        rendered, kwargs = setup.render_inputs(messages)
+        text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **kwargs)
+        return ResolvedPrompt(text, setup.prompt_ids(self.tokenizer, messages))
 
     def generate_stream(
         self,
@@ -366,6 +431,10 @@ class LLM:
         """New weights of the same architecture (a LoadedModel); clears the prefix cache."""
         self.engine.reload_model(model)
         self.model, self.tokenizer = model, model.tokenizer
+        opts = self.chat_options
+        self.chat_options = ChatOptions.for_tokenizer(
+            model.tokenizer, opts.tool_format.name, opts.reasoning.name if opts.reasoning else ""
+        )
 
 
 # ---- helpers (pure) -------------------------------------------------------------------------
@@ -420,8 +489,17 @@ def _nth(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _check_messages(messages: Sequence[dict], where: str) -> None:
+    """role and content strings; content may be None beside tool_calls (OpenAI's shape)."""
     for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+        ):
+            raise TypeError(f"{where}[{i}].tool_calls: expected a list of dicts; got {calls!r:.80}")
+        if not isinstance(m.get("role"), str) or not (
+            isinstance(content, str) or (content is None and calls)
+        ):
             raise TypeError(
                 f"{where}[{i}]: a chat message is a dict with 'role' (str) and 'content' (str); "
                 f"got {m!r:.80}"

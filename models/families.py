@@ -5,14 +5,18 @@
     qwen3   models/qwen3.py   Qwen3 dense (QK-norm)
     phi3    models/phi3.py    Phi-3 / 3.5 / 4-mini (fused weights, LongRoPE, partial rotary)
     gemma3  models/gemma3.py  Gemma 3 text (local/global layers, (1 + w) norms, GeGLU)
+    mixtral    models/mixtral.py    Mixtral (mixture of experts, models/moe.py)
+    qwen3_moe  models/qwen3_moe.py  Qwen3-MoE (QK-norm attention, mixture of experts)
 
 A family module declares: its config class (a `ModelConfig` subclass whose class attribute
 `family` names it), `LayerWeights` (Llama's, or a subclass adding fields with their logical
 axes), `param_shapes(cfg)`, `forward(...)` (the contract of `models.llama.forward`),
 `config_from_hf(config_dict, path, directory, name)`, `hf_layer_tensors(cfg)` (per-layer
 tensors besides the seven projections), optionally `hf_getter(get, cfg)` (fused tensors
-split at load), `GGUF_NAMES` (llama.cpp tensor names beyond Llama's), `NORMS` (fields to
-initialise to 1), `HF_ARCHITECTURES` and `GGUF_ARCHITECTURES`.
+split at load), optionally `hf_layer_arrays(t, cfg, layer, shapes)` (a layer's other
+weights in our layout: MoE expert stacks) with `hf_projection_fields(cfg, layer)` (which of
+the seven it reads by Llama's names), `GGUF_NAMES` (llama.cpp tensor names beyond
+Llama's), `NORMS` (fields to initialise to 1), `HF_ARCHITECTURES` and `GGUF_ARCHITECTURES`.
 
 The engine calls `forward`, `param_shapes` and `init_params` here; it never names a family.
 """
@@ -35,6 +39,8 @@ FAMILY_MODULES = {
     "qwen3": "models.qwen3",
     "phi3": "models.phi3",
     "gemma3": "models.gemma3",
+    "mixtral": "models.mixtral",
+    "qwen3_moe": "models.qwen3_moe",
 }
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -43,6 +49,8 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 GGUF_ARCHITECTURES = {
     "llama": "llama",
@@ -50,6 +58,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "llama",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "qwen3moe": "qwen3_moe",
 }
 
 
@@ -107,6 +116,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     return dataclasses.replace(
         params, layers=dataclasses.replace(params.layers, **ones), final_norm=final
     )
+
+
+def family_presets() -> dict[str, ModelConfig]:
+    """Named configs the family modules declare (`PRESETS`; shapes only, e.g. the MoE
+    models the planner sizes), beside `configs.model_config.PRESETS`."""
+    out: dict[str, ModelConfig] = {}
+    for name in FAMILY_MODULES:
+        out.update(getattr(family_module(name), "PRESETS", {}))
+    return out
 
 
 def default_chat_template(gguf_architecture: str | None) -> str | None:

@@ -66,6 +66,9 @@ class Gemma3Config(ModelConfig):
         if LOCAL in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has local layers but sliding_window is not set")
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.sliding_window if t == LOCAL else None for t in self.layer_types)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -90,6 +90,10 @@ class LoraConfigError(ValueError):
 
 def target_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """LayerWeights field -> (in shape, out shape) of its projection (no L axis)."""
+    if hasattr(cfg, "num_experts"):
+        raise LoraConfigError(
+            "model", cfg.name, "LoRA is not supported for mixture-of-experts models"
+        )
     D, H, K, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_size
     return {
         "wq": ((D,), (H, hd)),

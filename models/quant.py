@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.quant_config import QuantConfig
+from configs.quant_config import QuantConfig, QuantizationConfigError
 from pallas_kernels.int8_matmul import INT8_MAX, int8_matmul
 
 Array = jax.Array
@@ -105,12 +105,26 @@ def quantize_weight(
     return Int8Weight(q, jnp.squeeze(scale, axis=in_axes).astype(jnp.float32), activations)
 
 
+def check_quantizable(layers, qcfg: QuantConfig) -> None:
+    """Refuses int8 for layer weights it does not cover: mixture-of-experts stacks."""
+    if getattr(layers, "moe_gate", None) is not None:
+        raise QuantizationConfigError(
+            f"quantization={qcfg.scheme!r} is not supported for mixture-of-experts models "
+            f"(the expert stacks moe_gate / moe_up / moe_down have no int8 path); allowed: "
+            f"'none'"
+        )
+
+
 def quantize_params(params, qcfg: QuantConfig):
     """Float `models.llama.Params` -> the same pytree with Int8Weight leaves (see module doc).
     An already quantized or `none` config returns params unchanged."""
     if not qcfg.enabled:
         return params
     layers = params.layers
+    if isinstance(layers, tuple):
+        check_quantizable(layers[0], qcfg)
+    else:
+        check_quantizable(layers, qcfg)
     updates = {}
     for name, n_in in QUANTIZED_LAYER_WEIGHTS.items():
         w = getattr(layers, name)
@@ -149,6 +163,7 @@ def quantized_param_shapes(abstract, qcfg: QuantConfig):
         )
 
     layers = abstract.layers
+    check_quantizable(layers, qcfg)
     updates = {n: q_abstract(getattr(layers, n), k, 1) for n, k in QUANTIZED_LAYER_WEIGHTS.items()}
     lm_head = abstract.lm_head
     if qcfg.quantize_lm_head:

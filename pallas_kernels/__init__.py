@@ -43,9 +43,16 @@ import numpy as np
 
 from pallas_kernels import reference, validation
 
-__all__ = ["decode_paged_attention", "quantize_int8", "ragged_paged_attention", "write_kv"]
+__all__ = [
+    "decode_paged_attention",
+    "quantize_int8",
+    "ragged_paged_attention",
+    "resolve_impl",
+    "write_kv",
+]
 
 quantize_int8 = reference.quantize_int8
+resolve_impl = validation.resolve_impl  # "auto" -> the implementation this backend runs
 
 
 @jax.jit

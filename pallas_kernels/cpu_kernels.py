@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import layout
+from pallas_kernels import layout, reference
 
 # Positions per cache chunk and query rows per ragged group. Measured on SmolLM2-135M shapes
 # on the 2-core CPU (benchmarks/RESULTS.md, "CPU attention loops"): an iteration costs a
@@ -38,6 +38,10 @@ from pallas_kernels import layout
 # overhead and much larger ones to masked work past the real lengths.
 KV_CHUNK = 256
 GROUP_ROWS = 256
+# Decode has one query per row, so a chunk's matmuls are small and the masked work past each
+# row's length dominates sooner: 64 positions measured best or within 10% of best for 1-64
+# rows at contexts 77-300 (benchmarks/RESULTS.md, "CPU attention loops").
+DECODE_KV_CHUNK = 64
 
 
 def _chunk_pages(page_table, chunk: int, pages_per_chunk: int):
@@ -110,6 +114,10 @@ def _attend_chunks(
     per_chunk = kv_chunk // page_size
     offsets = jnp.arange(kv_chunk, dtype=jnp.int32)  # [C]
 
+    if sliding_window is not None:  # each row's first visible position - 1
+        big = jnp.iinfo(jnp.int32).max
+        before = jnp.min(jnp.where(q_valid, q_pos, big), axis=1) - sliding_window  # [R]
+
     def body(state):
         c, carry = state
         ids = _chunk_pages(page_table, c, per_chunk)  # [R, n]
@@ -117,7 +125,10 @@ def _attend_chunks(
         values = _gather_chunk(v_pages, v_scales, layer, ids)
         kv_pos = c * kv_chunk + offsets  # [C]
         in_cache = kv_pos[None, :] < kv_lens[:, None]  # [R, C]
-        values = jnp.where(in_cache[:, None, :, None], values, 0.0)  # unwritten slots: NaN
+        used = in_cache
+        if sliding_window is not None:  # a chunk may start before the window: released pages
+            used = used & (kv_pos[None, :] > before[:, None])
+        values = jnp.where(used[:, None, :, None], values, 0.0)  # unwritten slots: NaN
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & in_cache[:, None, :]  # [R, Q, C]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
@@ -248,13 +259,30 @@ def decode_paged_attention_cpu(
     soft_cap=None,
     k_scales=None,
     v_scales=None,
-    kv_chunk: int = KV_CHUNK,
+    kv_chunk: int = DECODE_KV_CHUNK,
 ):
-    """One query per sequence, q [S, H, hd] at position kv_lens - 1 (kv_lens 0: zeros)."""
+    """One query per sequence, q [S, H, hd] at position kv_lens - 1 (kv_lens 0: zeros).
+    A page table of at most two chunks goes to the reference: the loop could save at most
+    one chunk of masked work and costs more than that in loop overhead (decode64 at P 8 in
+    benchmarks/step_profile.py)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
     group = num_heads // num_kv_heads
     kv_chunk = _chunk_size(page_size, kv_chunk)
+    if page_table.shape[1] * page_size <= 2 * kv_chunk:
+        return reference.decode_paged_attention_reference(
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            page_table,
+            layer,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            k_scales=k_scales,
+            v_scales=v_scales,
+        )
     page_table = layout.pad_page_table(page_table, kv_chunk // page_size)
     q_pos = (kv_lens - 1)[:, None]  # [S, 1]
     q_valid = (kv_lens > 0)[:, None]

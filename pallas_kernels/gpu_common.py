@@ -60,6 +60,10 @@ def attend_blocks(
     compute_dtype = q.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
+    if sliding_window is not None:  # the block's first visible position - 1
+        big = jnp.iinfo(jnp.int32).max
+        first_visible = jnp.min(jnp.where(row_valid, q_pos, big)) - sliding_window
+
     def body(j, carry):
         o, m, l = carry
         page_ids = page_table_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]  # [PPB]
@@ -91,7 +95,10 @@ def attend_blocks(
         if vs_ref is not None:
             v_scale = vs_ref[layer, head, page_ids].reshape(block)
             p = p * jnp.where(in_cache, v_scale, 0.0)[None, :]
-        v = jnp.where(in_cache[:, None], v.astype(compute_dtype), 0.0).astype(compute_dtype)
+        used = in_cache
+        if sliding_window is not None:  # a block may start before the window: released pages
+            used &= kv_pos > first_visible
+        v = jnp.where(used[:, None], v.astype(compute_dtype), 0.0).astype(compute_dtype)
         pv = lax.dot_general(
             p.astype(compute_dtype),
             v,

@@ -128,7 +128,11 @@ def attend_padded(
     n = keys.shape[2]
     kv_pos = jnp.arange(n, dtype=jnp.int32)  # [N]
     in_cache = kv_pos[None, :] < kv_lens[:, None]  # [S, N]
-    values = jnp.where(in_cache[None, :, :, None], values, 0.0)
+    used = in_cache
+    if sliding_window is not None:  # before every query's window: may be released pages
+        first = jnp.min(jnp.where(q_valid, q_pos, jnp.iinfo(jnp.int32).max), axis=1)  # [S]
+        used = used & (kv_pos[None, :] > first[:, None] - sliding_window)
+    values = jnp.where(used[None, :, :, None], values, 0.0)
 
     qg = qs.astype(jnp.float32).reshape(num_seqs, qm, num_kv_heads, group, head_dim)
     qg = qg.transpose(2, 0, 1, 3, 4)  # [K, S, Qm, G, hd]
@@ -247,9 +251,9 @@ def decode_paged_attention_reference(
     kv_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)  # [N]
     # causal for the one query at kv_lens - 1 is exactly "in the cache"
     mask = kv_pos[None, :] < kv_lens[:, None]  # [S, N]
-    values = jnp.where(mask[:, None, :, None], values, 0.0)  # unwritten slots may hold NaN
-    if sliding_window is not None:
+    if sliding_window is not None:  # pages before the window may be released: never used
         mask &= kv_pos[None, :] > (kv_lens - 1)[:, None] - sliding_window
+    values = jnp.where(mask[:, None, :, None], values, 0.0)  # unwritten slots may hold NaN
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
     scores = jnp.einsum("skgd,sknd->skgn", qg, keys) * sm_scale  # [S, K, G, N]
     if soft_cap is not None:

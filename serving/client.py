@@ -62,6 +62,11 @@ class GenerateResult:
     client_start_s: float = 0.0  # time.monotonic() when the call was sent
     client_ttft_s: float | None = None
     client_e2e_s: float | None = None
+    # a chat with tools or a server reasoning parser: the text split (GenerateResponse)
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: list = dataclasses.field(default_factory=list)  # pb.ToolCall, in order
+    reasoning_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -193,6 +198,9 @@ class GenerateClient:
         res.token_arrival_s.extend([now] * len(msg.token_ids))
         res.token_times_unix_ns.extend(msg.token_times_unix_ns)
         res.text += msg.text
+        res.content += msg.content
+        res.reasoning_content += msg.reasoning_content
+        res.tool_calls.extend(msg.tool_calls)
         if msg.HasField("final"):
             f = msg.final
             res.finish_reason = f.finish_reason
@@ -201,6 +209,7 @@ class GenerateClient:
             res.completion_tokens = f.usage.completion_tokens
             res.spec_drafted_tokens = f.usage.spec_drafted_tokens
             res.spec_accepted_tokens = f.usage.spec_accepted_tokens
+            res.reasoning_tokens = f.usage.reasoning_tokens
             res.server_timings = {
                 k: getattr(f.timings, k) for k in ("queue_s", "ttft_s", "tpot_s", "e2e_s")
             }

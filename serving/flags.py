@@ -229,13 +229,13 @@ def check_mesh(spec: str | None) -> None:
         return
     import jax
 
-    from engine.parallel.sharding import ShardingConfigError, parse_mesh_spec
+    from engine.parallel.sharding import ShardingConfigError, mesh_devices, parse_mesh_spec
 
     try:
         sizes = parse_mesh_spec(spec)
     except ShardingConfigError as e:
         raise UsageError("", spec, str(e).replace("mesh=", "--mesh=", 1)) from None
-    need, have = sizes["data"] * sizes["model"], len(jax.devices())
+    need, have = mesh_devices(sizes), len(jax.devices())
     require("mesh", spec, need <= have, f"needs {need} devices, {have} available")
 
 

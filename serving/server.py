@@ -32,6 +32,7 @@ from absl import app, flags
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.chat.setup import ChatOptions
 from engine.errors import WarmupCancelled
 from serving import flags as shared
 from serving.disagg import service as kv_transfer_service
@@ -101,7 +102,7 @@ class ServerConfig:
     # issue 39: a per-request timeline as a Chrome/Perfetto trace file (None: off);
     # serving/frontend/request_trace.py
     trace_requests: str | None = None
-    # chat tools / reasoning (serving/http/tool_calling.py): "" = from the model's chat
+    # chat tools / reasoning (engine/chat/setup.py): "" = from the model's chat
     # template / off
     tool_call_parser: str = ""
     reasoning_parser: str = ""
@@ -203,7 +204,10 @@ class PagedJaxServer:
             self.loop,
             self.ledger,
         )
-        self.service = PagedJaxService(self.generator, config.engine_config)
+        chat_options = ChatOptions.for_tokenizer(
+            engine.tokenizer, config.tool_call_parser, config.reasoning_parser
+        )
+        self.service = PagedJaxService(self.generator, config.engine_config, chat_options)
         workers = config.max_workers or admission.max_queue_requests + max_inflight + 32
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(workers, thread_name_prefix="grpc"),
@@ -530,16 +534,40 @@ def define_flags() -> None:
     flags.DEFINE_string("request_log", None, "file for the per-request JSON lines (None: stderr)")
     # engine
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-    flags.DEFINE_integer("num_pages", None, "KV pages (None: engine default from memory)")
-    flags.DEFINE_integer("max_num_seqs", 32, "requests in one batch")
+    flags.DEFINE_integer("num_pages", None, "KV pages (None: as many as --kv_cache_gib holds)")
+    flags.DEFINE_float(
+        "kv_cache_gib",
+        1.5,
+        "KV pool size in GiB when --num_pages is not given (SmolLM2-135M float32: ~34k tokens)",
+    )
+    # 64: a decode of 64 rows costs ~2x one of 16 on CPU (weights dominate), so a client at
+    # concurrency 64 is served in one batch instead of half of it waiting (benchmarks/RESULTS.md,
+    # "CPU attention loops"); on CPU the shape set grows by one decode rung for it.
+    flags.DEFINE_integer("max_num_seqs", 64, "requests in one batch")
     flags.DEFINE_integer("max_num_batched_tokens", 512, "tokens in one step")
     flags.DEFINE_integer("prefill_chunk_size", 256, "prompt tokens of one request per step")
     flags.DEFINE_bool("prefix_caching", True, "reuse KV pages of shared prompt prefixes")
+    flags.DEFINE_float(
+        "host_kv_gib",
+        0.0,
+        "host memory (GiB, per replica) for prefix-cache pages evicted from the device: "
+        "copied back on a later hit instead of recomputed (0 = off)",
+    )
     shared.define_quantization()
     shared.define_speculative()
     shared.define_lora()
     flags.DEFINE_string(
-        "mesh", None, "device mesh, e.g. 'model:4' or 'data:2,model:4' (None: one device)"
+        "mesh",
+        None,
+        "device mesh, e.g. 'model:4', 'data:2,model:4' or 'expert:2' (MoE models; None: one "
+        "device)",
+    )
+    flags.DEFINE_enum(
+        "attention_impl",
+        "auto",
+        ["auto", "reference", "cpu", "gpu", "tpu"],
+        "paged attention (pallas_kernels): auto picks by backend (gpu/tpu: the Pallas "
+        "kernels, cpu: the data-bounded jnp loops); reference: the jnp oracle",
     )
     flags.DEFINE_float("mock_step_time_s", 0.01, "MockEngine: seconds per step")
     flags.DEFINE_string(
@@ -630,6 +658,7 @@ def define_flags() -> None:
 _LOWER_BOUNDS = {
     "page_size": (1, False),
     "num_pages": (2, True),
+    "kv_cache_gib": (0.001, False),
     "max_num_seqs": (1, False),
     "max_num_batched_tokens": (1, False),
     "prefill_chunk_size": (1, False),
@@ -647,6 +676,7 @@ _LOWER_BOUNDS = {
     "breaker_failures": (1, False),
     "breaker_cooldown_s": (0, False),
     "max_workers": (1, True),
+    "host_kv_gib": (0, False),
 }
 
 
@@ -690,6 +720,13 @@ def check_flags() -> None:
     if FLAGS.distributed_env:  # gateway: multi-host serving
         _check_multihost()
     shared.check_speculative(FLAGS.speculative, mock=FLAGS.model == "mock")
+    if FLAGS.host_kv_gib > 0:
+        shared.require(
+            "host_kv_gib", FLAGS.host_kv_gib, FLAGS.prefix_caching, "needs --prefix_caching"
+        )
+        shared.require(
+            "host_kv_gib", FLAGS.host_kv_gib, FLAGS.model != "mock", "needs a real --model"
+        )
     for flag, default in (("quantization", "none"), ("kv_dtype", "float32")):
         value = getattr(FLAGS, flag)
         shared.require(
@@ -768,13 +805,16 @@ def engine_options_from_flags() -> dict:
     return {
         "page_size": FLAGS.page_size,
         "num_pages": FLAGS.num_pages,
+        "kv_cache_bytes": int(FLAGS.kv_cache_gib * 2**30),
         "max_num_seqs": FLAGS.max_num_seqs,
         "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
         "prefill_chunk_size": FLAGS.prefill_chunk_size,
         "prefix_caching": FLAGS.prefix_caching,
+        **({"host_kv_gib": FLAGS.host_kv_gib} if FLAGS.host_kv_gib else {}),
         "quantization": FLAGS.quantization,
         "kv_dtype": FLAGS.kv_dtype,
         "mesh": FLAGS.mesh,
+        **({} if FLAGS.attention_impl == "auto" else {"impl": FLAGS.attention_impl}),
         "speculative": shared.check_speculative(FLAGS.speculative),  # None: off
         **lora_options_from_flags(),
         # shapes (#21.4): scan compiles each step program ~4x faster than unrolled layers

@@ -63,3 +63,24 @@ def outcome_counts(server: PagedJaxServer) -> dict[tuple[str, str], float]:
 def calls_seen(server: PagedJaxServer) -> float:
     """Generate calls that reached the server (pagedjax_generate_calls_total)."""
     return server.metrics.generate_calls._value.get()
+
+
+class RealTokenizerMockEngine(MockEngine):
+    """The mock engine with a real tokenizer (and its chat template and vocab size): the
+    serving path from the transport's parser through the template, tokenization, admission
+    and the scheduler is the production code; only the device step is the mock's."""
+
+    def __init__(self, tokenizer, **kw):
+        from engine.sched.outputs import OutputProcessor
+
+        super().__init__(**kw)
+        self.tokenizer = tokenizer
+        self.outputs = OutputProcessor(self.scheduler, tokenizer, vocab_size=tokenizer.vocab_size)
+
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer and chat template, rebuilt from its GGUF (no weights loaded)."""
+    from models.loaders.gguf_tokenizer import tokenizer_from_gguf
+    from models.registry import smollm2_gguf_path
+
+    return tokenizer_from_gguf(smollm2_gguf_path())

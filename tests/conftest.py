@@ -8,6 +8,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # suite turns it off (set the variable to a directory to run it with one) so tests never
 # write to the user's ~/.cache and one test's programs cannot change another's path. The
 # cache's own tests (tests/test_compilation_cache.py) load from it in fresh processes.
+# One exception: `python -m tests.lanes` (make test) makes one temporary cache directory for
+# the whole run and names it in $PAGEDJAX_TEST_COMPILATION_CACHE_DIR, so the many pytest
+# processes (and the servers they start) share compiled programs; see _share_compiled below.
+_shared_cache = os.environ.get("PAGEDJAX_TEST_COMPILATION_CACHE_DIR", "")
+if _shared_cache:
+    os.environ["PAGEDJAX_COMPILATION_CACHE_DIR"] = _shared_cache
 os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE_DIR", "")
 # NOTE: the suite compiles ~1,000 distinct small XLA:CPU programs (each test's engine
 # configs and step shapes) and on the tiny model compiling dominates its CPU time. LLVM at
@@ -27,6 +33,11 @@ if not _keep_default_opt and "xla_backend_optimization_level" not in os.environ.
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if _shared_cache:
+    from engine.runner import compilation_cache  # noqa: E402
+
+    compilation_cache.enable(_shared_cache)
 
 
 def pytest_collection_modifyitems(items):

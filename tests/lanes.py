@@ -14,6 +14,19 @@ to that size (one interpreter start and JAX import per group, not per file).
 Each group's output is held back and printed whole when it ends, so lanes never interleave
 lines; a failing group's output is printed in full, a passing one as its summary line.
 Exit status: 0 when every group passed, 1 otherwise.
+
+Compiled programs are shared: every pytest process of a run (and every server it starts)
+reads and writes one persistent compilation cache, named in $PAGEDJAX_TEST_COMPILATION_CACHE_DIR
+(tests/conftest.py turns it on), so a step program that two files build compiles once. By
+default it is a temporary directory removed at the end; `--compilation_cache_dir=DIR` keeps
+one between runs (a second run loads most programs), `none` turns sharing off. No lock: JAX
+writes an entry in place, but an entry is one zlib stream with a checksum, so a half-written
+file (read while another process writes it) fails to decompress and JAX compiles the
+program instead, and two processes writing one entry leave one whole stream first (the
+file is truncated on open; zlib ignores what follows the stream). JAX's own lock comes
+with a size limit whose eviction scan reads every entry on each write (0.24 s per write at
+3,000 entries under load), too slow for a run that writes thousands.
+The slowest test cases of the run are printed at the end (`--slowest`).
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import glob
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +46,7 @@ import xml.etree.ElementTree as ET
 
 DURATIONS_PATH = os.path.join(os.path.dirname(__file__), "durations.json")
 UNKNOWN_FILE_S = 30.0  # estimate for a file with no recorded time (a new test file)
+CACHE_ENV = "PAGEDJAX_TEST_COMPILATION_CACHE_DIR"  # read by tests/conftest.py
 
 
 def load_durations(path: str = DURATIONS_PATH) -> dict[str, float]:
@@ -62,8 +77,8 @@ def plan_groups(files: list[str], durations: dict[str, float], group_s: float) -
     return sorted(groups, key=lambda g: -sum(est[f] for f in g))
 
 
-def file_times(junit_path: str) -> dict[str, float]:
-    """Seconds per test file from a pytest JUnit XML report (sum of its test cases)."""
+def case_times(junit_path: str) -> dict[str, float]:
+    """Seconds per test case ("test_x.py::name") from a pytest JUnit XML report."""
     out: dict[str, float] = {}
     try:
         root = ET.parse(junit_path).getroot()
@@ -73,16 +88,35 @@ def file_times(junit_path: str) -> dict[str, float]:
         module = case.get("classname", "").split(".")
         name = next((m for m in module if m.startswith("test_")), None)
         if name:
-            key = f"{name}.py"
+            key = f"{name}.py::{case.get('name', '?')}"
             out[key] = out.get(key, 0.0) + float(case.get("time", 0.0))
     return out
 
 
+def file_times(junit_path: str) -> dict[str, float]:
+    """Seconds per test file from a pytest JUnit XML report (sum of its test cases)."""
+    out: dict[str, float] = {}
+    for case, seconds in case_times(junit_path).items():
+        key = case.split("::")[0]
+        out[key] = out.get(key, 0.0) + seconds
+    return out
+
+
+def shared_cache_env(cache_dir: str | None, environ=os.environ) -> dict[str, str]:
+    """The environment of a run's pytest processes: `cache_dir` named for tests/conftest.py
+    (None: no sharing)."""
+    env = dict(environ)
+    env.pop(CACHE_ENV, None)
+    if cache_dir is not None:
+        env[CACHE_ENV] = os.path.abspath(cache_dir)
+    return env
+
+
 class _Lane(threading.Thread):
-    def __init__(self, index, work, results, pytest_args, lock, record):
+    def __init__(self, index, work, results, pytest_args, lock, record, env):
         super().__init__(daemon=True)
         self.index, self.work, self.results = index, work, results
-        self.pytest_args, self.lock, self.record = pytest_args, lock, record
+        self.pytest_args, self.lock, self.record, self.env = pytest_args, lock, record, env
 
     def run(self):
         while True:
@@ -102,8 +136,11 @@ class _Lane(threading.Thread):
             cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}"]
             cmd += self.pytest_args + group
             start = time.monotonic()
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+            )
             wall_s = time.monotonic() - start
+            cases = case_times(junit)
             times = file_times(junit)
         ok = proc.returncode in (0, 5)  # 5: nothing collected (every test deselected)
         lines = proc.stdout.rstrip().splitlines()
@@ -111,7 +148,7 @@ class _Lane(threading.Thread):
             names = " ".join(os.path.basename(f) for f in group)
             print(f"[lane {self.index}] {wall_s:6.0f} s  {names}", flush=True)
             print(proc.stdout if not ok else "    " + (lines[-1] if lines else ""), flush=True)
-        return {"group": group, "ok": ok, "wall_s": wall_s, "times": times}
+        return {"group": group, "ok": ok, "wall_s": wall_s, "times": times, "cases": cases}
 
 
 def main(argv=None) -> int:
@@ -119,6 +156,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", type=int, default=2, help="parallel pytest processes")
     ap.add_argument("--group_s", type=float, default=120.0, help="target seconds per group")
     ap.add_argument("--record", action="store_true", help=f"rewrite {DURATIONS_PATH}")
+    ap.add_argument(
+        "--compilation_cache_dir",
+        default=None,
+        help="compilation cache shared by the run's processes and kept (default: a temporary "
+        "directory removed at the end; none: no sharing)",
+    )
+    ap.add_argument("--slowest", type=int, default=20, help="test cases listed at the end")
     ap.add_argument("files", nargs="*", help="test files (default: tests/test_*.py)")
     args, pytest_args = ap.parse_known_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -131,13 +175,31 @@ def main(argv=None) -> int:
     results: list[dict] = []
     lock = threading.Lock()
     start = time.monotonic()
-    lanes = [
-        _Lane(i, work, results, pytest_args, lock, args.record) for i in range(max(1, args.lanes))
-    ]
-    for lane in lanes:
-        lane.start()
-    for lane in lanes:
-        lane.join()
+    cache_dir = args.compilation_cache_dir
+    temporary = None
+    if cache_dir is None:  # in a folder of its own: a set-aside `xla.crashed-*` goes with it
+        temporary = tempfile.mkdtemp(prefix="pagedjax-test-xla-")
+        cache_dir = os.path.join(temporary, "xla")
+    elif cache_dir.strip().lower() in ("", "none", "off"):
+        cache_dir = None
+    env = shared_cache_env(cache_dir)
+    try:
+        lanes = [
+            _Lane(i, work, results, pytest_args, lock, args.record, env)
+            for i in range(max(1, args.lanes))
+        ]
+        for lane in lanes:
+            lane.start()
+        for lane in lanes:
+            lane.join()
+    finally:
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
+    cases = sorted(((s, c) for r in results for c, s in r["cases"].items()), key=lambda sc: -sc[0])
+    if args.slowest > 0 and cases:
+        print(f"---- slowest {min(args.slowest, len(cases))} test cases")
+        for seconds, case in cases[: args.slowest]:
+            print(f"{seconds:8.1f} s  {case}")
     failed = [r for r in results if not r["ok"]]
     print(
         f"---- {len(results)} groups on {len(lanes)} lanes in {time.monotonic() - start:.0f} s; "

@@ -7,6 +7,7 @@ device, so tests/test_sharding.py runs this file in a subprocess:
     python tests/sharding_worker.py kv8        # 8-KV-head config: model 8 vs one device
     python tests/sharding_worker.py smollm2    # SmolLM2-135M: model 3 vs one device
     python tests/sharding_worker.py spec       # ngram speculation under model 2 vs one device
+    python tests/sharding_worker.py moe        # tiny Qwen3-MoE: expert 2/4, data2xexpert2, ...
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def describe(llm: LLM, prompts, ref) -> dict:
         "again_same": again == ref,
         "recompiled": compiles.count() - before,
         "num_kv_heads": eng.cfg.num_kv_heads,
+        "grouped_matmul": getattr(eng.cfg, "grouped_matmul", None),
         "specs": {
             name: spec_of(x)
             for name, x in [
@@ -72,7 +74,11 @@ def describe(llm: LLM, prompts, ref) -> dict:
                 ("w_down", p.layers.w_down),
                 ("attn_norm", p.layers.attn_norm),
                 ("k_pages", eng.runner.state.kv.k_pages),
+                ("moe_gate", getattr(p.layers, "moe_gate", None)),
+                ("moe_down", getattr(p.layers, "moe_down", None)),
+                ("router", getattr(p.layers, "router", None)),
             ]
+            if x is not None
         },
         "kv_bytes_per_device": sorted(sharding.bytes_per_device(eng.runner.state.kv).values()),
         "kv_bytes_total": eng.runner.state.kv.num_bytes,
@@ -170,6 +176,37 @@ def main(which: str) -> None:
         res = run(m, ["Hello world, a prompt past the window", "abc"], ["model:2"])
     elif which == "spec":
         res = speculative(load_model("tiny"))
+    elif which == "moe":  # mixture of experts: one sparse and one dense layer, 4 experts
+        from models.families import init_params
+        from models.qwen3_moe import Qwen3MoeConfig
+
+        m = load_model("tiny")
+        cfg = Qwen3MoeConfig(
+            **{f: getattr(m.config, f) for f in ("vocab_size", "bos_token_id", "eos_token_ids")},
+            name="tiny-moe",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            ffn_size=128,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_ffn_size=32,
+            sparse_layers=(True, False),
+            tie_embeddings=True,
+        )
+        params = init_params(cfg, jax.random.key(3), scale=0.2)
+        m = dataclasses.replace(m, config=cfg, params=params)
+        meshes = ["expert:2", "expert:4", "data:2,expert:2", "expert:2,model:2"]
+        res = run(m, ["Hello world", "The quick brown fox", "abc"], meshes)
+        res["refused"] = {}
+        for mesh, model in (("expert:3", m), ("expert:2", load_model("tiny"))):
+            try:
+                LLM(model, mesh=mesh, **OPTS)
+                res["refused"][mesh] = None
+            except sharding.ShardingConfigError as e:
+                res["refused"][mesh] = str(e)
     elif which == "smollm2":
         m = load_model("smollm2-135m")
         res = run(m, [[1, 504, 3458, 282, 4649, 314]], ["model:3"], "smollm2-135m")

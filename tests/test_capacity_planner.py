@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 
 import pytest
 
@@ -106,3 +107,78 @@ def test_render_plan_states_replicas_and_caution():
     assert "8192 tokens: 60" in text
     assert "replicas: 6 = ceil(20 / 4.5 x (1 + 0.3))" in text
     assert "max_tokens" in text
+
+
+def test_local_page_release_in_the_plan():
+    """A Gemma 3 270M-shaped model (18 layers, 15 local with window 512, one KV head of 256):
+    the plan states KV per token at 32k with and without local page release; a model
+    without local layers gets no such entry."""
+    from models.gemma3 import GLOBAL, LOCAL, Gemma3Config
+
+    cfg = Gemma3Config(
+        name="gemma3-270m-shaped",
+        num_layers=18,
+        hidden_size=640,
+        num_heads=4,
+        num_kv_heads=1,
+        ffn_size=2048,
+        vocab_size=262144,
+        head_dim=256,
+        sliding_window=512,
+        layer_types=((LOCAL,) * 5 + (GLOBAL,)) * 3,
+    )
+    out = planner.plan(
+        cfg,
+        kv_dtype="bfloat16",
+        device_memory_bytes=16 * GIB,
+        weights_bytes=GIB,
+        workspace_bytes=GIB,
+        page_size=16,
+        samples=[(100, 50)],
+        max_tokens=1024,
+        seq_lens=[1024],
+        prefill_chunk=256,
+    )
+    release = out["local_page_release"]
+    assert release["ring_pages_per_slot"] == 49  # ceil((512 + 256 + 14) / 16)
+    at_32k = release["kv_bytes_per_token"]["32768"]
+    assert at_32k["without"] == 18 * 1024  # 18 layers x 2 x 256 x 2 bytes
+    assert at_32k["with"] == pytest.approx((3 * 32768 + 15 * 49 * 16) * 1024 / 32768)
+    assert "32768 tokens 18.0 -> 3.4 KiB" in planner.render_plan(out)
+    assert "local_page_release" not in seed_plan(samples=[(100, 50)], max_tokens=8, seq_lens=[8])
+
+
+def test_moe_active_vs_total_and_expert_parallel_weights():
+    """Qwen3-30B-A3B's shape: 30.5B parameters, 3.3B active (8 of 128 experts); with the
+    experts over 8 devices each holds 1/8 of the expert stacks and all of the rest; the
+    all-to-all per token is 2 x k x D x bytes x 7/8 per sparse layer. A dense model gets no
+    MoE entry, and a degree that does not divide the experts is refused."""
+    from models.families import family_presets
+
+    cfg = family_presets()["qwen3-30b-a3b"]
+    assert round(cfg.num_params / 1e9, 1) == 30.5
+    assert 3.3e9 < cfg.num_active_params < 3.4e9  # Qwen: "3.3B activated"
+    m1 = planner.moe_plan(cfg, "bfloat16", 1)
+    m8 = planner.moe_plan(cfg, "bfloat16", 8)
+    experts = 48 * 128 * 3 * 2048 * 768 * 2
+    assert m1["expert_weights_gib"] * GIB == experts
+    rest = cfg.num_params * 2 - experts
+    assert math.isclose(m8["weights_per_device_gib"] * GIB, rest + experts / 8)
+    assert m1["all_to_all_bytes_per_token"] == 0
+    assert m8["all_to_all_bytes_per_token"] == 48 * 2 * 8 * 2048 * 2 * 7 / 8
+    out = planner.plan(
+        cfg,
+        kv_dtype="bfloat16",
+        device_memory_bytes=141 * GIB,
+        weights_bytes=planner.default_weights_bytes(cfg, "bfloat16", 8),
+        workspace_bytes=GIB,
+        page_size=16,
+        samples=[(100, 50)],
+        max_tokens=1024,
+        seq_lens=[1024],
+        expert_parallel=8,
+    )
+    assert "3.35B active per token (11.0%; 8 of 128 experts)" in planner.render_plan(out)
+    assert planner.moe_plan(SEED_MODEL, "bfloat16", 1) is None
+    with pytest.raises(ValueError, match="expert_parallel=3: must divide num_experts=128"):
+        planner.moe_plan(cfg, "bfloat16", 3)

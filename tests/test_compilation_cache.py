@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from engine.runner import compilation_cache
 
@@ -55,6 +56,7 @@ def _compile_in_fresh_process(cache_dir) -> tuple[str, int]:
     return value, int(hits)
 
 
+@pytest.mark.subprocess  # three fresh Python processes that import JAX and compile
 def test_a_corrupt_entry_is_compiled_again_not_fatal(tmp_path):
     first, hits = _compile_in_fresh_process(tmp_path)
     assert hits == 0

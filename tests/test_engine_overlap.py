@@ -146,12 +146,13 @@ _CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("padded_attention", [True, False])
 @pytest.mark.parametrize("sc", _CONFIGS)
-def test_shape_set_is_small_and_holds_every_reachable_shape(sc):
+def test_shape_set_is_small_and_holds_every_reachable_shape(sc, padded_attention):
     every = reachable_shapes(sc)
     decode_only = {s for s in every if s.num_prefill_tokens == 0}
     for max_shapes in (1, 2, 8, 32, 64, 10_000):
-        shapes = ShapeSet.for_config(sc, max_shapes)
+        shapes = ShapeSet.for_config(sc, max_shapes, padded_attention=padded_attention)
         assert len(shapes) <= max_shapes  # --warmup_max_shapes is honoured
         assert max(every) in shapes.shapes
         if len(every) <= max_shapes:
@@ -169,8 +170,9 @@ def test_shape_set_is_small_and_holds_every_reachable_shape(sc):
     sp=st.integers(1, 32),
     pages=st.integers(1, 512),
     max_shapes=st.sampled_from([8, 64, 200]),
+    padded=st.booleans(),
 )
-def test_fit_is_the_cheapest_shape_that_holds_the_batch(sd, tp, sp, pages, max_shapes):
+def test_fit_is_the_cheapest_shape_that_holds_the_batch(sd, tp, sp, pages, max_shapes, padded):
     sc = _CONFIGS[0]
     if tp == 0:
         sp = 0
@@ -178,10 +180,13 @@ def test_fit_is_the_cheapest_shape_that_holds_the_batch(sd, tp, sp, pages, max_s
     if sd == 0 and tp == 0:
         sd = 1
     need = BatchShape(sd, tp, sp, pages, min(tp, sc.prefill_chunk_size))
-    shapes = ShapeSet(step_shapes(sc, max_shapes), sc.page_size)
+    shapes = ShapeSet(step_shapes(sc, max_shapes, padded_attention=padded), sc.page_size, padded)
     got = shapes.fit(need)
     assert got.fits(need) and got in shapes.shapes
-    cheaper = [s for s in shapes.shapes if s.fits(need) and step_cost(s, 16) < step_cost(got, 16)]
+    cost = lambda s: step_cost(s, 16, padded)  # noqa: E731
+    cheaper = [s for s in shapes.shapes if s.fits(need) and cost(s) < cost(got)]
+    if tp == 0:  # a decode-only step may keep a decode-only shape over a cheaper prefill one
+        cheaper = [s for s in cheaper if s.num_prefill_tokens == 0]
     assert cheaper == []
 
 

@@ -27,10 +27,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.engine_host.mock_engine import MockEngine
 from serving.frontend.admission import AdmissionConfig
 from serving.http.schemas import ChatCompletionRequest, CompletionRequest
-from serving.testing import running_server
+from serving.testing import RealTokenizerMockEngine, running_server, smollm2_tokenizer
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "25"))
 FUZZ = settings(
@@ -46,23 +45,9 @@ ADMISSION = AdmissionConfig(max_prompt_tokens=200, max_tokens=16, max_model_len=
 NO_FIELD_NEEDED = {404, 429, 503}  # unknown model / path, rate limit, draining
 
 
-class RealTokenizerMockEngine(MockEngine):
-    """The mock engine with SmolLM2's tokenizer and chat template (its vocab size too)."""
-
-    def __init__(self, tokenizer, **kw):
-        from engine.sched.outputs import OutputProcessor
-
-        super().__init__(**kw)
-        self.tokenizer = tokenizer
-        self.outputs = OutputProcessor(self.scheduler, tokenizer, vocab_size=tokenizer.vocab_size)
-
-
 @pytest.fixture(scope="module")
 def server():
-    from models.loaders.gguf_tokenizer import tokenizer_from_gguf
-    from models.registry import smollm2_gguf_path
-
-    tok = tokenizer_from_gguf(smollm2_gguf_path())
+    tok = smollm2_tokenizer()
     assert tok.chat_template is not None and tok.vocab_size == 49152
     engine = RealTokenizerMockEngine(tok, page_size=4, num_pages=256, max_model_len=256)
     with (

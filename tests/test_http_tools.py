@@ -9,13 +9,14 @@ import jsonschema
 import openai
 import pytest
 
+from engine.chat.setup import ChatOptions
+from engine.chat.tool_parsers import get_format
 from engine.structured.matcher import StructuredRequests
 from models.chat_template import ChatTemplate
 from models.registry import tiny_tokenizer
 from serving.engine_host.scripted_engine import ScriptedEngine
 from serving.frontend.admission import AdmissionConfig
-from serving.http.tool_calling import ChatOptions, ChatSetup
-from serving.http.tool_parsers import get_format
+from serving.http.chat import chat_setup
 from serving.testing import running_server
 
 WEATHER_SCHEMA = {
@@ -275,8 +276,8 @@ class _Body:
 
 
 def test_a_template_with_tool_support_renders_tools_and_calls_itself():
+    from serving.http.chat import message_dicts
     from serving.http.schemas import ChatCompletionRequest
-    from serving.http.tool_calling import message_dicts
 
     options = ChatOptions.for_tokenizer(_TemplateOnly(QWEN_LIKE))
     assert options.tool_format.name == "hermes" and options.template_renders_tools
@@ -291,7 +292,7 @@ def test_a_template_with_tool_support_renders_tools_and_calls_itself():
             "tools": TOOLS,
         }
     )  # fmt: skip
-    setup = ChatSetup.of(options, req)
+    setup = chat_setup(options, req)
     messages, kwargs = setup.render_inputs(message_dicts(req.messages))
     assert [t["function"]["name"] for t in kwargs["tools"]] == ["get_weather", "get_time"]
     text = ChatTemplate(QWEN_LIKE).render(messages, **kwargs)
@@ -305,7 +306,7 @@ def test_chat_template_kwargs_reach_the_template():
         "{% for m in messages %}{{ m.content }}{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}"
     )
-    setup = ChatSetup.of(
+    setup = chat_setup(
         ChatOptions.for_tokenizer(object()), _Body(chat_template_kwargs={"enable_thinking": False})
     )
     messages, kwargs = setup.render_inputs([{"role": "user", "content": "hi"}])
@@ -314,7 +315,7 @@ def test_chat_template_kwargs_reach_the_template():
 
 def test_forced_call_grammar_accepts_only_valid_calls():
     """The grammar of tool_choice=named, checked with llguidance on whole strings."""
-    setup = ChatSetup.of(
+    setup = chat_setup(
         ChatOptions.for_tokenizer(object()),
         _Body(
             tools=[openai_tool(t) for t in TOOLS],
@@ -355,7 +356,7 @@ class openai_tool:  # noqa: N801 - stands in for the pydantic Tool
 @pytest.mark.parametrize("name", ["hermes", "mistral"])
 def test_auto_grammar_is_free_text_until_the_trigger_then_a_valid_call(name):
     fmt = get_format(name)
-    setup = ChatSetup.of(
+    setup = chat_setup(
         ChatOptions.for_tokenizer(object(), tool_call_parser=name),
         _Body(tools=[openai_tool(t) for t in TOOLS]),
     )

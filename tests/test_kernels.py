@@ -13,6 +13,7 @@ test-fast`). Also here: both kernels lower for CUDA / TPU on this CPU-only machi
 write, and the validation errors of the public functions (shared by every impl).
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -524,3 +525,31 @@ def test_other_validation_errors():
         )
     with pytest.raises(ValueError, match="k has shape"):
         pk.write_kv(case.k_pages, case.v_pages, case.q, case.q, jnp.zeros((2,), jnp.int32), 0)
+
+
+def _release_before_window(case, window, page_size):
+    """NaN in every page that lies wholly before the window of its sequence's first query
+    (what local-layer page release may have handed to someone else)."""
+    k, v = np.array(case.k_pages), np.array(case.v_pages)
+    table = np.asarray(case.page_table)
+    for s, q_len in enumerate(case.q_lens):
+        first_visible = int(case.kv_lens[s]) - q_len - window + 1
+        for i in range(max(0, first_visible) // page_size):
+            k[case.layer, :, table[s, i]] = np.nan
+            v[case.layer, :, table[s, i]] = np.nan
+    return dataclasses.replace(case, k_pages=jnp.asarray(k), v_pages=jnp.asarray(v))
+
+
+@pytest.mark.parametrize("impl", _params([("reference",), ("cpu",), ("gpu",)]))
+def test_pages_before_the_window_are_never_used(impl):
+    """A page table entry of a page before every query's window is never used (its content
+    may be anything, NaN here); the chunk or block that holds it is still read."""
+    rng = np.random.default_rng(7)
+    opts = {"sm_scale": 0.2, "sliding_window": 20}
+    sizes = dict(page_size=8, num_kv_heads=1, group=4, head_dim=64)
+    case = make_case(rng, kv_lens=[300, 40, 17], q_lens=[12, 3, 1], **sizes)
+    expected = naive_attention(case, **opts)
+    _check(_ragged(impl, _release_before_window(case, 20, 8), **opts), expected, F32, impl)
+    dcase, q, expected = make_decode_case(rng, [300, 0, 45], **opts, **sizes)
+    dcase = _release_before_window(dcase, 20, 8)
+    _check(_decode(impl, dcase, q, **opts), expected, F32, impl)

@@ -1,7 +1,15 @@
 """The suite runner's plan (tests/lanes.py): every file exactly once, big files alone,
-groups longest first, per-file times read back from pytest's JUnit report."""
+groups longest first, per-file and per-case times read back from pytest's JUnit report, one
+compilation cache named to every process of a run."""
 
-from tests.lanes import UNKNOWN_FILE_S, file_times, plan_groups
+from tests.lanes import (
+    CACHE_ENV,
+    UNKNOWN_FILE_S,
+    case_times,
+    file_times,
+    plan_groups,
+    shared_cache_env,
+)
 
 
 def test_plan_covers_every_file_once_longest_first():
@@ -28,4 +36,17 @@ def test_file_times_sums_cases_per_module(tmp_path):
         "</testsuite></testsuites>"
     )
     assert file_times(str(report)) == {"test_x.py": 3.5, "test_y.py": 0.25}
+    assert case_times(str(report)) == {
+        "test_x.py::a": 1.5,
+        "test_x.py::b": 2.0,
+        "test_y.py::c": 0.25,
+    }
     assert file_times(str(tmp_path / "missing.xml")) == {}
+
+
+def test_shared_cache_env_names_the_directory_or_none(tmp_path):
+    env = shared_cache_env(str(tmp_path), environ={"PATH": "/bin", CACHE_ENV: "/elsewhere"})
+    assert env == {"PATH": "/bin", CACHE_ENV: str(tmp_path)}
+    assert shared_cache_env(None, environ={"PATH": "/bin", CACHE_ENV: "/elsewhere"}) == {
+        "PATH": "/bin"
+    }

@@ -33,9 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---- in-process: mesh strings, layout checks, rules ----------------------------------------
 def test_parse_mesh_spec():
-    assert sharding.parse_mesh_spec("model:4") == {"data": 1, "model": 4}
-    assert sharding.parse_mesh_spec("data:2,model:4") == {"data": 2, "model": 4}
-    assert sharding.parse_mesh_spec("tp=2") == {"data": 1, "model": 2}
+    assert sharding.parse_mesh_spec("model:4") == {"data": 1, "expert": 1, "model": 4}
+    assert sharding.parse_mesh_spec("data:2,model:4") == {"data": 2, "expert": 1, "model": 4}
+    assert sharding.parse_mesh_spec("tp=2") == {"data": 1, "expert": 1, "model": 2}
+    assert sharding.parse_mesh_spec("data:2,ep=2") == {"data": 2, "expert": 2, "model": 1}
     for bad in ("model", "model:0", "pipe:2", "model:x"):
         with pytest.raises(ShardingConfigError, match="mesh="):
             sharding.parse_mesh_spec(bad)
@@ -237,3 +238,38 @@ def test_gemma3_family_model_axis_2_matches_one_device():
     run = res["model:2"]
     assert run["same"] and run["again_same"] and run["recompiled"] == 0, res["ref"]
     assert run["kv_bytes_per_device"] == [res["ref_kv_bytes"] // 2] * 2
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    return _worker("moe", 900)
+
+
+@pytest.mark.subprocess
+def test_expert_axis_matches_one_device_and_splits_the_experts(moe_runs):
+    """A tiny Qwen3-MoE (4 experts, one sparse and one dense layer): expert:2, expert:4,
+    data:2,expert:2 and expert:2,model:2 give one device's greedy tokens without
+    recompiling; the expert stacks are split on E (and on their FFN by the model axis),
+    everything else replicated across the expert axis; the expert stacks' bytes shrink by
+    the expert axis; an axis that does not divide the experts, or a dense model, is refused
+    by name."""
+    ref_bytes = moe_runs["ref_weights_bytes"]
+    experts = 2 * 4 * 3 * 64 * 32 * 4  # L x E x (gate, up, down) x D x Fm x float32
+    for mesh, e in [("expert:2", 2), ("expert:4", 4), ("data:2,expert:2", 2)]:
+        run = moe_runs[mesh]
+        assert run["same"] and run["again_same"] and run["recompiled"] == 0, mesh
+        assert run["grouped_matmul"] == "ragged_dot"  # one device ran the CPU loops
+        assert run["specs"]["moe_gate"] == [None, "expert"]
+        assert run["specs"]["moe_down"] == [None, "expert"]
+        assert run["specs"]["router"] == [] and run["specs"]["wq"] == []
+        assert run["weights_bytes_per_device"] == [ref_bytes - experts + experts // e] * e
+        assert run["kv_bytes_per_device"] == [moe_runs["ref_kv_bytes"]] * e  # replicated
+    both = moe_runs["expert:2,model:2"]
+    assert both["same"] and both["recompiled"] == 0
+    assert both["specs"]["moe_gate"] == [None, "expert", None, "model"]
+    assert both["specs"]["moe_down"] == [None, "expert", "model"]
+    assert moe_runs["data:2,expert:2"]["replica_devices"] == [[0, 1], [2, 3]]
+    refused = moe_runs["refused"]
+    assert "num_experts=4 must be divisible by the expert axis (3)" in refused["expert:3"]
+    assert "allowed expert axis sizes: [1, 2, 4]" in refused["expert:3"]
+    assert "not a mixture-of-experts model" in refused["expert:2"]

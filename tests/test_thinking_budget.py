@@ -5,10 +5,11 @@ model, whose thought would otherwise run until max_tokens."""
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.chat.reasoning import budget_grammar, get_reasoning_format
+from engine.chat.setup import ChatOptions
 from engine.errors import InvalidRequestError
 from engine.structured.output import StructuredOutput
-from serving.http.reasoning import budget_grammar, get_reasoning_format
-from serving.http.tool_calling import ChatOptions, ChatSetup
+from serving.http.chat import chat_setup
 
 BUDGET = 6
 
@@ -49,11 +50,11 @@ class _Body:
 def test_budget_needs_a_reasoning_parser_and_no_other_constraint():
     plain = ChatOptions.for_tokenizer(object())
     with pytest.raises(InvalidRequestError, match="reasoning_parser"):
-        ChatSetup.of(plain, _Body(chat_template_kwargs=None, max_thinking_tokens=4))
+        chat_setup(plain, _Body(chat_template_kwargs=None, max_thinking_tokens=4))
     qwen = ChatOptions.for_tokenizer(object(), reasoning_parser="qwen3")
-    setup = ChatSetup.of(qwen, _Body(chat_template_kwargs=None, max_thinking_tokens=4))
+    setup = chat_setup(qwen, _Body(chat_template_kwargs=None, max_thinking_tokens=4))
     assert setup.sampling(SamplingParams()).structured.grammar == budget_grammar(qwen.reasoning, 4)
     with pytest.raises(InvalidRequestError, match="response_format"):
         setup.sampling(SamplingParams(structured=StructuredOutput(json_object=True)))
     off = _Body(chat_template_kwargs={"enable_thinking": False}, max_thinking_tokens=4)
-    assert ChatSetup.of(qwen, off).sampling(SamplingParams()).structured is None
+    assert chat_setup(qwen, off).sampling(SamplingParams()).structured is None

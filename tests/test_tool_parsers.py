@@ -7,10 +7,10 @@ import json
 import jsonschema
 import pytest
 
-from serving.http.chat_output import ChatOutput
-from serving.http.reasoning import ReasoningStream, get_reasoning_format, split
-from serving.http.tool_calling import call_schema
-from serving.http.tool_parsers import ToolCallStream, format_for_template, get_format, parse
+from engine.chat.output import ChatOutput
+from engine.chat.reasoning import ReasoningStream, get_reasoning_format, split
+from engine.chat.setup import call_schema
+from engine.chat.tool_parsers import ToolCallStream, format_for_template, get_format, parse
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 

@@ -1,7 +1,7 @@
 """Valid by construction: SmolLM2-135M (no tool training; its template has no tool support,
 so the fallback rendering shows it the tools) with tool_choice required / named, sampled at
 T=1, through the openai SDK: every call parses and validates against its tool's schema,
-because decoding is constrained to the call grammar (serving/http/tool_calling.py). The same
+because decoding is constrained to the call grammar (engine/chat/setup.py). The same
 requests unconstrained (tool_choice=none, output parsed here) give far fewer valid calls;
 with tool_choice=auto (lazy grammar) every call made is valid."""
 
@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from configs.engine_config import EngineConfig
+from engine.chat.tool_parsers import get_format, parse
 from serving.frontend.admission import AdmissionConfig
-from serving.http.tool_parsers import get_format, parse
 from serving.testing import running_server
 
 WEATHER = {

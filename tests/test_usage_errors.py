@@ -212,3 +212,62 @@ def test_console_scripts_resolve():
         module, _, func = target.partition(":")
         code = f"import {module} as m; assert callable(m.{func})"
         assert run(["-c", code]).returncode == 0, target
+
+
+ATTENTION_IMPL_PROBE = """
+import sys
+from absl import flags
+import engine.factory
+from serving import server
+from serving.engine_host import build
+
+built = []
+engine.factory.create_engine = lambda *a, **kw: built.append(kw)
+server.define_flags()
+flags.FLAGS(["server", *sys.argv[1:]])
+build.build_engine("tiny", server.engine_options_from_flags())
+print("impl", built[-1]["impl"])
+"""
+
+ENGINE_OPTIONS_PROBE = """
+import sys
+from absl import flags
+from serving import server
+
+server.define_flags()
+flags.FLAGS(["server", *sys.argv[1:]])
+o = server.engine_options_from_flags()
+print(o["kv_cache_bytes"], o["max_num_seqs"], o["num_pages"])
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, impl", [([], "auto"), (["--attention_impl=reference"], "reference")]
+)
+def test_attention_impl_flag_reaches_the_engine(argv, impl):
+    """--attention_impl becomes the engine's `impl` (the attention every step program runs);
+    the default leaves the engine's own choice; a bad value is a usage error."""
+    proc = run(["-c", ATTENTION_IMPL_PROBE, *argv])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == f"impl {impl}"
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [([], f"{3 * 2**29} 64 None"), (["--kv_cache_gib=0.25", "--num_pages=99"], f"{2**28} 64 99")],
+)
+def test_server_kv_pool_and_batch_defaults(argv, want):
+    """The server sizes its KV pool by --kv_cache_gib (1.5 GiB) unless --num_pages is given
+    (EngineConfig then ignores the bytes) and batches 64 requests by default."""
+    proc = run(["-c", ENGINE_OPTIONS_PROBE, *argv])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == want
+    assert_usage_error(run([*SERVER, "--kv_cache_gib=0"]), "--kv_cache_gib=0", ">= 0.001")
+
+
+def test_attention_impl_refusals():
+    from serving.engine_host import build as engine_build
+
+    with pytest.raises(ValueError, match="attention_impl='reference'"):
+        engine_build.build_engine("mock", {"max_num_seqs": 2, "page_size": 4, "impl": "reference"})
+    assert_usage_error(run([*SERVER, "--attention_impl=fast"]), "--attention_impl=fast")

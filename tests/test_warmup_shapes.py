@@ -110,6 +110,36 @@ def test_every_max_shapes_is_honoured_by_the_server_default_config():
     assert ShapeSet(shapes, sc.page_size).fit(BatchShape(15, 256, 1, 24, 256)).num_prefill_seqs == 1
 
 
+def test_attention_bounded_by_lengths_gets_a_set_without_page_table_rungs():
+    """With the CPU loops (padding in P costs nothing) the default budget is 39 step programs:
+    6 decode-only shapes (every Sd rung at the widest page table) x 2 samplers, 22 prefill
+    shapes at Sd 32 and the widest page table (Sp 1, every 4th rung and the top), and the 5
+    lone fresh-prompt shapes; every shape has the widest table except those lone ones. An
+    engine on CPU builds that set; one forced to the reference keeps the padded set."""
+    from configs.engine_config import SchedulerConfig
+    from engine.batch.builder import BatchShape
+    from engine.runner.shapes import DEFAULT_MAX_SHAPES, ShapeSet, step_shapes
+
+    sc = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=8192)
+    shapes = step_shapes(sc, DEFAULT_MAX_SHAPES, padded_attention=False)
+    assert sum(len(sampler_variants(s)) for s in shapes) == 39
+    assert {s.pages_per_seq for s in shapes if s.num_decode} == {512}
+    fit = ShapeSet(shapes, sc.page_size, padded_attention=False).fit
+    assert fit(BatchShape(3, 0, 0, 9, 1)) == BatchShape(4, 0, 0, 512, 1)
+    assert fit(BatchShape(0, 130, 1, 9, 130)) == BatchShape(0, 256, 1, 16, 256)
+    assert fit(BatchShape(15, 512, 2, 17, 256)).num_prefill_seqs == 4
+
+
+@pytest.mark.parametrize("impl, padded", [("auto", False), ("reference", True)])
+def test_the_engine_picks_the_set_of_its_attention(tiny_model, impl, padded):
+    from engine.runner.shapes import step_shapes
+
+    core = EngineCore(tiny_model, EngineConfig(**{**CONFIG, "max_step_shapes": 12}), impl=impl)
+    sc = core.sched_config
+    want, other = (step_shapes(sc, 12, padded_attention=p) for p in (padded, not padded))
+    assert sorted(core.shapes.shapes) == sorted(want) != sorted(other)
+
+
 class _CountingEngine:
     """Just what `build_all` calls: a runner's compile, here a short sleep that counts."""
 

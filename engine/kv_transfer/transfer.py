@@ -151,9 +151,21 @@ def payload_checksum(meta: KVMeta, arrays: dict[str, np.ndarray], device_digest:
     return h.hexdigest()
 
 
+def paged_kv_of(core):
+    """The engine's KV cache when it is one PagedKVCache; NotImplementedError for the
+    per-group cache of release_local_pages (its local layers hold a window, not the prompt's
+    K/V)."""
+    from engine.runner.kv_cache import PagedKVCache
+
+    kv = core.runner.state.kv
+    if not isinstance(kv, PagedKVCache):
+        raise NotImplementedError("KV transfer with release_local_pages=True")
+    return kv
+
+
 def engine_kv_meta(core) -> dict:
     """What this engine's K/V depends on, in KVMeta's field names."""
-    cfg, kv = core.cfg, core.runner.state.kv
+    cfg, kv = core.cfg, paged_kv_of(core)
     return {
         "model": core.identity.as_dict(),
         "kv_dtype": str(kv.k_pages.dtype),
@@ -222,7 +234,7 @@ def gather_pages(core, page_ids: list[int]):
     """Dispatch the gather of pages `page_ids` (a PagedKVCache of device arrays [L, K, b,
     ...], b = the page count's power-of-two bucket). Returns without waiting for it."""
     gather, _ = device_fns()
-    return gather(core.runner.state.kv, _padded_ids(page_ids))
+    return gather(paged_kv_of(core), _padded_ids(page_ids))
 
 
 def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
@@ -239,6 +251,7 @@ def _host_pages(gathered, num_pages: int) -> dict[str, np.ndarray]:
 def import_pages(core, page_ids: list[int], arrays: dict[str, np.ndarray]) -> None:
     """Write `arrays` into pages `page_ids` of the engine's KV cache (donated and replaced,
     through ModelRunner.update_kv)."""
+    paged_kv_of(core)
     ids = _padded_ids(page_ids)
     pad = len(ids) - len(page_ids)
 
@@ -295,6 +308,7 @@ def warm_transfer_programs(core, *, gather: bool, scatter: bool, on_device: bool
     pages (engine/kv_transfer/digest.py) on either side."""
     import jax
 
+    paged_kv_of(core)
     gather_fn, scatter_fn = device_fns()
     runner, runs = core.runner, 0
     for n in transfer_buckets(core):
@@ -401,6 +415,8 @@ def import_request(
         return []  # another LoRA adapter here: its K/V differ, the prompt is recomputed
     now = time.monotonic()
     page_ids = core.pool.allocate(meta.num_pages)
+    if getattr(core, "offload", None) is not None:  # evicted pages to host before rewriting
+        core.offload.dispatch_saves(core.runner.state.kv)
     import_pages(core, page_ids, payload.arrays)
     req = core.scheduler.adopt(er.request_id, page_ids, meta.kv_len, now)
     req.num_cached_tokens = meta.num_cached_tokens

@@ -221,6 +221,11 @@ def create_multihost_engine(model, config, *, mesh, impl: str = "auto"):
             f"speculative={config.speculative.describe()!r} is invalid: off with several "
             f"processes (multi-host speculative decoding is not implemented)"
         )
+    if config.host_kv_gib:  # NOTE: followers would need the host tier's gathers / scatters
+        raise ValueError(
+            f"host_kv_gib={config.host_kv_gib} is invalid: 0 with several processes "
+            "(a multi-host host KV tier is not implemented)"
+        )
     if jax.process_index() == 0:
         return LeaderEngineCore(model, config, impl=impl, mesh=mesh, channel=StepChannel())
     return EngineCore(model, config, impl=impl, mesh=mesh)

@@ -1,5 +1,5 @@
 """Data parallelism: d independent EngineCores behind the one engine interface
-(engine/interface.py), replica g on row g of a ("data", "model") mesh.
+(engine/interface.py), replica g on row g of a ("data", "expert", "model") mesh.
 
 engine/factory.py's `create_engine` builds one of these when the mesh's data axis is > 1.
 """

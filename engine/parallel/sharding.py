@@ -1,7 +1,7 @@
 """Tensor parallelism over a `jax.sharding` mesh: mesh from a string, one logical-axis rules
 table, param and KV-cache shardings, KV-head replication, and data-parallel replicas.
 
-    mesh = make_mesh("data:2,model:4")            # axes ("data", "model"), always both
+    mesh = make_mesh("data:2,model:4")            # axes ("data", "expert", "model"), always all
     cfg, params = shard_params(params, cfg, mesh)  # Megatron layout; may replicate KV heads
     kv = PagedKVCache.zeros(cfg, ..., sharding=kv_sharding(mesh))
 
@@ -25,6 +25,19 @@ F). We chose this over padding query heads with zeros, which would waste 1/3 to 
 attention compute and complicate the GQA grouping; the error names the field, the value and
 the allowed degrees (`allowed_model_degrees(cfg)`).
 
+Expert axis (mixture-of-experts models, models/moe.py): `expert:e` splits every expert stack
+[L, E, D, F] on E, e ways (E % e == 0, refused otherwise; a dense model is refused: the
+axis would only copy it). Everything else is replicated across the axis: each of its
+devices holds the attention weights and KV cache of its model shard and computes the same
+attention (the engine runs one batch per core, so there is no batch to split there). In the
+sparse MLP (one `ragged_dot` per projection) XLA's partitioner gives each device the rows of
+its own experts (the others' rows come out zero) and all-reduces the projections' [T*k, F]
+and [T*k, D] outputs: local compute plus an all-reduce, no all-to-all and no weight
+all-gather (the tokens are already on every device). Weight memory per device: the expert
+stacks / e; KV: unchanged (not divided by e). With the axis the model runs the
+`ragged_dot` form of the grouped matmul (`MoeConfig.grouped_matmul`): the CPU loops index
+one expert at a time, which the partitioner would serve by gathering the stacks.
+
 Data axis: `data:d` runs d independent engine replicas, replica g on mesh row g (its own
 params copy, KV cache, scheduler and page pool; `replica_meshes`): engine/parallel/replicas.py's
 `DataParallelEngine` routes each request to the least loaded one, and engine/factory.py's
@@ -45,8 +58,9 @@ from configs.model_config import ModelConfig
 from models.llama import Params, param_axes
 from models.quant import quant_config_of, quantized_param_shapes, quantized_shardings, repeat_heads
 
-DATA, MODEL = "data", "model"
-_ALIASES = {"data": DATA, "dp": DATA, "model": MODEL, "tp": MODEL}
+DATA, EXPERT, MODEL = "data", "expert", "model"
+AXES = (DATA, EXPERT, MODEL)
+_ALIASES = {"data": DATA, "dp": DATA, "expert": EXPERT, "ep": EXPERT, "model": MODEL, "tp": MODEL}
 
 # Logical axis -> mesh axis (None: replicated). The one place a layout decision lives. Each
 # param declares its logical axes next to its shape (the fields of models.llama.LayerWeights
@@ -60,6 +74,9 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": MODEL,
     "head_dim": None,
     "ffn": MODEL,
+    "experts": EXPERT,  # mixture-of-experts stacks (models/moe.py)
+    "moe_ffn": MODEL,  # each expert's FFN width: tensor-parallel like "ffn"
+    "expert_logits": None,  # the router's output: every shard routes every token
     "pages": None,
     "page_slot": None,
     "lora_slots": None,  # LoRA adapter slot stacks (engine/lora/adapters.py)
@@ -75,39 +92,68 @@ class ShardingConfigError(ValueError):
 
 # ---- mesh --------------------------------------------------------------------------------
 def parse_mesh_spec(spec: str) -> dict[str, int]:
-    """ "model:4" / "data:2,model:4" / "tp=2" -> {"data": d, "model": m} (missing axes = 1)."""
-    sizes = {DATA: 1, MODEL: 1}
+    """ "model:4" / "data:2,expert:2" / "tp=2" -> {"data": d, "expert": e, "model": m}
+    (missing axes = 1)."""
+    sizes = {DATA: 1, EXPERT: 1, MODEL: 1}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = re.fullmatch(r"(\w+)\s*[:=]\s*(\d+)", part)
         if not m or m.group(1) not in _ALIASES or int(m.group(2)) < 1:
             raise ShardingConfigError(
-                f"mesh={spec!r}: bad entry {part!r}; expected 'data:N' and/or 'model:N' "
-                f"(N >= 1), e.g. 'data:2,model:4'"
+                f"mesh={spec!r}: bad entry {part!r}; expected 'data:N', 'expert:N' and/or "
+                f"'model:N' (N >= 1), e.g. 'data:2,model:4'"
             )
         sizes[_ALIASES[m.group(1)]] = int(m.group(2))
     return sizes
 
 
 def make_mesh(spec: str | Mesh, devices=None) -> Mesh:
-    """A ("data", "model") mesh over the first data*model of `devices` (default: all)."""
+    """A ("data", "expert", "model") mesh over the first data*expert*model of `devices`
+    (default: all)."""
     if isinstance(spec, Mesh):
         return spec
     sizes = parse_mesh_spec(spec)
     devices = list(jax.devices() if devices is None else devices)
-    need = sizes[DATA] * sizes[MODEL]
+    need = mesh_devices(sizes)
     if need > len(devices):
         raise ShardingConfigError(f"mesh={spec!r} needs {need} devices; {len(devices)} available")
-    grid = np.array(devices[:need], dtype=object).reshape(sizes[DATA], sizes[MODEL])
-    return Mesh(grid, (DATA, MODEL))
+    grid = np.array(devices[:need], dtype=object).reshape(*(sizes[a] for a in AXES))
+    return Mesh(grid, AXES)
+
+
+def mesh_devices(sizes: dict[str, int]) -> int:
+    """Devices a parsed mesh spec needs."""
+    return sizes[DATA] * sizes[EXPERT] * sizes[MODEL]
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
-    """One (1, model) mesh per data row: the device group of each data-parallel replica."""
-    return [Mesh(mesh.devices[g : g + 1], (DATA, MODEL)) for g in range(mesh.shape[DATA])]
+    """One (1, expert, model) mesh per data row: the devices of each data-parallel replica."""
+    return [Mesh(mesh.devices[g : g + 1], AXES) for g in range(mesh.shape[DATA])]
 
 
 def model_axis_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def expert_axis_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else dict(mesh.shape).get(EXPERT, 1)
+
+
+def check_expert_axis(cfg: ModelConfig, e: int) -> None:
+    """The expert axis must divide the experts; a dense model takes none (e == 1)."""
+    if e == 1:
+        return
+    experts = getattr(cfg, "num_experts", None)
+    if experts is None:
+        raise ShardingConfigError(
+            f"expert axis {e} cannot shard {cfg.name}: it is not a mixture-of-experts model "
+            f"(allowed expert axis sizes: [1])"
+        )
+    if experts % e:
+        allowed = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ShardingConfigError(
+            f"expert axis {e} cannot shard {cfg.name}: num_experts={experts} must be "
+            f"divisible by the expert axis ({e}); allowed expert axis sizes: {allowed}"
+        )
 
 
 # ---- layout checks and KV replication ------------------------------------------------------
@@ -128,6 +174,9 @@ def _layout_error(cfg: ModelConfig, m: int) -> str | None:
         )
     if cfg.ffn_size % m:
         return f"ffn_size={cfg.ffn_size} must be divisible by the model axis ({m})"
+    moe_ffn = getattr(cfg, "moe_ffn_size", 0)
+    if moe_ffn % m:
+        return f"moe_ffn_size={moe_ffn} must be divisible by the model axis ({m})"
     return None
 
 
@@ -169,11 +218,12 @@ def replicate_kv_heads(params: Params, r: int) -> Params:
 def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """Maps logical axes through LOGICAL_RULES; an axis whose dim the mesh axis does not
     divide stays replicated (only vocab can: heads/ffn are checked up front)."""
-    out = []
+    out, sizes = [], dict(mesh.shape)
     for name, dim in zip(axes, shape):
         mesh_axis = LOGICAL_RULES[name]
-        ok = mesh_axis is not None and dim % mesh.shape[mesh_axis] == 0
-        out.append(mesh_axis if ok and mesh.shape[mesh_axis] > 1 else None)
+        size = sizes.get(mesh_axis, 1)  # a mesh without the axis: replicated
+        ok = mesh_axis is not None and dim % size == 0
+        out.append(mesh_axis if ok and size > 1 else None)
     while out and out[-1] is None:  # NOTE: the canonical short form, as jit returns it: a
         out.pop()  # KV cache placed with P(None, m, None...) would compile
     return P(*out)  # its first step twice (different cache key)
@@ -220,6 +270,7 @@ def loader_shardings(mesh: str | Mesh):
 
     def shardings_for(cfg: ModelConfig) -> Params:
         check_model_axis(cfg, model_axis_size(first))
+        check_expert_axis(cfg, expert_axis_size(first))
         return param_shardings(cfg, first)
 
     return shardings_for
@@ -236,7 +287,10 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelCon
     """Places `params` (checkpoint layout) on `mesh`; returns the engine's (cfg, params).
     Host numpy leaves go straight to their shards; already-placed leaves are resharded."""
     m = model_axis_size(mesh)
+    check_expert_axis(cfg, expert_axis_size(mesh))
     run_cfg = sharded_config(cfg, m)
+    if expert_axis_size(mesh) > 1:  # the loops would gather every expert to each device
+        run_cfg = dataclasses.replace(run_cfg, grouped_matmul="ragged_dot")
     quant = quant_config_of(params)
     params = put_global(params, param_shardings(cfg, mesh, quant))
     r = kv_replication(cfg, m)

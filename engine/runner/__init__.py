@@ -7,6 +7,7 @@ step, its programs, the KV cache pytree, penalty counts, step shapes and warm-up
     step.py               engine_step: forward + sample, one jitted function of a StepBatch
     programs.py           StepProgram (greedy/full sampler, penalties, bitmask), the bitmask
     kv_cache.py           PagedKVCache: the paged K/V pytree
+    kv_offload.py         KVOffload: copies between the KV cache and the prefix cache's host tier
     penalties.py          the per-slot token counts and prompt mask: allocate, reset a slot
     shapes.py             ShapeSet: the fixed set of step shapes an engine compiles
     warmup.py             builds (and optionally runs) every program of the shape set

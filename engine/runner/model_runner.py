@@ -39,7 +39,7 @@ from engine.batch.builder import BatchShape, BuiltStep, StepBatch
 from engine.lora.adapters import AdapterManager
 from engine.parallel import sharding
 from engine.runner import compiles, penalties
-from engine.runner.kv_cache import PagedKVCache
+from engine.runner.kv_cache import PagedKVCache, WindowedKVCache
 from engine.runner.programs import GREEDY_PROGRAM, StepProgram
 from engine.runner.shapes import sampler_variants
 from engine.runner.state import DeviceState
@@ -80,10 +80,19 @@ class ModelRunner:
             # key, so the first warm-up shape would compile again on first use.
             kv_sharding = self.device = next(iter(jax.tree.leaves(self.params)[0].devices()))
             self.params = layer_layout(self.params, config.layer_loop)
-        kv = PagedKVCache.zeros(
-            self.cfg, sched_config.num_pages, sched_config.page_size, config.kv_dtype,
-            sharding=kv_sharding,
-        )  # fmt: skip
+        ring = config.local_ring_pages(self.cfg)  # release_local_pages: K/V per layer group
+        if ring is not None and mesh is not None:
+            raise NotImplementedError("release_local_pages with a mesh (model sharding)")
+        if ring is None:
+            kv = PagedKVCache.zeros(
+                self.cfg, sched_config.num_pages, sched_config.page_size, config.kv_dtype,
+                sharding=kv_sharding,
+            )  # fmt: skip
+        else:
+            kv = WindowedKVCache.zeros(
+                self.cfg, sched_config.num_pages, sched_config.page_size,
+                sched_config.max_num_seqs, ring, config.kv_dtype, sharding=kv_sharding,
+            )  # fmt: skip
         # With a mesh: replicated, as the step returns them (the KV spec would not fit).
         self._place = (
             (lambda x: jax.device_put(x, kv_sharding))
@@ -310,6 +319,13 @@ class ModelRunner:
     @property
     def kv_bytes(self) -> int:
         return self.state.kv.num_bytes
+
+    @property
+    def pool_kv_bytes(self) -> int:
+        """Bytes of the KV the page pool's pages index (with release_local_pages: the
+        global layers' cache; the local rings are reserved per slot)."""
+        kv = self.state.kv
+        return (kv.full if isinstance(kv, WindowedKVCache) else kv).num_bytes
 
     @property
     def weights_bytes(self) -> int:

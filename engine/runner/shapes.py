@@ -45,6 +45,17 @@ row reads P * page_size positions, a prefill sequence max_query_len x that). The
 the model-independent order of magnitude of (FLOPs per token) / (FLOPs per attended
 position) for the models served here (~4,000 for SmolLM2-135M).
 
+Attention whose work follows the real lengths (`padded_attention=False`): the CPU loops of
+pallas_kernels/cpu_kernels.py stop at the last real query block and the last real cache
+chunk, so Sp and P padding cost them (almost) nothing, and a set that keeps only the top P
+rung (and thinned Sp rungs) holds every batch at the price of its tokens alone. Such an
+engine costs a shape by its tokens (`step_cost`) and takes the first of `BOUNDED_LEVELS`
+that fits, where both P ladders are at their top: for the server's default config 33 shapes
+and 39 step programs instead of 54 and 70, so a cold start compiles about half as much
+(benchmarks/RESULTS.md, "CPU attention loops"). The reference and the Pallas kernels keep
+the padded model (the Pallas kernels' grids are also bounded by the lengths, but their
+padding costs on an accelerator have not been measured here).
+
 Sampler variants (`sampler_variants`): a decode-only shape is built twice, "greedy" (argmax
 only: every row greedy, no logprobs, no penalties, no token bitmask) and "full" (sampling,
 top-k/top-p, logprobs, penalties and structured output's bitmask, all in one program; the
@@ -176,13 +187,15 @@ def _needs_sample(sched_config) -> np.ndarray:
     return np.array([dataclasses.astuple(every[i]) for i in picked])
 
 
-def _padding_cost(shapes: list[BatchShape], needs: np.ndarray, page_size: int) -> float:
+def _padding_cost(
+    shapes: list[BatchShape], needs: np.ndarray, page_size: int, padded_attention: bool = True
+) -> float:
     """Mean step_cost(fit) / step_cost(need) over `needs` (vectorized ShapeSet.fit)."""
     have = np.array([dataclasses.astuple(s) for s in shapes])  # [N, 5]
     fits = (have[None, :, :] >= needs[:, None, :]).all(-1)  # [M, N]
-    cost = np.array([step_cost(s, page_size) for s in shapes])  # [N]
+    cost = np.array([step_cost(s, page_size, padded_attention) for s in shapes])  # [N]
     fit_cost = np.where(fits, cost[None, :], np.inf).min(1)  # [M]
-    own = np.array([step_cost(BatchShape(*n), page_size) for n in needs])
+    own = np.array([step_cost(BatchShape(*n), page_size, padded_attention) for n in needs])
     return float((fit_cost / own).mean())
 
 
@@ -215,9 +228,27 @@ LEVELS = (
 )
 
 
-def step_shapes(sched_config, max_shapes: int = DEFAULT_MAX_SHAPES) -> list[BatchShape]:
+# The same exponents for attention bounded by the real lengths: P padding is free, so both P
+# ladders keep only their top from the first level; then prefill Sd, Sp and Tp as above.
+BOUNDED_LEVELS = (
+    (1, TOP, 1, 1, 1, TOP),
+    (1, TOP, 2, 1, 2, TOP),
+    (1, TOP, TOP, 1, 2, TOP),
+    (1, TOP, TOP, 2, 2, TOP),
+    (1, TOP, TOP, 2, TOP, TOP),
+    (2, TOP, TOP, 2, TOP, TOP),
+    (2, TOP, TOP, 3, TOP, TOP),
+    (3, TOP, TOP, TOP, TOP, TOP),
+    (TOP,) * 6,
+)
+
+
+def step_shapes(
+    sched_config, max_shapes: int = DEFAULT_MAX_SHAPES, *, padded_attention: bool = True
+) -> list[BatchShape]:
     """At most `max_shapes` shapes that together hold every bucketed batch: the finest of
-    LEVELS that fits (see the module docstring); `max_shapes` 1: the largest shape alone."""
+    LEVELS (BOUNDED_LEVELS without `padded_attention`) that fits (see the module docstring);
+    `max_shapes` 1: the largest shape alone."""
     if max_shapes < 1:
         raise ValueError(f"max_shapes={max_shapes}: must be >= 1")
     every = reachable_shapes(sched_config)
@@ -225,17 +256,18 @@ def step_shapes(sched_config, max_shapes: int = DEFAULT_MAX_SHAPES) -> list[Batc
         return every
     if max_shapes == 1:
         return [max(every)]
-    for level in LEVELS:
+    for level in LEVELS if padded_attention else BOUNDED_LEVELS:
         shapes = _shapes_at(sched_config, level)
         if len(shapes) <= max_shapes:
             return shapes
     raise AssertionError("the coarsest level has two shapes")
 
 
-def padding_cost(sched_config, shapes: list[BatchShape]) -> float:
+def padding_cost(sched_config, shapes: list[BatchShape], *, padded_attention: bool = True) -> float:
     """Mean step_cost(fit) / step_cost(needed) over a fixed sample of needed shapes from a
     chat-like prior (`_needs_sample`): what padding to `shapes` costs in the cost model."""
-    return _padding_cost(shapes, _needs_sample(sched_config), sched_config.page_size)
+    needs = _needs_sample(sched_config)
+    return _padding_cost(shapes, needs, sched_config.page_size, padded_attention)
 
 
 def sampler_variants(shape: BatchShape) -> tuple[str, ...]:
@@ -256,26 +288,33 @@ def spec_shapes(sched_config, spec_len: int) -> list[BatchShape]:
     ]
 
 
-def step_cost(shape: BatchShape, page_size: int) -> float:
-    """Relative device time of a step of this shape (see the module docstring)."""
+def step_cost(shape: BatchShape, page_size: int, padded_attention: bool = True) -> float:
+    """Relative device time of a step of this shape (see the module docstring): its tokens,
+    plus its padded attention when the attention pays for padding."""
+    tokens = shape.num_decode + shape.num_prefill_tokens
+    if not padded_attention:
+        return tokens
     positions = shape.pages_per_seq * page_size
     attended = (shape.num_decode + shape.num_prefill_seqs * shape.max_query_len) * positions
-    tokens = shape.num_decode + shape.num_prefill_tokens
     return tokens + attended / ATTENTION_POSITIONS_PER_TOKEN
 
 
 class ShapeSet:
     """The compiled shapes of one engine; `fit(needed)` is the cheapest that holds a batch."""
 
-    def __init__(self, shapes: list[BatchShape], page_size: int):
+    def __init__(self, shapes: list[BatchShape], page_size: int, padded_attention: bool = True):
         if not shapes:
             raise ValueError("a ShapeSet needs at least one shape")
-        self.shapes = sorted(set(shapes), key=lambda s: (step_cost(s, page_size), s))
+        cost = lambda s: step_cost(s, page_size, padded_attention)  # noqa: E731
+        self.shapes = sorted(set(shapes), key=lambda s: (cost(s), s))
         self._fit: dict[BatchShape, BatchShape] = {}
 
     @classmethod
-    def for_config(cls, sched_config, max_shapes: int = DEFAULT_MAX_SHAPES) -> ShapeSet:
-        return cls(step_shapes(sched_config, max_shapes), sched_config.page_size)
+    def for_config(
+        cls, sched_config, max_shapes: int = DEFAULT_MAX_SHAPES, *, padded_attention: bool = True
+    ) -> ShapeSet:
+        shapes = step_shapes(sched_config, max_shapes, padded_attention=padded_attention)
+        return cls(shapes, sched_config.page_size, padded_attention)
 
     def __len__(self) -> int:
         return len(self.shapes)

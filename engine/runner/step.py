@@ -17,6 +17,7 @@ reach the host; each step then writes the (finite) tokens it samples back into t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,7 +26,12 @@ import jax.numpy as jnp
 
 from configs.model_config import ModelConfig
 from engine.batch.builder import BatchShape, PackedBatch, StepBatch
-from engine.runner.kv_cache import PagedKVCache
+from engine.runner.kv_cache import (
+    PagedKVCache,
+    WindowedKVCache,
+    ring_page_table,
+    ring_slot_mapping,
+)
 from engine.runner.state import DeviceState
 from engine.sampling.sampler import SamplingFlags, sample, update_counts
 from models.families import forward
@@ -102,10 +108,29 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         return out.astype(q.dtype), PagedKVCache(kp, vp, ks, vs)
 
+    def windowed_attention(q, k, v, layer, cache: WindowedKVCache, sliding_window):
+        """A layer of one group of a WindowedKVCache (engine/runner/kv_cache.py): its index
+        inside the group's cache, and for the sliding-window group the ring's addressing."""
+        index = jnp.asarray(cache.group_index, jnp.int32)[layer]
+        if sliding_window is None:
+            out, full = local(q, k, v, index, cache.full, meta, sliding_window=None)
+            return out, dataclasses.replace(cache, full=full)
+        ring_meta = windowed_meta(batch, shape, cache.ring_pages, cache.full.k_pages.shape[3])
+        out, ring = local(q, k, v, index, cache.local, ring_meta, sliding_window=sliding_window)
+        return out, dataclasses.replace(cache, local=ring)
+
     if mesh is None:
-        return lambda q, k, v, layer, cache, **kw: local(q, k, v, layer, cache, meta, **kw)
+
+        def attention_one_device(q, k, v, layer, cache, sliding_window=cfg.sliding_window):
+            if isinstance(cache, WindowedKVCache):
+                return windowed_attention(q, k, v, layer, cache, sliding_window)
+            return local(q, k, v, layer, cache, meta, sliding_window=sliding_window)
+
+        return attention_one_device
+
     from jax.sharding import PartitionSpec as P
 
+    # NOTE: EngineCore refuses a mesh with release_local_pages, so a mesh sees PagedKVCache
     heads = P(None, "model", None)  # q [T, H, hd], k/v [T, K, hd], out [T, H, hd]
 
     def attention(q, k, v, layer, cache: PagedKVCache, sliding_window=cfg.sliding_window):
@@ -128,6 +153,31 @@ def paged_attention_fn(cfg: ModelConfig, batch: StepBatch, shape: BatchShape, im
     return attention
 
 
+def windowed_meta(batch: StepBatch, shape: BatchShape, ring_pages: int, page_size: int) -> tuple:
+    """The attention metadata of `paged_attention_fn` for the sliding-window group of a
+    WindowedKVCache: the same lengths and query starts, the local slot mapping and page
+    tables of each row's slot ring."""
+    Sd = shape.num_decode
+    num_tokens = batch.positions.shape[0]
+    rows_p = jnp.arange(num_tokens - Sd, dtype=jnp.int32)  # prefill token rows
+    seq_p = jnp.searchsorted(batch.query_start_p[1:], rows_p, side="right")
+    seq_p = jnp.minimum(seq_p, shape.num_prefill_seqs - 1)
+    row_slots = batch.slot_ids[:Sd]  # [T] the slot of each token row's sequence
+    if shape.num_prefill_tokens:
+        row_slots = jnp.concatenate([row_slots, batch.slot_ids[Sd + seq_p]])
+    slots = ring_slot_mapping(batch.slot_mapping, batch.positions, row_slots, ring_pages, page_size)
+    P = shape.pages_per_seq
+    return (
+        slots,
+        batch.kv_lens_d,
+        ring_page_table(batch.slot_ids[:Sd], P, ring_pages),
+        batch.kv_lens_p,
+        ring_page_table(batch.slot_ids[Sd:], P, ring_pages),
+        batch.query_start_p,
+        batch.num_seqs_p,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
@@ -148,7 +198,7 @@ def engine_step(
     token_bitmask: jax.Array | None = None,
 ):
     """Returns (state, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one device) or the
-    engine's ("data", "model") mesh (params/cache placed by engine/parallel/sharding).
+    engine's ("data", "expert", "model") mesh (params/cache placed by engine/parallel/sharding).
     `batch` may come packed (two flat buffers: one host->device copy each,
     engine/batch/builder.py); it is unpacked here by static slices. `lora`: the adapter
     slot stack and each token row's slot (engine/lora/adapters.py); None (no LoRA) is the

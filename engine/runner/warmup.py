@@ -8,7 +8,8 @@ The programs (engine/runner/shapes.py holds the design):
       no request needs a program of its own. With the server's default config (32
       sequences, 512 tokens, 8,192-token context, --warmup_max_shapes 56) that is 16
       decode-only + 38 prefill shapes = 70 step programs;
-    the penalty state's per-slot reset (one program: token lists padded to max_model_len).
+    the penalty state's per-slot reset (one program: token lists padded to max_model_len);
+    with a host KV tier, its gather and scatter per page-count bucket (kv_offload.py).
 LoRA adapters ride in the step's arguments (same programs). Not built here: speculative
 verify steps (engine/spec/decode.py's own shape set) and KV transfer gather/scatter
 (engine/kv_transfer/transfer.py), which their features warm.
@@ -86,6 +87,8 @@ def warmup(
     programs = step_programs(engine, shapes, sampling)
     with compilation_cache.warmup_guard():  # a crash while loading sets the cache aside
         runner.warm_reset()
+        if getattr(engine, "offload", None) is not None:  # the host tier's gather / scatter
+            engine.offload.warm(runner.state.kv)
         build_all(runner, programs, workers, stop)
         if execute:
             for shape, program in programs:

@@ -10,6 +10,11 @@ transitions that change what a prefix lookup can hit:
     _uncache          evicted (allocate) or expired  -> ["BlockRemoved", hashes, medium]
     clear_cache       model revision change          -> ["AllBlocksCleared"]
 
+With a host tier (engine/sched/host_tier.py) a page evicted from the device and copied to
+host memory is removed with medium "GPU" and stored again with medium "CPU" once its bytes
+have landed; a host entry dropped (LRU, TTL) is removed with medium "CPU"; a host hit copied
+back to the device is stored with medium "GPU".
+
 Consecutive pages of one chain (each page's parent is the previous page) fold into one
 BlockStored whose token_ids are the pages' tokens in order, as vLLM sends them; consecutive
 removals fold into one BlockRemoved. A block hash is the page's prefix-cache key as an
@@ -55,8 +60,15 @@ class KvEventRecorder:
 
     # ---- called by the page pool -------------------------------------------------------
     def page_stored(
-        self, key: int, parent_key: int | None, token_ids: tuple[int, ...], adapter_id
+        self,
+        key: int,
+        parent_key: int | None,
+        token_ids: tuple[int, ...],
+        adapter_id,
+        medium: str | None = None,
     ) -> None:
+        """`medium`: None for this recorder's (the device's)."""
+        medium = medium or self.medium
         parent = None if parent_key is None else block_hash(parent_key)
         lora_id = lora_id_of(adapter_id)
         last = self.pending[-1] if self.pending else None
@@ -65,6 +77,7 @@ class KvEventRecorder:
             and last[0] == "BlockStored"
             and last[1][-1] == parent
             and last[5] == lora_id
+            and last[6] == medium
         ):
             last[1].append(block_hash(key))  # the chain goes on: one event
             last[3].extend(token_ids)
@@ -77,26 +90,28 @@ class KvEventRecorder:
                 list(token_ids),
                 self.block_size,
                 lora_id,
-                self.medium,
+                medium,
             ]  # fmt: skip
         )
         self.num_events += 1
 
-    def page_removed(self, key: int) -> None:
+    def page_removed(self, key: int, medium: str | None = None) -> None:
+        medium = medium or self.medium
         last = self.pending[-1] if self.pending else None
-        if last is not None and last[0] == "BlockRemoved":
+        if last is not None and last[0] == "BlockRemoved" and last[2] == medium:
             last[1].append(block_hash(key))
             return
-        self.pending.append(["BlockRemoved", [block_hash(key)], self.medium])
+        self.pending.append(["BlockRemoved", [block_hash(key)], medium])
         self.num_events += 1
 
-    def announce(self, pages) -> None:
+    def announce(self, pages, medium: str | None = None) -> None:
         """BlockStored for pages cached before the recorder was attached (PagePool's
-        cached_pages, parents first), so that a stream's replay starts from the cache's
-        content and every later BlockRemoved names a block it announced."""
+        cached_pages, parents first; or a host tier's entries with its medium), so that a
+        stream's replay starts from the cache's content and every later BlockRemoved names a
+        block it announced."""
         for page in pages:
             # NOTE: extra_keys = model keys + (adapter_id, cache_salt) (PagePool.extra_keys)
-            self.page_stored(page.key, page.parent_key, page.token_ids, page.extra_keys[-2])
+            self.page_stored(page.key, page.parent_key, page.token_ids, page.extra_keys[-2], medium)
 
     def cleared(self) -> None:
         self.pending.append(["AllBlocksCleared"])
@@ -131,5 +146,10 @@ def attach(engine, medium: str = MEDIUM) -> list[KvEventRecorder]:
     for pool in pools_of(engine):
         pool.events = KvEventRecorder(pool.page_size, medium)
         pool.events.announce(pool.cached_pages)
+        if pool.host_tier is not None:
+            pool.host_tier.events = pool.events
+            pool.events.announce(
+                [e.page for e in pool.host_tier.ready_entries], pool.host_tier.medium
+            )
         recorders.append(pool.events)
     return recorders

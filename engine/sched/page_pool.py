@@ -33,6 +33,12 @@ at most `num_tokens - 1` tokens are served from the cache, in whole pages. A cac
 that nobody uses expires `ttl_s` after it was last released (`expire(now_s)`, called by the
 scheduler every step; pages in use never expire). `clear_cache(new_model_keys)` drops every
 key when the model revision changes.
+
+Host tier (optional, `host_tier`: engine/sched/host_tier.py): a cached page that allocate()
+evicts is offered to it (its K/V copied to host memory by the runner before the page is
+reused), and `find_prefix` continues a prefix through the host tier where the device pool
+has no page; `attach_prefix` then gives each host hit a fresh page, registers it as cached
+and queues its copy back. Without a host tier both reduce to the device-only lookup.
 """
 
 from __future__ import annotations
@@ -95,6 +101,19 @@ class PagePoolStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclasses.dataclass
+class PrefixHit:
+    """A prefix found in the cache: per covered page, its device page id, or NULL_PAGE where
+    the host tier holds it (`host_entries`, in page order: host_tier.HostEntry)."""
+
+    pages: list[int]
+    host_entries: list
+
+    @property
+    def device_pages(self) -> list[int]:
+        return [p for p in self.pages if p != NULL_PAGE]
+
+
 class PagePool:
     def __init__(
         self,
@@ -120,6 +139,7 @@ class PagePool:
         self._page_of_key: dict[int, int] = {}
         self.stats = PagePoolStats()
         self.events = None  # engine/sched/kv_events.KvEventRecorder: cache transitions, for llm-d
+        self.host_tier = None  # engine/sched/host_tier.HostKVTier: evicted pages' second home
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig, model_keys: tuple = ()) -> PagePool:
@@ -165,8 +185,10 @@ class PagePool:
                 page = self._free_plain.pop()
             else:  # evict the least recently released cached page
                 page, _ = self._free_cached.popitem(last=False)
-                self._uncache(page)
+                cached = self._uncache(page)
                 self.stats.evictions += 1
+                if self.host_tier is not None:
+                    self.host_tier.offer(page, cached)
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
@@ -236,6 +258,61 @@ class PagePool:
             pages.append(page)
         return pages, len(pages) * ps
 
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """find_cached_prefix across both tiers: page by page, the device page of the key,
+        else a READY host-tier entry, until neither has it. Takes no reference: call
+        attach_prefix when the request is admitted."""
+        if self.host_tier is None:
+            pages, _ = self.find_cached_prefix(request)
+            return PrefixHit(pages, [])
+        if not self.enable_prefix_caching:
+            return PrefixHit([], [])
+        keys, ps, tokens = self.page_keys(request), self.page_size, request.all_token_ids
+        extra = self.extra_keys(request)
+        pages: list[int] = []
+        host: list = []
+        for i in range((request.num_tokens - 1) // ps):
+            page = self._page_of_key.get(keys[i])
+            entry = None if page is not None else self.host_tier.get(keys[i])
+            content = self._cached[page] if page is not None else getattr(entry, "page", None)
+            if content is None or (
+                content.parent_key != (keys[i - 1] if i else None)
+                or content.extra_keys != extra
+                or content.token_ids != tuple(tokens[i * ps : (i + 1) * ps])
+            ):
+                break  # absent, or a hash collision: a miss, never a wrong hit
+            pages.append(NULL_PAGE if page is None else page)
+            if entry is not None:
+                host.append(entry)
+        return PrefixHit(pages, host)
+
+    def attach_prefix(
+        self, request: Request, hit: PrefixHit, fresh: list[int], now_s: float
+    ) -> list[int]:
+        """The page table of an admitted request: `hit`'s pages (device hits acquired by the
+        caller), its host hits in the first len(hit.host_entries) of `fresh` (allocated by the
+        caller), then the rest of `fresh`. Each host hit's page is registered as cached at
+        once (a later admission of this step hits it on the device) and its K/V queued to
+        be copied back before the step runs."""
+        fresh_iter = iter(fresh)
+        entries = iter(hit.host_entries)
+        page_ids = []
+        for page in hit.pages:
+            if page == NULL_PAGE:
+                page, entry = next(fresh_iter), next(entries)
+                self.host_tier.queue_load(page, entry, now_s)
+                cached = dataclasses.replace(entry.page)
+                if cached.key not in self._page_of_key:
+                    self._cached[page] = cached
+                    self._page_of_key[cached.key] = page
+                    if self.events is not None:
+                        self.events.page_stored(
+                            cached.key, cached.parent_key, cached.token_ids, request.adapter_id
+                        )
+            page_ids.append(page)
+        page_ids.extend(fresh_iter)
+        return page_ids
+
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_queried_tokens
         self.stats.hit_tokens += num_hit_tokens
@@ -282,6 +359,8 @@ class PagePool:
             self._free_plain.append(page)
             num_expired += 1
         self.stats.expirations += num_expired
+        if self.host_tier is not None:
+            self.host_tier.expire(now_s, self.ttl_s)
         return num_expired
 
     def clear_cache(self, model_keys: tuple | None = None) -> None:
@@ -297,17 +376,24 @@ class PagePool:
         self._free_cached.clear()
         self._cached.clear()
         self._page_of_key.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
 
-    def _uncache(self, page: int) -> None:
+    def _uncache(self, page: int) -> CachedPage:
         cached = self._cached.pop(page)
         del self._page_of_key[cached.key]
         if self.events is not None:
             self.events.page_removed(cached.key)
+        return cached
 
     @property
     def cached_keys(self) -> frozenset[int]:
         """The keys a prefix lookup can hit now (pages in use or free cached)."""
         return frozenset(self._page_of_key)
+
+    def page_of_key(self, key: int) -> int | None:
+        """The device page cached under `key` (in use or free), or None."""
+        return self._page_of_key.get(key)
 
     @property
     def cached_pages(self) -> list[CachedPage]:
@@ -327,3 +413,5 @@ class PagePool:
             assert self.ref_counts[page] >= 0
         assert free_cached <= set(self._cached) and not plain & set(self._cached)
         assert {c.key: p for p, c in self._cached.items()} == self._page_of_key
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()

@@ -29,9 +29,10 @@ What `schedule(now_s)` does, in order:
      and it returns to the waiting queue ahead of requests of equal effective priority.
   3. If nobody was preempted: admit waiting requests in order of effective priority while
      the token budget, the slot limit (max_num_seqs running) and the pool allow. A
-     request's cached prefix (engine.sched.page_pool) is attached first, so only the rest is
-     computed. Admission stops at the first request that does not fit (no overtaking, so a
-     long prompt cannot be starved by short ones).
+     request's cached prefix (engine.sched.page_pool; device pages, then pages the host
+     tier copies back) is attached first, so only the rest is computed. Admission stops
+     at the first request that does not fit (no overtaking, so a long prompt cannot be
+     starved by short ones).
 
 Effective priority = priority + priority_aging_per_s * (now_s - arrival_s): a request that
 waits long enough overtakes any fresh one, so low priority cannot starve. NOTE: the order
@@ -55,6 +56,7 @@ from collections.abc import Callable
 from configs.engine_config import SchedulerConfig
 from engine.api_types import FinishReason
 from engine.errors import DuplicateRequestError, InvalidRequestError
+from engine.sched.host_tier import host_tier_stats
 from engine.sched.page_pool import PagePool
 from engine.sched.request import Request, RequestStatus
 
@@ -335,16 +337,18 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_outputs:  # preempted with a token in flight: next step
                 break
-            cached_pages, num_cached = self.pool.find_cached_prefix(request)
+            hit = self.pool.find_prefix(request)  # device pages, then the host tier's
+            cached_pages, num_cached = hit.device_pages, len(hit.pages) * self.pool.page_size
             num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size, budget)
             num_pages = self.pool.pages_for_tokens(num_cached + num_new) - len(cached_pages)
             if not self.pool.can_allocate(num_pages, reserving=cached_pages):
                 self.pool.stats.allocation_failures += 1
                 break
             self.pool.acquire(cached_pages)
-            request.page_ids = cached_pages + self.pool.allocate(num_pages)
+            fresh = self.pool.allocate(num_pages)
+            request.page_ids = self.pool.attach_prefix(request, hit, fresh, now_s)
             request.num_computed_tokens = num_cached
-            request.num_registered_pages = len(cached_pages)
+            request.num_registered_pages = len(hit.pages)
             if self.pool.enable_prefix_caching:
                 self.pool.record_lookup(request.num_tokens, num_cached)
             if request.num_cached_tokens < 0:  # first admission: what metrics report
@@ -508,4 +512,5 @@ class Scheduler:
             "prefix_cache_prefill_tokens_saved": pool.stats.hit_tokens,
             "prefix_cache_cached_pages": pool.num_cached_pages,
             "prefix_cache_enabled": pool.enable_prefix_caching,
+            **host_tier_stats(pool.host_tier),
         }

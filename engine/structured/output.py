@@ -120,6 +120,8 @@ def _canonical_schema(schema) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(field, schema, f"not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequestError(field, schema, "JSON nested less deeply") from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(field, schema, "a JSON Schema is an object (dict) or a bool")
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))

@@ -20,16 +20,20 @@ from configs.quant_config import QuantConfig
 from models.errors import ModelLoadError
 from models.families import family_of
 from models.llama import Params
-from models.quant import Int8Weight, quantize_rows_np
+from models.quant import Int8Weight, check_quantizable, quantize_rows_np
 
 Getter = Callable[[str], np.ndarray]
 Int8Getter = Callable[[str], tuple[np.ndarray, np.ndarray]]  # -> (q [out, in], scale [out])
 
 
-def _checked(get: Getter, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+def _checked(
+    get: Getter, name: str, shape: tuple[int, ...], source: str, optional: bool = False
+) -> np.ndarray | None:
     try:
         arr = get(name)
     except KeyError:
+        if optional:
+            return None
         raise ModelLoadError(f"{source}: tensor {name!r} is missing") from None
     if tuple(arr.shape) != shape:
         raise ModelLoadError(
@@ -89,14 +93,18 @@ def params_from_hf_tensors(
     D, V = cfg.hidden_size, cfg.vocab_size
     np_dtype = np.float32
 
-    def t(name, shape):
-        return _checked(get, name, shape, source).astype(np_dtype)
+    def t(name, shape, optional=False):
+        """The checked float32 tensor; with `optional`, None when the checkpoint lacks it."""
+        arr = _checked(get, name, shape, source, optional)
+        return None if arr is None else arr.astype(np_dtype)
 
     family = family_of(cfg)
     if hasattr(family, "hf_getter"):  # fused tensors (Phi-3) split at load
         get = family.hf_getter(get, cfg)
     shapes = family.param_shapes(cfg)
     layer_cls = type(shapes.layers)
+    if quant.enabled and hasattr(family, "hf_layer_arrays"):
+        check_quantizable(shapes.layers, quant)
     projections = _projections(cfg)
     per_layer: dict[str, list] = {f.name: [] for f in dataclasses.fields(layer_cls)}
     for i in range(cfg.num_layers):
@@ -104,7 +112,20 @@ def params_from_hf_tensors(
         for field, (suffix, hf_shape) in family.hf_layer_tensors(cfg).items():
             shape = getattr(shapes.layers, field).shape[1:]
             per_layer[field].append(t(p + suffix, hf_shape).reshape(shape))
-        for field, (suffix, in_axes, out_axes) in projections.items():
+        # a family whose layers hold other weights (MoE experts) reads them itself
+        if hasattr(family, "hf_layer_arrays"):
+            for field, arr in family.hf_layer_arrays(t, cfg, i, shapes.layers).items():
+                want = getattr(shapes.layers, field).shape[1:]
+                if tuple(arr.shape) != tuple(want):
+                    raise ModelLoadError(
+                        f"{source}: layer {i} {field} has shape {tuple(arr.shape)}, "
+                        f"expected {tuple(want)}"
+                    )
+                per_layer[field].append(arr)
+        fields = projections
+        if hasattr(family, "hf_projection_fields"):
+            fields = {f: projections[f] for f in family.hf_projection_fields(cfg, i)}
+        for field, (suffix, in_axes, out_axes) in fields.items():
             if quant.enabled:
                 per_layer[field].append(
                     _int8_projection(get_int8, p + suffix, in_axes, out_axes, source)

@@ -130,10 +130,44 @@ def config_from_gguf(reader, path: str, name: str | None = None) -> ModelConfig:
         from models.qwen3 import Qwen3Config
 
         return Qwen3Config(**common, rope_theta=float(g("rope.freq_base", required=True)))
+    experts = g("expert_count", None, required=False)
+    if family == "qwen3_moe" or experts:
+        return _moe_config(family, common, g, tensor_names, path)
     return ModelConfig(
         **common,
         rope_theta=float(g("rope.freq_base", 10000.0, required=False)),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def _moe_config(family: str, common: dict, g, tensor_names: set, path: str) -> ModelConfig:
+    """Qwen3-MoE ("qwen3moe") or Mixtral (a "llama" GGUF with expert_count): every layer
+    sparse (llama.cpp's graphs for both). Experts must be stacked (`ffn_gate_exps`); the
+    old per-expert layout (`ffn_gate.0.weight`, ...) is refused by name."""
+    if "blk.0.ffn_gate_exps.weight" not in tensor_names:
+        raise ModelLoadError(
+            f"GGUF file {path!r}: expert tensors are not stacked (no blk.0.ffn_gate_exps); "
+            f"the per-expert layout of older Mixtral files is not supported"
+        )
+    moe = dict(
+        num_experts=int(g("expert_count")),
+        num_experts_per_tok=int(g("expert_used_count")),
+    )
+    if family == "qwen3_moe":
+        from models.qwen3_moe import Qwen3MoeConfig
+
+        # llama.cpp normalises Qwen3-MoE's top-k weights unless the file says otherwise
+        return Qwen3MoeConfig(
+            **common,
+            **moe,
+            moe_ffn_size=int(g("expert_feed_forward_length")),
+            norm_topk_prob=bool(g("expert_weights_norm", True, required=False)),
+            rope_theta=float(g("rope.freq_base", required=True)),
+        )
+    from models.mixtral import MixtralConfig
+
+    return MixtralConfig(
+        **common, **moe, rope_theta=float(g("rope.freq_base", 1e6, required=False))
     )
 
 

@@ -12,9 +12,27 @@ Memory (the seeds' arithmetic, `configs.kv_memory`):
     KV pages           = floor(budget / (page_size x KV bytes / token))
     sequences that fit = floor(pages / ceil(tokens per sequence / page_size))
 
+Local-layer page release (a model with sliding-window and full-attention layers, Gemma 3;
+`EngineConfig.release_local_pages`): each local layer keeps a ring of R pages per sequence
+slot, R = ceil((window + prefill_chunk + page_size - 2) / page_size), so at a context of n
+tokens (the plan's `local_page_release`, for each of seq_lens and 32k)
+
+    KV bytes / token = per-layer bytes x (global layers x n + local layers x min(R x page, n)) / n
+
 A sequence's KV grows to prompt + output tokens, and the admission controller cannot know the
 output length in advance: the worst case it must budget is prompt + max_tokens, not the
 expected output. The plan reports both.
+
+Mixture of experts (a config with `num_experts`; `--expert_parallel=e` devices share the
+experts, attention and the rest replicated on each):
+
+    total params   = every weight (all experts): what memory holds
+    active params  = attention + k experts + router per layer + embeddings: what one token
+                     reads and computes (2 x active FLOPs per token, plus attention)
+    expert weights per device = all expert stacks / e  (+ the non-expert weights whole)
+    all-to-all bytes per token per sparse layer = 2 x k x D x bytes x (e - 1) / e
+        (dispatch + combine: each of the k copies of a token's hidden state leaves its
+        device unless its expert is local, and comes back weighted)
 
 Replicas (goodput per replica measured by a rate sweep's operating point, not saturation):
 
@@ -87,6 +105,83 @@ def memory_plan(
     return MemoryPlan(per_token, page_size, budget, budget // (per_token * page_size))
 
 
+def local_release_plan(
+    cfg: ModelConfig, kv_dtype: str, page_size: int, prefill_chunk: int, seq_lens: list[int]
+) -> dict | None:
+    """KV bytes per token with and without local-layer page release at each context length
+    (None for a model without a local/global split)."""
+    try:
+        window = kv_memory.local_layer_window(cfg)
+    except ValueError:
+        return None
+    ring = kv_memory.ring_pages(window, page_size, prefill_chunk)
+    num_local = sum(w is not None for w in cfg.layer_windows())
+
+    def per_token(n: int, release: bool) -> float:
+        return kv_memory.kv_bytes_per_token_in_context(
+            cfg,
+            n,
+            kv_dtype,
+            release_local_pages=release,
+            page_size=page_size,
+            max_query_len=prefill_chunk,
+        )
+
+    return {
+        "window": window,
+        "local_layers": num_local,
+        "global_layers": cfg.num_layers - num_local,
+        "ring_pages_per_slot": ring,
+        "ring_bytes_per_slot": ring
+        * page_size
+        * num_local
+        * kv_memory.kv_bytes_per_token_per_layer(cfg, kv_dtype),
+        "kv_bytes_per_token": {
+            str(n): {"without": per_token(n, False), "with": per_token(n, True)}
+            for n in sorted({*seq_lens, 32768})
+        },
+    }
+
+
+def moe_plan(cfg: ModelConfig, weight_dtype: str, expert_parallel: int) -> dict | None:
+    """Active vs total parameters and the expert-parallel split (None for a dense model)."""
+    if not hasattr(cfg, "num_experts"):
+        return None
+    if expert_parallel < 1 or cfg.num_experts % expert_parallel:
+        raise ValueError(
+            f"expert_parallel={expert_parallel}: must divide num_experts={cfg.num_experts}"
+        )
+    from models.moe import expert_bytes
+
+    wb = kv_memory.dtype_bytes(weight_dtype)
+    experts = expert_bytes(cfg, wb)
+    rest = cfg.num_params * wb - experts
+    e = expert_parallel
+    sparse = sum(cfg.sparse_layers)
+    a2a = 2 * cfg.num_experts_per_tok * cfg.hidden_size * wb * (e - 1) / e
+    return {
+        "num_experts": cfg.num_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "sparse_layers": sparse,
+        "total_params": cfg.num_params,
+        "active_params": cfg.num_active_params,
+        "active_fraction": cfg.num_active_params / cfg.num_params,
+        "expert_parallel": e,
+        "expert_weights_gib": experts / GIB,
+        "weights_per_device_gib": (rest + experts / e) / GIB,
+        "all_to_all_bytes_per_token": a2a * sparse,
+    }
+
+
+def default_weights_bytes(cfg: ModelConfig, weight_dtype: str, expert_parallel: int) -> int:
+    """Weights one device holds: every parameter, the expert stacks split over
+    `expert_parallel` devices for a mixture of experts."""
+    moe = moe_plan(cfg, weight_dtype, expert_parallel)
+    if moe is None:
+        return cfg.num_params * kv_memory.dtype_bytes(weight_dtype)
+    return int(moe["weights_per_device_gib"] * GIB)
+
+
 def replicas_needed(demand_rps: float, goodput_per_replica_rps: float, reserve: float) -> int:
     """ceil(demand / goodput_per_replica x (1 + reserve))."""
     if goodput_per_replica_rps <= 0:
@@ -154,6 +249,9 @@ def plan(
     goodput_per_replica_rps: float | None = None,
     reserve: float = 0.2,
     utilization: float = 1.0,
+    prefill_chunk: int = 256,
+    weight_dtype: str = "bfloat16",
+    expert_parallel: int = 1,
 ) -> dict:
     mem = memory_plan(
         cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes, page_size, utilization
@@ -180,6 +278,12 @@ def plan(
         "sequence may grow to prompt + max_tokens, so plan concurrency on the "
         "budgeted figure and treat the expected one as optimistic.",
     }
+    moe = moe_plan(cfg, weight_dtype, expert_parallel)
+    if moe is not None:
+        out["moe"] = moe
+    release = local_release_plan(cfg, kv_dtype, page_size, prefill_chunk, seq_lens)
+    if release is not None:
+        out["local_page_release"] = release
     if rate_rps is not None:
         out["output_token_demand_tps"] = output_token_demand(
             rate_rps, lengths["mean_output_tokens"]
@@ -221,13 +325,36 @@ def render_plan(p: dict) -> str:
         )
     if "replicas" in p:
         lines.append(f"replicas: {p['replicas']} = {p['replica_formula']}")
+    if "moe" in p:
+        m = p["moe"]
+        lines.append(
+            f"mixture of experts: {m['total_params'] / 1e9:.2f}B parameters, "
+            f"{m['active_params'] / 1e9:.2f}B active per token ({m['active_fraction']:.1%}; "
+            f"{m['experts_per_token']} of {m['num_experts']} experts); expert_parallel="
+            f"{m['expert_parallel']}: {m['weights_per_device_gib']:.2f} GiB of weights per "
+            f"device, {m['all_to_all_bytes_per_token'] / 1024:.1f} KiB all-to-all per token"
+        )
+    if "local_page_release" in p:
+        r = p["local_page_release"]
+        per = ", ".join(
+            f"{n} tokens {b['without'] / 1024:.1f} -> {b['with'] / 1024:.1f} KiB"
+            for n, b in r["kv_bytes_per_token"].items()
+        )
+        lines.append(
+            f"local page release ({r['local_layers']} local layers, window {r['window']}; "
+            f"{r['global_layers']} global; a ring of {r['ring_pages_per_slot']} pages, "
+            f"{r['ring_bytes_per_slot'] / 2**20:.1f} MiB per slot): KV per token {per}"
+        )
     return "\n".join(lines)
 
 
 # ---- command line ------------------------------------------------------------------------
 
 F = flags.FLAGS
-flags.DEFINE_string("model", "llama-3.1-8b", "configs preset name")
+flags.DEFINE_string(
+    "model", "llama-3.1-8b", "configs preset name, or a GGUF preset (gemma3-270m: its metadata)"
+)
+flags.DEFINE_integer("prefill_chunk", 256, "prefill chunk (sizes local page release's rings)")
 flags.DEFINE_string("kv_dtype", "bfloat16", "KV cache dtype")
 flags.DEFINE_string("weight_dtype", "bfloat16", "for the default weights size")
 flags.DEFINE_float("device_memory_gib", 80.0, "memory of one device (GiB)")
@@ -235,6 +362,7 @@ flags.DEFINE_float("weights_gib", None, "measured weights (default: params x wei
 flags.DEFINE_float("workspace_gib", 2.0, "measured activations/workspace/graphs (GiB)")
 flags.DEFINE_float("utilization", 0.95, "fraction of device memory the server may use")
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+flags.DEFINE_integer("expert_parallel", 1, "MoE: devices the experts are split over")
 flags.DEFINE_float("prompt_median", 512, "lognormal prompt length median")
 flags.DEFINE_float("prompt_sigma", 0.6, "lognormal sigma of prompt length")
 flags.DEFINE_float("output_median", 256, "lognormal output length median")
@@ -269,7 +397,12 @@ def check_flags(argv) -> None:
         f"expected the command 'plan' (got {' '.join(argv[1:]) or 'none'}): "
         "python -m serving.capacity.planner plan [--flags]",
     )
-    shared.require("model", F.model, F.model in PRESETS, f"unknown model; one of {sorted(PRESETS)}")
+    from models.families import family_presets
+    from models.registry import GGUF_PRESETS
+
+    known = sorted({*PRESETS, *family_presets(), *GGUF_PRESETS})
+    shared.require("model", F.model, F.model in known, f"unknown model; one of {known}")
+    shared.require("prefill_chunk", F.prefill_chunk, F.prefill_chunk >= 1, ">= 1")
     for flag in ("kv_dtype", "weight_dtype"):
         shared.require(
             flag,
@@ -287,12 +420,30 @@ def check_flags(argv) -> None:
     shared.check_fraction("utilization", F.utilization, low_open=True)
     shared.require("rho", F.rho, -1 <= F.rho <= 1, "-1 <= rho <= 1")
     shared.require("page_size", F.page_size, F.page_size >= 1, ">= 1")
+    shared.require("expert_parallel", F.expert_parallel, F.expert_parallel >= 1, ">= 1")
     shared.require("max_tokens", F.max_tokens, F.max_tokens >= 1, ">= 1")
     bad = [s for s in F.seq_lens if not s.isdigit() or int(s) < 1]
     shared.require("seq_lens", ",".join(F.seq_lens), not bad, "positive integers, e.g. 1024,4096")
     for flag in ("trace", "sweep_json"):
         path = getattr(F, flag)
         shared.require(flag, path, path is None or os.path.isfile(path), "no such file")
+
+
+def model_config(name: str) -> ModelConfig:
+    """A configs preset, or a GGUF preset's config read from its metadata (no weights)."""
+    from configs.model_config import PRESETS
+
+    if name in PRESETS:
+        return from_name(name)
+    from models.families import family_presets
+
+    if name in family_presets():
+        return family_presets()[name]
+    from models.loaders.gguf_loader import config_from_gguf, open_gguf
+    from models.registry import GGUF_PRESETS
+
+    path = GGUF_PRESETS[name]()
+    return config_from_gguf(open_gguf(path), path, name)
 
 
 def _goodput_from_sweep(path: str) -> float:
@@ -313,14 +464,14 @@ def _goodput_from_sweep(path: str) -> float:
 
 def main(argv):
     check_flags(argv)
-    cfg = from_name(F.model)
-    weights = (
-        F.weights_gib * GIB
-        if F.weights_gib is not None
-        else cfg.num_params * kv_memory.dtype_bytes(F.weight_dtype)
-    )
+    cfg = model_config(F.model)
     goodput = _goodput_from_sweep(F.sweep_json) if F.sweep_json else F.goodput_per_replica
     try:
+        weights = (
+            F.weights_gib * GIB
+            if F.weights_gib is not None
+            else default_weights_bytes(cfg, F.weight_dtype, F.expert_parallel)
+        )
         result = plan(
             cfg,
             kv_dtype=F.kv_dtype,
@@ -335,8 +486,11 @@ def main(argv):
             goodput_per_replica_rps=goodput,
             reserve=F.reserve,
             utilization=F.utilization,
+            prefill_chunk=F.prefill_chunk,
+            weight_dtype=F.weight_dtype,
+            expert_parallel=F.expert_parallel,
         )
-    except ValueError as e:  # e.g. weights + workspace leave no KV memory
+    except ValueError as e:  # e.g. weights + workspace leave no KV memory, experts / devices
         raise shared.UsageError("", "", str(e)) from None
     print(json.dumps(result, indent=1) if F.format == "json" else render_plan(result))
 

@@ -30,8 +30,8 @@ def build_engine(
     """'mock' -> MockEngine; anything else -> the real EngineCore, imported lazily (JAX).
 
     `options`: page_size, num_pages, max_num_seqs, max_num_batched_tokens,
-    prefill_chunk_size, prefix_caching, quantization, kv_dtype, mesh (see
-    engine_options_from_flags)."""
+    prefill_chunk_size, prefix_caching, quantization, kv_dtype, mesh, impl (the attention
+    implementation; see engine_options_from_flags)."""
     options = dict(options)
     if model == "mock":
         from serving.engine_host.mock_engine import MockEngine
@@ -41,9 +41,14 @@ def build_engine(
                 raise ValueError(f"{opt}={options[opt]!r}: the mock engine allows {default!r}")
         if options.get("speculative") is not None:
             raise ValueError("speculative: the mock engine does not speculate")
+        if options.get("impl", "auto") != "auto":
+            raise ValueError(f"attention_impl={options['impl']!r}: the mock engine has none")
         if options.get("max_loras"):
             raise ValueError("LoRA adapters (--lora, --max_loras) need a real --model")
+        if options.get("host_kv_gib"):
+            raise ValueError("host_kv_gib: the mock engine holds no K/V (needs a real --model)")
 
+        options.pop("kv_cache_bytes", None)  # the mock engine's pool is --num_pages or 4096
         return MockEngine(
             max_num_seqs=options["max_num_seqs"],
             num_pages=options.get("num_pages") or 4096,
@@ -65,6 +70,7 @@ def build_engine(
     from models.registry import load_model
 
     mesh = options.pop("mesh", None)
+    impl = options.pop("impl", "auto")
     loras = options.pop("lora", {})  # name -> PEFT directory, loaded below
     warmup_max_shapes = options.pop("warmup_max_shapes", 0)
     warmup_execute = options.pop("warmup_execute", False)
@@ -82,9 +88,9 @@ def build_engine(
     if jax.process_count() > 1:  # multi-host (serving/engine_host/multihost.py): leader or follower
         from engine.parallel.distributed import create_multihost_engine
 
-        core = create_multihost_engine(loaded, config, mesh=mesh)
+        core = create_multihost_engine(loaded, config, mesh=mesh, impl=impl)
     else:
-        core = create_engine(loaded, config, mesh=mesh)
+        core = create_engine(loaded, config, mesh=mesh, impl=impl)
     for name, path in loras.items():  # before the engine thread starts: no lock needed
         for replica in getattr(core, "replicas", [core]):
             ref = replica.load_adapter(name, path)

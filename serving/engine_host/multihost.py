@@ -61,6 +61,8 @@ def refusals(flags) -> list[tuple[str, object, str]]:
         out.append(("engine_process", True, "not with --distributed_env"))
     if flags.model == "mock":
         out.append(("model", flags.model, "a real model with --distributed_env"))
+    if getattr(flags, "host_kv_gib", 0):  # followers would miss the host tier's copies
+        out.append(("host_kv_gib", flags.host_kv_gib, "0 with --distributed_env"))
     return out
 
 

@@ -4,8 +4,9 @@ Every metric carries the labels model and revision. Request outcomes:
 `pagedjax_request_outcomes_total{outcome, reason}` with outcome one of success, cancelled,
 rejected, timed_out, failed, and reason e.g. queue_full / deadline / tenant_tokens /
 invalid_argument for rejections, client / slow_consumer for cancellations.
-Engine counters (preemptions, prefix cache, steps, tokens processed) are cumulative in the
-engine's stats(); the engine thread turns them into counter increments with `observe_stats`.
+Engine counters (preemptions, prefix cache and its host tier, steps, tokens processed) are
+cumulative in the engine's stats(); the engine thread turns them into counter increments
+with `observe_stats`.
 
 Per request (successes): TTFT, TPOT, ITL, E2E, queue, prefill (first scheduled -> first
 token) and decode (first token -> finish) time histograms, prompt and generation token
@@ -67,6 +68,11 @@ _STATS_COUNTERS = {  # engine stats key -> counter attribute
     "tokens_processed": "tokens_processed",
     "compiles_total": "compiles",
     "compiles_after_warmup": "compiles_after_warmup",
+    # the prefix cache's host tier (engine/sched/host_tier.py)
+    "host_kv_hit_tokens": "host_kv_hits",
+    "host_kv_saved_bytes": "host_kv_saved_bytes",
+    "host_kv_loaded_bytes": "host_kv_loaded_bytes",
+    "host_kv_load_s": "host_kv_load_seconds",
     # speculative decoding (engine/spec/decode.py)
     "spec_verify_steps": "spec_verify_steps",
     "spec_drafted_tokens": "spec_drafted",
@@ -81,6 +87,7 @@ CACHE_CONFIG_KEYS = (
     "max_num_seqs",
     "max_model_len",
     "prefix_cache_enabled",
+    "host_kv_bytes_total",
 )
 
 
@@ -164,6 +171,23 @@ class ServerMetrics:
         )
         self.prefix_hits = counter(
             "pagedjax_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"
+        )
+        # The host tier: prompt tokens it served, bytes copied each way, host seconds spent
+        # copying back, and its fill (pagedjax_cache_config_info has its size).
+        self.host_kv_hits = counter(
+            "pagedjax_host_kv_hits_tokens", "Prompt tokens served from the host KV tier"
+        )
+        self.host_kv_saved_bytes = counter(
+            "pagedjax_host_kv_saved_bytes", "KV bytes copied from the device to the host tier"
+        )
+        self.host_kv_loaded_bytes = counter(
+            "pagedjax_host_kv_loaded_bytes", "KV bytes copied from the host tier to the device"
+        )
+        self.host_kv_load_seconds = counter(
+            "pagedjax_host_kv_load_seconds", "Host seconds spent copying host-tier pages back"
+        )
+        self.host_kv_bytes_used = gauge(
+            "pagedjax_host_kv_bytes_used", "Bytes of KV pages held in the host tier"
         )
         # From the engine's stats (engine/runner/compiles.py): programs built in the process, and
         # those built after warm-up (each a stall of every running request; should stay 0).
@@ -250,6 +274,7 @@ class ServerMetrics:
         self.kv_pages_used.set(stats.get("kv_pages_used", 0))
         self.kv_pages_free.set(stats.get("kv_pages_free", 0))
         self.kv_usage.set(stats.get("kv_usage", 0.0))
+        self.host_kv_bytes_used.set(stats.get("host_kv_bytes_used", 0))
         for key, attr in _STATS_COUNTERS.items():
             now = float(stats.get(key) or 0)
             delta = now - self._last_stats.get(key, 0.0)

@@ -2,6 +2,7 @@
 
     service.py       the gRPC handlers (GenerateCall from protobuf -> frontend Generator)
     convert.py       protobuf <-> engine types (HTTP borrows its version and chat helpers)
+    chat.py          tools / reasoning fields <-> engine/chat (the HTTP API's own code)
     guard.py         RequestGuard interceptor: authentication, message size, parsing
     dispatch.py      outcomes for calls that never reach their handler (interceptor)
     input_limits.py  cheap bounds on a request's raw protobuf fields

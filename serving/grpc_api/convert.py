@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from engine.api_types import RequestOutput
+from engine.chat.setup import chat_token_ids
 from engine.errors import InvalidRequestError
 from engine.sampling.params import SamplingParams
 from engine.structured.output import StructuredOutput
@@ -37,23 +38,6 @@ def chat_messages(chat: pb.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def chat_token_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
-):
-    """The template's text, encoded without adding special tokens again (it wrote its own).
-    `template_kwargs` (e.g. tools, enable_thinking) become template variables."""
-    if hasattr(tokenizer, "encode_chat"):
-        return list(
-            tokenizer.encode_chat(
-                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-            )
-        )
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
-    return list(tokenizer.encode(text))
-
-
 def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
@@ -71,9 +55,19 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer, vocab_size: int | None)
 
 
 def sampling_params(req: pb.GenerateRequest, default_max_tokens: int) -> SamplingParams:
-    """Raises InvalidRequestError naming the field (SamplingParams validates itself)."""
+    """Raises InvalidRequestError naming the field (SamplingParams validates itself); a field
+    of the `sampling` message is named by its path (sampling.top_p)."""
     s = req.sampling
     kwargs = {f: getattr(s, f) for f in SAMPLING_FIELDS if s.HasField(f)}
+    try:
+        return _sampling_params(req, kwargs, default_max_tokens)
+    except InvalidRequestError as e:
+        if e.field in kwargs:
+            raise InvalidRequestError(f"sampling.{e.field}", e.value, e.limit) from None
+        raise
+
+
+def _sampling_params(req: pb.GenerateRequest, kwargs: dict, default_max_tokens: int):
     return SamplingParams(
         **kwargs,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
@@ -122,6 +116,9 @@ def merge_into(acc: pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
     acc.token_times_unix_ns.extend(msg.token_times_unix_ns)
     acc.text += msg.text
     acc.logprobs.extend(msg.logprobs)
+    acc.content += msg.content
+    acc.reasoning_content += msg.reasoning_content
+    acc.tool_calls.extend(msg.tool_calls)
 
 
 def versions_message(identity) -> pb.ModelVersions:

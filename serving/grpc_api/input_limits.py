@@ -2,9 +2,10 @@
 
 Tokenizing is the first costly thing the server does with a prompt (about 0.5 us per byte on
 this CPU), so its input is bounded in bytes first: text and chat content at most
-`max_prompt_bytes` UTF-8 bytes in all, at most `max_chat_messages` messages. Enum values and
-token ids are range-checked here too (proto3 accepts any int for an enum field). Every failure
-is an InvalidRequestError naming the field, the value and the limit (INVALID_ARGUMENT).
+`max_prompt_bytes` UTF-8 bytes in all, at most `max_chat_messages` messages; tool
+definitions and earlier calls (rendered into the prompt too) at most as many bytes. Enum
+values and token ids are range-checked here too (proto3 accepts any int for an enum field).
+Every failure is an InvalidRequestError naming the field, the value and the limit.
 """
 
 from __future__ import annotations
@@ -60,8 +61,27 @@ def check_generate_input(req: pb.GenerateRequest, cfg, vocab_size: int | None) -
         raise InvalidRequestError(
             "stop", f"<{len(req.stop)} strings>", f"at most {cfg.max_stop_strings}"
         )
+    check_tools_bytes(req, cfg.max_prompt_bytes)
     if req.priority not in PRIORITY_VALUES:
         raise InvalidRequestError("priority", req.priority, f"one of {dict(pb.Priority.items())}")
+
+
+def check_tools_bytes(req: pb.GenerateRequest, max_prompt_bytes: int) -> None:
+    """Tool definitions and earlier calls are rendered into the prompt: bounded with it."""
+    size = sum(
+        utf8_len(t.function.name)
+        + utf8_len(t.function.description)
+        + utf8_len(t.function.parameters)
+        for t in req.tools
+    )
+    if size > max_prompt_bytes:
+        raise InvalidRequestError("tools", f"<{size} bytes>", f"at most {max_prompt_bytes} bytes")
+    if req.WhichOneof("prompt") == "chat":
+        calls = sum(utf8_len(c.arguments) for m in req.chat.messages for c in m.tool_calls)
+        if calls > max_prompt_bytes:
+            raise InvalidRequestError(
+                "chat.messages", f"<{calls} bytes of tool calls>", f"at most {max_prompt_bytes}"
+            )
 
 
 def check_tokenize_input(req: pb.TokenizeRequest, cfg) -> None:

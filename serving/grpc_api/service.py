@@ -37,11 +37,14 @@ import uuid
 
 import grpc
 
+from engine.chat.output import ChatOutput
+from engine.chat.setup import ChatOptions, chat_token_ids
 from engine.errors import InvalidRequestError
 from serving.frontend.deadlines import GRPC_SOURCE
 from serving.frontend.generation import GenerateCall, Generator, Refusal, final_summary, is_done
 from serving.frontend.request_state import ActiveRequest, Terminal
-from serving.grpc_api import convert, input_limits
+from serving.grpc_api import chat, convert, input_limits
+from serving.grpc_api.chat import ChatTurn
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
@@ -56,8 +59,11 @@ def _time_left_s(context) -> float | None:
 
 
 class PagedJaxService(pb_grpc.PagedJaxServicer):
-    def __init__(self, generator: Generator, engine_config: dict):
+    def __init__(self, generator: Generator, engine_config: dict, chat_options: ChatOptions):
+        """`chat_options`: the server's tool-call and reasoning formats (engine/chat/setup.py),
+        the same the HTTP API splits chat output with."""
         self.generator, self.engine_config = generator, engine_config
+        self.chat_options = chat_options
         g = generator
         self.limits, self.waiting, self.breaker, self.loop = g.limits, g.waiting, g.breaker, g.loop
 
@@ -73,7 +79,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
     # ---- Generate -------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         arrival_s = time.monotonic()
-        call = self._call(request, context)
+        turn: list[ChatTurn | None] = [None]  # set by the call's prompt builder
+        call = self._call(request, context, turn)
         try:
             r = self.generator.submit(call, arrival_s)
         except Refusal as e:
@@ -82,22 +89,31 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             context.abort(e.status, e.details)
         if not context.add_callback(lambda: self.generator.client_gone(r)):
             self.generator.client_gone(r)  # the call already ended (client gone)
-        yield from self._relay(r, request.stream, context)
+        output = turn[0].new_output() if turn[0] is not None else None
+        yield from self._relay(r, request.stream, context, output)
 
-    def _call(self, request: pb.GenerateRequest, context) -> GenerateCall:
+    def _call(self, request: pb.GenerateRequest, context, turn: list) -> GenerateCall:
+        """`turn[0]` becomes the request's ChatTurn (tools / reasoning) when it has one."""
         tokenizer, vocab_size = self.engine.tokenizer, self.generator.vocab_size
         admission = self.limits.admission
 
         def prompt_ids() -> list[int]:
             input_limits.check_generate_input(request, admission, vocab_size)  # before tokenizing
+            turn[0] = ChatTurn.of(request, self.chat_options)
+            if turn[0] is not None:
+                return turn[0].prompt_ids(tokenizer)
             return convert.prompt_token_ids(request, tokenizer, vocab_size)
+
+        def sampling(default: int):
+            params = convert.sampling_params(request, default)
+            return params if turn[0] is None else turn[0].sampling(params)
 
         return GenerateCall(
             request_id=request.request_id or uuid.uuid4().hex,
             api_key=dict(context.invocation_metadata()).get(API_KEY),
             prompt_ids=prompt_ids,
             success_on_delivery=True,
-            sampling=lambda default: convert.sampling_params(request, default),
+            sampling=sampling,
             model=request.model,
             revision=request.revision,
             adapter=request.adapter,
@@ -106,17 +122,23 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             deadline_source=GRPC_SOURCE,  # meaningful only with time_left_s
         )
 
-    def _relay(self, r: ActiveRequest, stream: bool, context):
-        """Stream buffer -> gRPC messages; ends with the final message or the terminal status."""
+    def _relay(self, r: ActiveRequest, stream: bool, context, output: ChatOutput | None):
+        """Stream buffer -> gRPC messages; ends with the final message or the terminal status.
+        `output`: the chat's splitter (tools / reasoning), None for plain text."""
         acc = pb.GenerateResponse(request_id=r.request_id)
         while True:
             items, terminal = r.stream.get(_POLL_S)
             if items:
                 msg = convert.delta_message(r.request_id, items)
                 done = is_done(items)
+                if output is not None:
+                    chat.fill(msg, output.feed_outputs(items, done), output)
                 if done:
                     summary = final_summary(r, items[-1].finish_reason)
                     msg.final.CopyFrom(convert.final_info(summary, r.identity or self.identity))
+                    if output is not None:
+                        msg.final.finish_reason = output.finish_reason(summary.finish_reason)
+                        msg.final.usage.reasoning_tokens = output.reasoning_tokens
                 if stream and (msg.token_ids or msg.text or done):
                     yield from self._send(r, msg, len(msg.token_ids))
                 elif not stream:
@@ -175,9 +197,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             text = self.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt
             )
-            ids = convert.chat_token_ids(
-                self.engine.tokenizer, messages, request.add_generation_prompt
-            )
+            ids = chat_token_ids(self.engine.tokenizer, messages, request.add_generation_prompt)
         else:
             text = request.text
             ids = self.engine.tokenizer.encode(text)

@@ -5,6 +5,8 @@
     schemas.py    its request schemas (pydantic, unknown fields refused)
     responses.py  its bodies, logprobs, usage, error object + statuses, identity
     lora.py       adapter load/unload endpoints
+    chat.py       a chat request's tools and messages in engine/chat's terms
+    responses_api.py  POST /v1/responses, a translation onto the chat path
     delivery.py   delivery accounting of streamed chunks
     server.py     uvicorn on its own thread in the same process
 

@@ -43,6 +43,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from engine.chat.setup import ChatOptions, ChatSetup
 from engine.errors import InvalidRequestError
 from serving.frontend import deadlines
 from serving.frontend.generation import (
@@ -58,11 +59,11 @@ from serving.gateway import http_kv_transfer
 from serving.grpc_api import convert
 from serving.http import delivery, schemas
 from serving.http import responses as resp
+from serving.http.chat import chat_setup, message_dicts
 from serving.http.delivery import StreamEnded
 from serving.http.endpoints import InfoEndpoints
 from serving.http.lora import LoraEndpoints
 from serving.http.responses_api import ResponsesApi
-from serving.http.tool_calling import ChatOptions, ChatSetup, message_dicts
 
 REVISION_HEADER = "x-pagedjax-revision"
 _POLL_S = 0.25  # a waiting relay re-checks its buffers at least this often
@@ -77,7 +78,7 @@ class HttpApi:
         self.kv_transfer = None  # http_kv_transfer.KvTransferParams (set by the server)
         self.identity = generator.identity
         self.tokenizer = generator.engine.tokenizer
-        # tools and reasoning (serving/http/tool_calling.py): the formats, from flags or template
+        # tools and reasoning (engine/chat/setup.py): the formats, from flags or template
         self.chat_options = ChatOptions.for_tokenizer(
             self.tokenizer, tool_call_parser, reasoning_parser
         )
@@ -173,7 +174,7 @@ class HttpApi:
 
     def _chat_setup(self, body) -> ChatSetup:
         try:
-            return ChatSetup.of(self.chat_options, body)
+            return chat_setup(self.chat_options, body)
         except InvalidRequestError as e:
             raise invalid(e) from e
 
@@ -181,7 +182,7 @@ class HttpApi:
         self, request, body, setup, prompts, request_id, wake, deadline
     ) -> list[GenerateCall]:
         """One call per choice; `deadline` bounds each one's whole response, streamed or not.
-        `setup`: a chat request's tools / reasoning (serving/http/tool_calling.py); None:
+        `setup`: a chat request's tools / reasoning (engine/chat/setup.py); None:
         completions."""
         loop = asyncio.get_running_loop()
         chat = setup is not None

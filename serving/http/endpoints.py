@@ -11,6 +11,7 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.chat.setup import chat_token_ids
 from engine.errors import InvalidRequestError
 from engine.lora.refs import adapter_identity, loaded_adapters
 from serving.frontend.generation import Generator, Refusal, invalid
@@ -82,7 +83,7 @@ class InfoEndpoints:
         try:
             if body.messages is not None:
                 dicts = [{"role": m.role, "content": m.text()} for m in body.messages]
-                return convert.chat_token_ids(self.tokenizer, dicts, body.add_generation_prompt)
+                return chat_token_ids(self.tokenizer, dicts, body.add_generation_prompt)
             if body.add_special_tokens:
                 return list(self.tokenizer.encode(body.prompt))
             return list(self.tokenizer.encode(body.prompt, add_special_tokens=False))

@@ -164,7 +164,7 @@ class ChoiceState:
     summary: FinalSummary | None = None
     sent_role: bool = False  # chat streaming: the first delta carries the role
     num_tokens: int = 0  # streamed so far
-    chat_output: object = None  # serving.http.chat_output.ChatOutput: reasoning / tool calls
+    chat_output: object = None  # engine.chat.output.ChatOutput: reasoning / tool calls
 
 
 def delta_of(items: list[RequestOutput]) -> tuple[str, list[TokenLogprob], list[float]]:

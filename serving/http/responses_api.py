@@ -49,13 +49,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from engine.chat.output import ChatOutput
+from engine.chat.setup import ChatSetup
 from engine.errors import InvalidRequestError
 from serving.frontend.generation import Refusal, invalid
 from serving.http import delivery, schemas
 from serving.http import responses as resp
-from serving.http.chat_output import ChatOutput
+from serving.http.chat import chat_setup
 from serving.http.delivery import StreamEnded
-from serving.http.tool_calling import ChatSetup
 
 MAX_STORED = 1024  # responses kept per server (all tenants), oldest dropped first
 STORE_TTL_S = 3600.0  # a stored response is forgotten after this long
@@ -363,7 +364,7 @@ class ResponsesApi:
                 history = found[1]
             body_dict, conversation = chat_body(req, history)
             body = schemas.parse_body(schemas.ChatCompletionRequest, json.dumps(body_dict).encode())
-            setup = ChatSetup.of(self.api.chat_options, body)
+            setup = chat_setup(self.api.chat_options, body)
         except InvalidRequestError as e:
             raise invalid(e) from e
         return body, conversation, setup

@@ -21,11 +21,11 @@ Supported fields (OpenAI's, then vLLM's extras):
     return_token_times (streamed chunks carry pagedjax.token_times_unix_ns: when the server
     produced each token, for the load generator's inter-token latency).
 
-Chat tools and reasoning (serving/http/tool_calling.py): tools (function type), tool_choice
+Chat tools and reasoning (engine/chat/setup.py): tools (function type), tool_choice
 (none | auto | required | {"type": "function", "function": {"name"}}), parallel_tool_calls,
 assistant messages with tool_calls and tool messages (tool_call_id) in the history,
 chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), max_thinking_tokens (a
-thinking budget: after N thought tokens the closing </think> is forced; serving/http/reasoning.py).
+thinking budget: after N thought tokens the closing </think> is forced; engine/chat/reasoning.py).
 
 Structured output (engine/structured/output.py), at most one per request: OpenAI's
 `response_format` ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}},
@@ -43,11 +43,11 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from configs.errors import MAX_ECHO_CHARS, bounded, echo
+from engine.chat.setup import chat_token_ids
 from engine.errors import InvalidRequestError
 from engine.sampling.params import SamplingParams
 from engine.structured.output import StructuredOutput
 from serving.frontend.generation import Refusal
-from serving.grpc_api import convert
 
 MAX_CHOICES = 16  # n (times the number of prompts) per request
 
@@ -93,7 +93,7 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-# ---- tools (serving/http/tool_calling.py checks names, schemas and the choice) -------------------
+# ---- tools (engine/chat/setup.py checks names, schemas and the choice) -------------------
 class FunctionTool(_Strict):
     name: str
     description: str | None = None
@@ -353,7 +353,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages", 0, "at least one message")
     dicts = [{"role": m.role, "content": m.text()} for m in messages]
-    return convert.chat_token_ids(tokenizer, dicts)
+    return chat_token_ids(tokenizer, dicts)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

@@ -1,11 +1,14 @@
-"""Tools and reasoning on the request side of a chat completion: the checks on `tools` /
+"""Tools and reasoning on the request side of a chat: the checks on `tools` /
 `tool_choice`, the prompt (the model's own template receives `tools`, as transformers'
 `apply_chat_template` passes them), the constraint that makes forced calls valid by
-construction, and the per-choice output splitter (serving/http/chat_output.py).
+construction, and the per-choice output splitter (engine/chat/output.py). Transport-neutral:
+the HTTP API, the gRPC service and `LLM.chat` each turn their request into `ChatSetup.build`'s
+arguments (OpenAI-shaped dicts) and share everything below.
 
     ChatOptions (server: --tool_call_parser, --reasoning_parser, the model's template)
       + request (tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
-      -> ChatSetup.prompt_ids(tokenizer, messages)   messages -> template -> token ids
+      -> ChatSetup.build(options, tools=..., ...)    checked: InvalidRequestError
+         ChatSetup.prompt_ids(tokenizer, messages)   messages -> template -> token ids
          ChatSetup.sampling(params)                  + the call grammar when forced
          ChatSetup.new_output()                      one ChatOutput per choice
 
@@ -34,14 +37,14 @@ from typing import Any
 
 import jsonschema
 
+from engine.chat.output import ChatOutput
+from engine.chat.reasoning import ReasoningFormat, budget_grammar, get_reasoning_format
+from engine.chat.tool_parsers import ToolCallFormat, format_for_template, get_format
 from engine.errors import InvalidRequestError
 from engine.sampling.params import SamplingParams
 from engine.structured.output import StructuredOutput
-from serving.grpc_api import convert
-from serving.http.chat_output import ChatOutput
-from serving.http.reasoning import ReasoningFormat, budget_grammar, get_reasoning_format
-from serving.http.tool_parsers import ToolCallFormat, format_for_template, get_format
 
+TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function name rule
 MAX_THINKING_TOKENS = 1 << 20
@@ -130,7 +133,7 @@ def tool_setup(
     """The request's tools, checked (InvalidRequestError naming field, value and limit)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice", _shown(tool_choice), "needs tools")
+            raise InvalidRequestError("tool_choice", shown(tool_choice), "needs tools")
         if tools is not None:
             raise InvalidRequestError("tools", [], "at least one tool when set")
         return None
@@ -156,24 +159,26 @@ def _check_parameters(i: int, params: Any) -> None:
     if params is None:
         return
     if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise InvalidRequestError(field, _shown(params), "a JSON Schema of type 'object'")
+        raise InvalidRequestError(field, shown(params), "a JSON Schema of type 'object'")
     try:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as e:
         raise InvalidRequestError(
-            field, _shown(params), f"not a valid JSON Schema: {e.message}"
+            field, shown(params), f"not a valid JSON Schema: {e.message}"
         ) from None
     try:  # what llguidance can compile (the constraint when the call is forced)
         StructuredOutput(json_schema=params)
     except InvalidRequestError as e:
-        raise InvalidRequestError(field, _shown(params), e.limit) from None
+        raise InvalidRequestError(field, shown(params), e.limit) from None
 
 
 def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     if tool_choice is None:
         return "auto", None
     if isinstance(tool_choice, str):
-        return tool_choice, None  # the schema allows none | auto | required only
+        if tool_choice not in TOOL_CHOICES:
+            raise InvalidRequestError("tool_choice", tool_choice, f"one of {TOOL_CHOICES}")
+        return tool_choice, None
     name = tool_choice["function"]["name"]
     if name not in names:
         raise InvalidRequestError(
@@ -182,7 +187,8 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it (JSON, at most 120 characters)."""
     text = json.dumps(value) if not isinstance(value, str) else value
     return text if len(text) <= 120 else text[:117] + "..."
 
@@ -197,19 +203,27 @@ class ChatSetup:
     max_thinking_tokens: int | None = None
 
     @classmethod
-    def of(cls, options: ChatOptions, body) -> ChatSetup:
-        """From a ChatCompletionRequest (serving/http/schemas.py)."""
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        choice = body.tool_choice
-        if choice is not None and not isinstance(choice, str):
-            choice = choice.model_dump()
-        kwargs = dict(body.chat_template_kwargs or {})
+    def build(
+        cls,
+        options: ChatOptions,
+        *,
+        tools: Sequence[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        template_kwargs: dict | None = None,
+        max_thinking_tokens: int | None = None,
+    ) -> ChatSetup:
+        """From a request's fields in OpenAI's shapes: `tools` as
+        [{"type": "function", "function": {"name", "description", "parameters"}}],
+        `tool_choice` as none | auto | required or {"type": "function", "function": {"name"}}.
+        InvalidRequestError names the field, the value and the limit."""
+        kwargs = dict(template_kwargs or {})
         for key in RESERVED_TEMPLATE_KWARGS:
             if key in kwargs:
                 raise InvalidRequestError(
                     f"chat_template_kwargs.{key}", "set", "set by the request itself"
                 )
-        budget = getattr(body, "max_thinking_tokens", None)
+        budget = max_thinking_tokens
         if budget is not None:
             if options.reasoning is None:
                 raise InvalidRequestError(
@@ -221,8 +235,10 @@ class ChatSetup:
                 )
             if kwargs.get("enable_thinking") is False:
                 budget = None  # no thought to bound
-        tools = tool_setup(tools, choice, body.parallel_tool_calls)
-        return cls(options, tools, kwargs, budget)
+        checked = tool_setup(
+            None if tools is None else list(tools), tool_choice, parallel_tool_calls
+        )
+        return cls(options, checked, kwargs, budget)
 
     @property
     def parses_calls(self) -> bool:
@@ -263,7 +279,7 @@ class ChatSetup:
 
     def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
         messages, kwargs = self.render_inputs(messages)
-        return convert.chat_token_ids(tokenizer, messages, **kwargs)
+        return chat_token_ids(tokenizer, messages, **kwargs)
 
     def render_inputs(self, messages: list[dict]) -> tuple[list[dict], dict]:
         """(messages, template kwargs) for the model's template, with the fallback
@@ -279,44 +295,31 @@ class ChatSetup:
         return messages, kwargs
 
 
-def message_dicts(messages) -> list[dict]:
-    """Request messages (http_schemas.ChatMessage) as template dicts: tool call arguments
-    decoded (templates write them with `tojson`, as vLLM passes them); `developer` is
-    `system`."""
-    if not messages:
-        raise InvalidRequestError("messages", 0, "at least one message")
-    out = []
-    for i, m in enumerate(messages):
-        d: dict[str, Any] = {
-            "role": "system" if m.role == "developer" else m.role,
-            "content": None if m.content is None else m.text(),
-        }
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        if m.reasoning_content is not None:
-            d["reasoning_content"] = m.reasoning_content
-        if m.tool_calls:
-            d["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
-        out.append(d)
-    return out
+def chat_token_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+) -> list[int]:
+    """The template's text, encoded without adding special tokens again (it wrote its own).
+    `template_kwargs` (e.g. tools, enable_thinking) become template variables."""
+    if hasattr(tokenizer, "encode_chat"):
+        return list(
+            tokenizer.encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        )
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    return list(tokenizer.encode(text))
 
 
-def _history_call(i: int, j: int, call) -> dict:
+def history_call(field: str, call_id: str, name: str, arguments: str) -> dict:
+    """An assistant message's earlier call as the template reads it: arguments decoded (templates
+    write them with `tojson`, as vLLM passes them). `field` names the arguments in the request."""
     try:
-        args = json.loads(call.function.arguments or "{}")
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(
-            f"messages[{i}].tool_calls[{j}].function.arguments",
-            _shown(call.function.arguments),
-            f"a JSON object: {e}",
-        ) from None
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.function.name, "arguments": args},
-    }
+        args = json.loads(arguments or "{}")
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise InvalidRequestError(field, shown(arguments), f"a JSON object: {e!s}") from None
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _fallback_message(m: dict, fmt: ToolCallFormat) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.http.tool_parsers import held_prefix
+from engine.chat.tool_parsers import held_prefix
 
 THINK_START, THINK_END = "<think>", "</think>"
 

@@ -1,9 +1,9 @@
 """One chat choice's output split into reasoning, content and tool calls, as it streams.
 
-    engine delta text --> ReasoningStream (serving/http/reasoning.py) --> reasoning_content
+    engine delta text --> ReasoningStream (engine/chat/reasoning.py) --> reasoning_content
                                  | answer text
                                  v
-                          ToolCallStream (serving/http/tool_parsers.py) --> content, tool calls
+                          ToolCallStream (engine/chat/tool_parsers.py) --> content, tool calls
 
 `feed` returns the OpenAI chat-completion `delta` objects for a piece of output, in order;
 the same object accumulates the whole message, so a non-streamed response (`message()`) is
@@ -19,8 +19,8 @@ own ("length" stays "length"). Tool calls inside the thought are not parsed.
 
 from __future__ import annotations
 
-from serving.http.reasoning import ReasoningFormat, ReasoningStream
-from serving.http.tool_parsers import ToolCall, ToolCallFormat, ToolCallStream
+from engine.chat.reasoning import ReasoningFormat, ReasoningStream
+from engine.chat.tool_parsers import ToolCall, ToolCallFormat, ToolCallStream
 
 
 class ChatOutput:

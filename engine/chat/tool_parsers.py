@@ -24,7 +24,7 @@ is complete, not when its name is known: a call is never announced and then retr
 
 Each format also renders calls back into its syntax (history in a template without tool
 support) and describes its syntax as an llguidance Lark grammar over the tools' parameter
-schemas (serving/http/tool_calling.py: tool_choice required / named).
+schemas (engine/chat/setup.py: tool_choice required / named).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _call_of(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters"))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -127,7 +127,7 @@ def _json_values(text: str, separator: str = "") -> list[Any] | None:
     while i < len(text):
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a model's output: never a crash
             return None
         values.append(value)
         while i < len(text) and (text[i].isspace() or (separator and text[i] == separator)):
