@@ -25,8 +25,9 @@ Repetition/presence/frequency penalties change with every accepted token, so row
 them do not speculate (engine/spec/decode.py); they are plain decodes.
 
 Two forms:
-  - `accept_drafts(p, q, ...)`: the rule for any q (model proposers: "draft", "layers";
-    not wired into the engine yet), tested on toy vocabularies (tests/test_spec_rule.py).
+  - `accept_drafts(p, q, ...)`: the rule for any q, what the engine runs for the model
+    proposers "draft" and "layers" (engine/spec/step.py), tested on toy vocabularies
+    (tests/test_spec_rule.py).
   - `accept_point_mass_drafts(sampled, drafts, ...)`: what the engine runs for ngram's
     point-mass drafts. The request's own sampler draws y_j at every verified position
     (same seed, output index, transforms and candidate set as a plain step); x_j is
