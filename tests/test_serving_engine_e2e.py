@@ -68,9 +68,15 @@ def test_stream_equals_engine_output_and_carries_versions(tiny_engine):
         assert outcome_counts(server) == {("success", ""): 2}
 
 
-def test_client_cancel_frees_pages_and_others_continue(tiny_engine):
+def test_client_cancel_frees_pages_and_others_continue(tiny_engine, monkeypatch):
+    import time
+
     from serving.client import build_request
 
+    # 20 ms per step: the tiny model's steps take ~1 ms, so 100 tokens could finish (and free
+    # their pages) before the loop's stats (every 0.1 s) ever showed them held
+    step = tiny_engine.step
+    monkeypatch.setattr(tiny_engine, "step", lambda *a, **kw: (time.sleep(0.02), step(*a, **kw))[1])
     admission = AdmissionConfig(max_model_len=128)
     with running_server(tiny_engine, admission=admission) as (server, client):
         call = client.stream(
