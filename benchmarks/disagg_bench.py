@@ -161,7 +161,7 @@ def transfer_rows(model, config, transport: str, o: Options) -> list[dict]:
                 er = EngineRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=2))
                 t0 = time.perf_counter()
                 import_request(receiver, er, payload)
-                receiver.kv.k_pages.block_until_ready()
+                receiver.runner.state.kv.k_pages.block_until_ready()
                 import_s = time.perf_counter() - t0
                 receiver.abort_request(rid)
                 while receiver.has_unfinished():
