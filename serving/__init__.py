@@ -3,7 +3,7 @@ metrics, client, mock engine, router.
 
 Top-level modules:
     server.py       PagedJaxServer: assembles everything; `python -m serving.server`
-    ray_serve.py    the same server as Ray Serve replicas (`serve run deploy/ray/serve.yaml`)
+    ray_serve/      the same server as Ray Serve replicas (`serve run deploy/ray/serve.yaml`)
     cli.py          `pagedjax`: generate / chat / serve from one command line
     client.py       GenerateClient; `python -m serving.client`
     flags.py        one vocabulary of command-line flags for every command

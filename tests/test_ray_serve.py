@@ -1,4 +1,4 @@
-"""pagedjax on Ray Serve (serving/ray_serve.py), started as the README shows it: Ray's own
+"""pagedjax on Ray Serve (serving/ray_serve/app.py), started as the README shows it: Ray's own
 CLI, `serve run deploy/ray/serve.yaml`, with the config's args swapped for the tiny model and
 two replicas (one local Ray cluster, started by `serve run` and shut down by its SIGINT).
 Driven by the official `openai` SDK through Serve's HTTP proxy:
