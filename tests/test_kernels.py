@@ -297,7 +297,11 @@ def test_decode_only_ragged_batch(impl):
     _check(_ragged(impl, case, sm_scale=0.2), naive_attention(case, sm_scale=0.2), F32, impl)
 
 
-@pytest.mark.parametrize("seed", range(4))
+# Each seed builds ~18 loop programs (tens of seconds of CPU): `make test-fast` sweeps seed 0,
+# `make test` all four (the others are marked `compile`).
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.compile) for s in range(1, 4))]
+)
 def test_cpu_loops_any_chunk_and_group_size(seed):
     """The CPU loops with chunks of one page up to many and groups of one query block up to
     several: every loop bound (first chunk of a sliding window, the last real block, a

@@ -56,9 +56,13 @@ LAYER_LOOPS = pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 def test_smollm2_logits_match_transformers(smollm2, hf_smollm2, layer_loop):
     params = layer_layout(smollm2.params, layer_loop)
     worst = 0.0
-    for prompt in PROMPTS:
-        ids = smollm2.tokenizer.encode(prompt)
-        ours = np.asarray(all_logits(params, smollm2.config, jnp.array(ids, jnp.int32)))
+    encoded = [smollm2.tokenizer.encode(prompt) for prompt in PROMPTS]
+    # One program for every prompt: each is padded to the longest; attention is causal, so
+    # the tokens after a prompt do not change its positions' logits.
+    width = max(len(ids) for ids in encoded)
+    for ids in encoded:
+        padded = jnp.array(ids + [0] * (width - len(ids)), jnp.int32)
+        ours = np.asarray(all_logits(params, smollm2.config, padded))[: len(ids)]
         with torch.no_grad():
             ref = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
         assert ours.shape == ref.shape

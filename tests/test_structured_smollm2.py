@@ -10,6 +10,7 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.shared_configs import SMOLLM2_SERVED
 from tests.structured_schemas import SCHEMAS, validate
 
 MAX_TOKENS = 96
@@ -19,15 +20,9 @@ FULL_SIZES = os.environ.get("PAGEDJAX_FULL_SIZES") == "1"
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(
-        smollm2,
-        max_num_seqs=32,
-        max_num_batched_tokens=512,
-        prefill_chunk_size=256,
-        max_model_len=1024,
-        num_pages=1024,
-        layer_loop="scan",  # NOTE: unrolled SmolLM2 compiles ~5x slower; masks are layout-free
-    )
+    # scan layers (unrolled SmolLM2 compiles ~5x slower; masks are layout-free), the config
+    # of tests/test_tools_smollm2.py (one set of compiled programs)
+    return LLM(smollm2, **SMOLLM2_SERVED)
 
 
 def _prompt(schema: dict) -> list[dict]:

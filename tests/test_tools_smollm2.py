@@ -17,6 +17,7 @@ from configs.engine_config import EngineConfig
 from engine.chat.tool_parsers import get_format, parse
 from serving.frontend.admission import AdmissionConfig
 from serving.testing import running_server
+from tests.shared_configs import SMOLLM2_SERVED
 
 WEATHER = {
     "type": "object",
@@ -47,14 +48,8 @@ SPLIT = (13, 13, 12, 12)  # 50 choices in four concurrent requests (n <= 16 each
 def sdk(smollm2):
     from engine.core import EngineCore
 
-    config = EngineConfig(
-        model=smollm2.config.name,
-        page_size=16,
-        num_pages=512,
-        max_num_seqs=16,  # the shapes a 2-core CPU compiles fastest; the rest wait in queue
-        max_model_len=1024,
-        layer_loop="scan",
-    )
+    # the config of tests/test_structured_smollm2.py (one set of compiled programs)
+    config = EngineConfig(model=smollm2.config.name, **SMOLLM2_SERVED)
     engine = EngineCore(smollm2, config)
     admission = AdmissionConfig(max_model_len=1024, queue_timeout_s=900.0)  # a loaded CPU
     with running_server(engine, admission=admission, http_port=0, capacity_probe=False) as (
