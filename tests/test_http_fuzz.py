@@ -1,9 +1,9 @@
-"""Hostile HTTP bodies (issue 36 item 5): /v1/chat/completions and /v1/completions fuzzed
-with hypothesis against the REAL SmolLM2 tokenizer and chat template (rebuilt from the
-GGUF, no weights loaded): wrong types, missing and unknown fields, deep nesting, huge
-arrays and strings, enormous numbers, template-breaking message contents and raw bytes
-that are not UTF-8 or not JSON. The server must never answer 5xx, and every 4xx must name
-what it refuses (`error.param`, a field of the body or the body itself).
+"""Hostile HTTP bodies (issue 36 item 5): /v1/chat/completions, /v1/completions and
+/v1/responses fuzzed with hypothesis against the REAL SmolLM2 tokenizer and chat template
+(rebuilt from the GGUF, no weights loaded): wrong types, missing and unknown fields, deep
+nesting, huge arrays and strings, enormous numbers, template-breaking message contents and
+raw bytes that are not UTF-8 or not JSON. The server must never answer 5xx, and every 4xx
+must name what it refuses (`error.param`, a field of the body or the body itself).
 
 The engine is the MockEngine (serving/engine_host/mock_engine.py) with the real tokenizer
 swapped in, so everything from the HTTP parser through the chat template, tokenization,
@@ -15,12 +15,16 @@ Shown (2026-12-04) to catch: a planted 500 (serving/http/api.py raising a plain 
 for stream_options without stream: found by the mostly-valid chat property as
 `stream_options: {}`), and a real defect, fixed with this test: a JSON body that is not an
 object (`null`) was refused with param None and the message "None=None is invalid"
-(serving/http/schemas.py validation_message now names "body")."""
+(serving/http/schemas.py validation_message now names "body"). The /v1/responses properties
+(2026-12-05) found another: max_output_tokens=0 was refused naming max_tokens, the chat
+field it is translated into (serving/http/responses_api.py responses_refusal now names the
+field the client sent)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import httpx
 import pytest
@@ -28,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving.frontend.admission import AdmissionConfig
+from serving.http.responses_api import ResponsesRequest
 from serving.http.schemas import ChatCompletionRequest, CompletionRequest
 from serving.testing import RealTokenizerMockEngine, running_server, smollm2_tokenizer
 
@@ -136,6 +141,46 @@ completion_body = st.fixed_dictionaries(
         "suffix": weird,
     },
 )
+input_item = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "x"]) | weird,
+        "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | weird,
+        "content": content
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["input_text", "output_text", "input_image", ""])},
+                optional={"text": weird},
+            ),
+            max_size=3,
+        ),
+        "call_id": weird,
+        "name": weird,
+        "arguments": weird,
+        "output": weird,
+    },
+)
+responses_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": COMMON["model"],
+        "input": st.text(max_size=60) | st.lists(input_item, max_size=4) | weird,
+        "instructions": weird,
+        "tools": weird,
+        "tool_choice": weird,
+        "max_output_tokens": st.integers(-5, 40) | weird,
+        "temperature": COMMON["temperature"],
+        "top_p": weird,
+        "stream": COMMON["stream"],
+        "store": weird,
+        "previous_response_id": st.sampled_from(["", "resp_x"]) | weird,
+        "metadata": weird,
+        "include": weird,
+        "truncation": weird,
+        "text": st.fixed_dictionaries({}, optional={"format": weird}) | weird,
+        "reasoning": weird,
+    },
+)
 # Mostly-valid bodies with one or two fields changed, to a well-typed edge value (3 in 4)
 # or a hostile one, reach the code past the schema (template, tokenization, admission, the
 # engine); fully random bodies rarely get past pydantic.
@@ -177,6 +222,39 @@ _change = _field.flatmap(
 changes = st.lists(_change, min_size=1, max_size=2).map(dict)
 VALID_CHAT = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 VALID_COMPLETION = {"model": "", "prompt": "hello", "max_tokens": 4}
+RESPONSES_TYPED = {
+    "input": st.text(max_size=30) | st.lists(input_item, min_size=1, max_size=3),
+    "instructions": st.text(max_size=12),
+    "max_output_tokens": _ints,
+    "temperature": _floats,
+    "top_p": _floats,
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": st.sampled_from(["", "resp_unknown"]),
+    "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
+    "include": _texts,
+    "truncation": st.sampled_from(["disabled", "auto"]),
+    "text": st.sampled_from(
+        [
+            {"format": {"type": "text"}},
+            {"format": {"type": "json_object"}},
+            {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+            {"format": {"type": "json_schema"}},
+            {"format": {"type": "regex"}},
+        ]
+    ),
+    "model": TYPED["model"],
+    "user": TYPED["user"],
+}
+_responses_field = st.sampled_from(sorted(RESPONSES_TYPED))
+_responses_change = _responses_field.flatmap(
+    lambda f: st.tuples(st.just(f), st.one_of(*[RESPONSES_TYPED[f]] * 3, weird))
+)
+VALID_RESPONSES = {"model": "", "input": "hi", "max_output_tokens": 4, "store": False}
+mutated_responses = st.builds(
+    lambda c: {**VALID_RESPONSES, **c},
+    st.lists(_responses_change, min_size=1, max_size=2).map(dict),
+)
 mutated_chat = st.builds(lambda c: {**VALID_CHAT, **c}, changes)
 mutated_completion = st.builds(lambda c: {**VALID_COMPLETION, **c}, changes)
 unknown_fields = st.dictionaries(st.text(min_size=1, max_size=12), weird, max_size=2)
@@ -185,6 +263,7 @@ unknown_fields = st.dictionaries(st.text(min_size=1, max_size=12), weird, max_si
 FIELDS_OF = {  # what a refusal may name: a field of the request (sent, missing or default)
     "/v1/chat/completions": set(ChatCompletionRequest.model_fields),
     "/v1/completions": set(CompletionRequest.model_fields),
+    "/v1/responses": set(ResponsesRequest.model_fields),
 }
 
 
@@ -200,7 +279,7 @@ def _check(response: httpx.Response, body, path: str) -> None:
     if param is None and error.get("message", "").startswith("request body is not valid JSON"):
         return  # the refusal names the body: no field of it can be read
     assert isinstance(param, str) and param, (response.status_code, error, body)
-    head = param.split(".")[0]
+    head = re.split(r"[.\[]", param, maxsplit=1)[0]  # input[0].role -> input
     if isinstance(body, dict) and head != "body":
         assert head in body or head in FIELDS_OF[path], (param, sorted(body))
     assert error.get("message"), error
@@ -242,6 +321,20 @@ def test_mostly_valid_chat_bodies_never_5xx_and_name_the_field(server, body):
 @given(body=mutated_completion)
 def test_mostly_valid_completion_bodies_never_5xx_and_name_the_field(server, body):
     _post(server, "/v1/completions", body)
+
+
+@pytest.mark.slow
+@FUZZ
+@given(body=responses_body, extra=unknown_fields)
+def test_responses_bodies_never_5xx_and_name_the_field(server, body, extra):
+    _post(server, "/v1/responses", body, extra)
+
+
+@pytest.mark.slow
+@FUZZ_MUTATED
+@given(body=mutated_responses)
+def test_mostly_valid_responses_bodies_never_5xx_and_name_the_field(server, body):
+    _post(server, "/v1/responses", body)
 
 
 @pytest.mark.slow  # the real tokenizer; minutes of hypothesis on a loaded machine

@@ -124,7 +124,8 @@ def accept_drafts(
         q = jax.nn.one_hot(x, V, dtype=p.dtype)  # [Sv, k, V]
     q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]  # [Sv, k]
     u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key)))(accept_keys[:, :k])  # [Sv, k]
-    # u < p/q without dividing (q_x = 0 only for a draft q could not produce: reject).
+    # u < p/q without dividing; a draft with q_x = 0 (one q could not have drawn) is
+    # accepted iff p_x > 0, the limit of min(1, p/q).
     accepted = u * q_x < p_x
     argmax_p = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [Sv, k+1]
     accepted = jnp.where(greedy[:, None], x == argmax_p[:, :k], accepted)

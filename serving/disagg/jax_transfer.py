@@ -36,13 +36,14 @@ ends either as UNAVAILABLE before it has allocated any page (the prefill worker 
 pages at the gather). A thread blocked on a live peer cannot be cancelled: it stays parked
 until the process exits, where the runtime may abort ("terminate called ..." at exit).
 
-On this CPU build (JAX 0.10.2) the bare transfer calls work between two processes on one
-host (measured in benchmarks/RESULTS.md), but the serving path is tested in ONE process only
-(tests/test_kv_transfer_serving.py): the two-process test (prefill worker as
-`python -m serving.server --role=prefill --kv_transport=jax`, decode worker in the test
-process, tests/test_kv_transport_two_process.py) aborted the decode process (SIGABRT) during
-its first pull on 2026-12-04, so it is skipped until that is understood. On GPU/TPU the same
-calls move device memory over the network without staging it in host memory (not run).
+On this CPU build (JAX 0.10.2) the transfer calls work between processes on one host:
+tests/test_kv_transport_two_process.py runs a prefill worker, a decode worker and the router
+as three processes with `--kv_transport=jax` (tokens equal one engine's, every request
+pulled over jax), and tests/test_kv_transfer_serving.py both workers in one process (plus
+the gRPC fallback and the failure paths). A decode worker inside a pytest process aborted
+(SIGABRT) in its first pull on 2026-12-04; not seen with each worker in its own process.
+On GPU/TPU the same calls move device memory over the network without staging it in host
+memory (not run).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -325,12 +326,12 @@ class ResponsesApi:
         except Refusal as e:
             e.tenant = tenant
             api.generator.record_refusal(response_id, e, arrival_s)
-            return resp.refusal_response(e)
+            return resp.refusal_response(responses_refusal(e))
         wake = asyncio.Event()
         try:
             choices = api.submit_chat(request, body, setup, response_id, wake, arrival_s)
         except Refusal as e:
-            return resp.refusal_response(e)
+            return resp.refusal_response(responses_refusal(e))
         (choice,) = choices
         choice.chat_output = ChatOutput(api.chat_options.reasoning, _parsed_format(setup))
         run = _Run(self, tenant, req, response_id, conversation, choice)
@@ -368,6 +369,28 @@ class ResponsesApi:
         except InvalidRequestError as e:
             raise invalid(e) from e
         return body, conversation, setup
+
+
+# chat-completions fields a Responses request was translated into -> the field it sent
+RESPONSES_FIELD = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
+
+
+def responses_refusal(e: Refusal) -> Refusal:
+    """`e` naming the Responses field the client sent instead of the chat field it became
+    (max_output_tokens, not max_tokens): param and the message's leading FIELD=."""
+    head = re.match(r"[A-Za-z_]+", e.param or "")
+    if head is None or head.group(0) not in RESPONSES_FIELD:
+        return e
+    name = RESPONSES_FIELD[head.group(0)]
+    if e.details.startswith(e.param + "="):
+        e.details = name + e.details[len(e.param) :]
+    e.param = name
+    return e
 
 
 def _parsed_format(setup: ChatSetup):
