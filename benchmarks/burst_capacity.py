@@ -115,7 +115,8 @@ def run(a) -> dict:
     finally:
         proc.terminate()
         out["server2_exit_code"] = proc.wait(120)
-    out["calibration_files"] = sorted(os.listdir(os.path.join(root, "capacity")))
+    saved = os.path.join(root, "capacity")  # the calibration server 1 saved (real models)
+    out["calibration_files"] = sorted(os.listdir(saved)) if os.path.isdir(saved) else []
     return out
 
 

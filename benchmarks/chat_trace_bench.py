@@ -352,12 +352,18 @@ def main(argv: list[str] | None = None) -> int:
                "seed": int, "pool_fraction": float, "host_kv_gib": float}  # fmt: skip
     for name, kind in tunable.items():
         ap.add_argument(f"--{name}", type=kind, default=None)
+    engine_opts = ("max_num_batched_tokens", "prefill_chunk_size", "max_step_shapes")
+    for name in engine_opts:  # fewer step shapes compile faster (padding costs more)
+        ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     sizes = SIZES["smoke" if args.smoke else "full"]
     for name in tunable:
         if getattr(args, name) is not None:
             sizes = dataclasses.replace(sizes, **{name: getattr(args, name)})
+    engine = {**dict(sizes.engine)}
+    engine.update({k: getattr(args, k) for k in engine_opts if getattr(args, k) is not None})
+    sizes = dataclasses.replace(sizes, engine=tuple(engine.items()))
     from engine.runner import compilation_cache
 
     compilation_cache.enable()  # a rerun loads the warm-up's programs
