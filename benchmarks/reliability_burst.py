@@ -73,7 +73,7 @@ def wait_ready(port: int, timeout_s: float) -> None:
     raise TimeoutError(f"server on port {port} not SERVING within {timeout_s:.0f}s")
 
 
-async def _one(stub, i: int, max_tokens: int, deadline_s: float, tag: str) -> dict:
+async def chat_call(stub, i: int, max_tokens: int, deadline_s: float, tag: str) -> dict:
     req = build_request(
         messages=[{"role": "user", "content": f"Write a short note about topic number {i}."}],
         max_tokens=max_tokens,
@@ -98,7 +98,7 @@ async def _one(stub, i: int, max_tokens: int, deadline_s: float, tag: str) -> di
 
 async def _retry_after_hint(stub, i, r, max_tokens, deadline_s):
     await asyncio.sleep(r["retry_after_ms"] / 1e3)
-    return await _one(stub, i, max_tokens, deadline_s, "retry")
+    return await chat_call(stub, i, max_tokens, deadline_s, "retry")
 
 
 async def burst_and_retry(port: int, n: int, max_tokens: int, deadline_s: float, tag: str):
@@ -124,7 +124,7 @@ async def burst(port: int, n: int, max_tokens: int, deadline_s: float, tag: str,
         stubs = [pb_grpc.PagedJaxStub(c) for c in chans]
         for s in stubs:  # connect first, so connection set-up is not in the latencies
             await s.ListModels(pb.ListModelsRequest(), timeout=30)
-        calls = [_one(stubs[i % channels], i, max_tokens, deadline_s, tag) for i in range(n)]
+        calls = [chat_call(stubs[i % channels], i, max_tokens, deadline_s, tag) for i in range(n)]
         return await asyncio.gather(*calls)
     finally:
         for c in chans:
@@ -188,7 +188,7 @@ def wait_idle(port: int, timeout_s: float = 600) -> None:
             time.sleep(0.5)
 
 
-def _burst_with_probe(port, n, max_tokens, deadline_s, tag, probes: int) -> dict:
+def burst_with_probe(port, n, max_tokens, deadline_s, tag, probes: int) -> dict:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -219,10 +219,10 @@ def run(
 ):
     proc, port = start_server(model, server_args, log)
     try:
-        cold = _burst_with_probe(port, n, max_tokens, deadline_s, "cold", probes)
+        cold = burst_with_probe(port, n, max_tokens, deadline_s, "cold", probes)
         wait_idle(port)
         time.sleep(1.0)
-        warm = _burst_with_probe(port, n, max_tokens, deadline_s, "warm", probes)
+        warm = burst_with_probe(port, n, max_tokens, deadline_s, "warm", probes)
     finally:
         proc.terminate()  # SIGTERM: the server drains and exits 0
         returncode = proc.wait(120)

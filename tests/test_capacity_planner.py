@@ -182,3 +182,44 @@ def test_moe_active_vs_total_and_expert_parallel_weights():
     assert planner.moe_plan(SEED_MODEL, "bfloat16", 1) is None
     with pytest.raises(ValueError, match="expert_parallel=3: must divide num_experts=128"):
         planner.moe_plan(cfg, "bfloat16", 3)
+
+
+def test_host_tier_plan_tokens_sessions_and_hit_rates():
+    """The seed's device (30,720 pages of 2 MiB) with 64 running 150-token sequences (10 pages
+    each) caches 30,080 pages; a 100 GiB host tier holds 51,200. 1,000 sessions of 2,000
+    own tokens behind a 1,000-token prefix (63 pages) are 125,063 pages: the device alone
+    hits 30,080 / 125,063 of the sessions' context, with the host tier 51,200 / 125,063."""
+    from serving.capacity.planner_host import PrefixWorkload
+
+    out = seed_plan(
+        samples=[(100, 50)],
+        max_tokens=1024,
+        seq_lens=[8192],
+        max_num_seqs=64,
+        host_kv_bytes=100 * GIB,
+        prefix=PrefixWorkload(shared_prefix_tokens=1000, sessions=1000, session_tokens=2000),
+        host_bytes_per_s=20 * GIB,
+        prefill_tokens_per_s=10_000,
+    )
+    h = out["host_tier"]
+    assert (h["host_pages"], h["host_tokens"]) == (51_200, 51_200 * 16)
+    assert h["device_cache_tokens"] == (30_720 - 64 * 10) * 16
+    assert h["working_set_tokens"] == 125_063 * 16
+    assert h["hit_rate"]["device"] == pytest.approx(30_080 / 125_063)
+    assert h["hit_rate"]["device_and_host"] == pytest.approx(51_200 / 125_063)
+    assert h["sessions_that_fit"] == {"device": 240, "device_and_host": 409}
+    assert h["shared_prefix_cached"]
+    # 128 KiB per token at 20 GiB/s: 6.1 ms per 1k tokens vs 100 ms recomputed
+    assert h["reload_s_per_1k_tokens"] == pytest.approx(1000 * 128 / (20 * 1024**2))
+    assert h["reload_speedup"] == pytest.approx(0.1 / (1000 * 128 / (20 * 1024**2)))
+    text = planner.render_plan(out)
+    assert "host KV tier: 100.00 GiB = 51200 pages" in text
+    assert "hit rate of returning sessions' context 24% -> 41%" in text
+    # a working set that fits the host tier hits fully; no host tier and no sessions: no entry
+    small = PrefixWorkload(shared_prefix_tokens=0, sessions=100, session_tokens=2000)
+    out = seed_plan(samples=[(100, 50)], max_tokens=8, seq_lens=[8], host_kv_bytes=GIB * 100,
+                    prefix=small)  # fmt: skip
+    assert out["host_tier"]["hit_rate"]["device_and_host"] == 1.0
+    assert "host_tier" not in seed_plan(samples=[(100, 50)], max_tokens=8, seq_lens=[8])
+    with pytest.raises(ValueError, match="sessions=-1 is invalid"):
+        PrefixWorkload(sessions=-1)

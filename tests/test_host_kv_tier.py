@@ -399,3 +399,22 @@ def test_warm_builds_every_copy_program_and_int8_pages_round_trip():
         now = np.asarray(getattr(kv, name))
         np.testing.assert_array_equal(now[:, :, [1, 2, 4]], was[:, :, [3, 5, 6]])
     assert compiles.count() == before
+
+
+@pytest.mark.compile  # its own engines (the step shapes of this module)
+def test_chat_trace_bench_smoke_host_tier_serves_what_the_device_evicted(tiny_model):
+    """The multi-turn chat trace on 6 device pages (working set 13): device only, a returning
+    conversation finds at most the system prompt's page; with the host tier every page an
+    earlier turn computed comes back, and every reply is the same."""
+    from benchmarks.chat_trace_bench import SIZES, measure, render
+
+    result = measure(SIZES["smoke"], model=tiny_model, warm=False)
+    assert result["replies_identical"]
+    [device], [host] = result["runs"]["device"], result["runs"]["host"]
+    assert device["requests"] == host["requests"] == 12
+    assert host["hit_rate_of_reusable"] == 1.0 > device["hit_rate_of_reusable"]
+    assert host["host_hit_tokens"] > 0 and device["host_hit_tokens"] == 0
+    assert host["tokens_computed"] < device["tokens_computed"]
+    hs = result["host_stats"]
+    assert 0 <= hs["host_kv_loads_hidden"] <= hs["host_kv_load_launches"] > 0
+    assert "host tier / device only" in render(result)

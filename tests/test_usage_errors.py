@@ -156,6 +156,7 @@ def test_loadgen_flags(flag, message):
         ("--seq_lens=1024,abc", "--seq_lens=1024,abc: positive integers"),
         ("--device_memory_gib=1", "leaves no KV budget"),
         ("--kv_dtype=fp7", "--kv_dtype=fp7: one of"),
+        ("--sessions=10", "--session_tokens=0.0: must be > 0 when --sessions is given"),
     ],
 )
 def test_planner_flags(flag, message):

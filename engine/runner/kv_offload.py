@@ -158,21 +158,29 @@ class KVOffload:
         self.tier.stats.save_s += time.perf_counter() - t0
 
     def flush(self, kv: PagedKVCache) -> PagedKVCache:
-        """Dispatch this launch's saves, then its loads; returns the cache to step on."""
+        """Dispatch this launch's saves, then its loads; returns the cache to step on. The
+        host reads of every load come first: with async scheduling they run while the step
+        dispatched before is still computing (counted in `loads_hidden` when it still was
+        once they were done), and only the scatters wait for that step on the device."""
         self.dispatch_saves(kv)
         loads = self.tier.take_loads()
         if not loads:
             return kv
         t0 = time.perf_counter()
+        chunks = []
         for start in range(0, len(loads), self.max_bucket):
             chunk = loads[start : start + self.max_bucket]
             ids = self._padded_ids([page for page, _ in chunk])
             entries = [entry for _, entry in chunk]
             entries += [entries[0]] * (len(ids) - len(entries))  # padding: null page
-            arrays = self.tier.read(entries)
-            kv = scatter_pages(kv, ids, PagedKVCache(**arrays))
-        self.tier.stats.loaded_pages += len(loads)
-        self.tier.stats.load_s += time.perf_counter() - t0
+            chunks.append((ids, PagedKVCache(**self.tier.read(entries))))
+        stats = self.tier.stats
+        stats.load_launches += 1
+        stats.loads_hidden += not kv.k_pages.is_ready()  # the step before still computes
+        for ids, pages in chunks:
+            kv = scatter_pages(kv, ids, pages)
+        stats.loaded_pages += len(loads)
+        stats.load_s += time.perf_counter() - t0
         return kv
 
     # ---- warm-up ---------------------------------------------------------------------------

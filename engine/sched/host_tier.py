@@ -58,6 +58,8 @@ class HostTierStats:
     dropped_offers: int = 0  # evicted device pages not kept: every slot was SAVING
     save_s: float = 0.0  # host seconds the runner spent on saves (dispatch + landing)
     load_s: float = 0.0  # host seconds the runner spent on loads (read + dispatch)
+    load_launches: int = 0  # launches that loaded pages
+    loads_hidden: int = 0  # ... whose host reads ended while the step before still computed
 
 
 class HostKVTier:
@@ -243,4 +245,6 @@ def host_tier_stats(tier: HostKVTier | None) -> dict:
         "host_kv_dropped_offers": s.dropped_offers,
         "host_kv_save_s": s.save_s,
         "host_kv_load_s": s.load_s,
+        "host_kv_load_launches": s.load_launches,
+        "host_kv_loads_hidden": s.loads_hidden,
     }

@@ -6,6 +6,7 @@ capacity into memory and replicas.
                         __init__ maps it)
     planner.py          `pagedjax-planner`: KV memory feasibility and replicas for a demand
     planner_disagg.py   the planner's prefill/decode split (`pagedjax-planner disagg`)
+    planner_host.py     the plan's host KV tier: prefix tokens that fit, expected hit rates
 
 May import: configs, serving/proto/, serving/flags.py, serving/extras.py. A client of the
 server, never the server: not engine, serving/frontend/, grpc_api/, http/, engine_host/,

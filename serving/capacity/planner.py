@@ -34,6 +34,10 @@ experts, attention and the rest replicated on each):
         (dispatch + combine: each of the k copies of a token's hidden state leaves its
         device unless its expert is local, and comes back weighted)
 
+Host KV tier (`--host_kv_gib` with the prefix workload `--shared_prefix_tokens --sessions
+--session_tokens`): the tokens each tier caches, the sessions that fit and the expected hit
+rate with and without it (serving/capacity/planner_host.py).
+
 Replicas (goodput per replica measured by a rate sweep's operating point, not saturation):
 
     replicas              = ceil(demand / goodput_per_replica x (1 + reserve))
@@ -53,6 +57,7 @@ from absl import app, flags
 from configs import kv_memory
 from configs.model_config import ModelConfig, from_name
 from serving import flags as shared
+from serving.capacity.planner_host import PrefixWorkload, host_tier_plan, render_host_tier
 
 GIB = 1024**3
 
@@ -252,6 +257,11 @@ def plan(
     prefill_chunk: int = 256,
     weight_dtype: str = "bfloat16",
     expert_parallel: int = 1,
+    max_num_seqs: int | None = None,
+    host_kv_bytes: int = 0,
+    prefix: PrefixWorkload | None = None,
+    host_bytes_per_s: float | None = None,
+    prefill_tokens_per_s: float | None = None,
 ) -> dict:
     mem = memory_plan(
         cfg, kv_dtype, device_memory_bytes, weights_bytes, workspace_bytes, page_size, utilization
@@ -284,6 +294,19 @@ def plan(
     release = local_release_plan(cfg, kv_dtype, page_size, prefill_chunk, seq_lens)
     if release is not None:
         out["local_page_release"] = release
+    if host_kv_bytes or (prefix is not None and prefix.sessions):
+        expected = out["concurrent_sequences_expected"]
+        out["host_tier"] = host_tier_plan(
+            kv_pages=mem.num_pages,
+            page_size=page_size,
+            kv_bytes_per_token=mem.kv_bytes_per_token,
+            host_kv_bytes=host_kv_bytes,
+            running_sequences=min(max_num_seqs or expected, expected),
+            mean_pages_per_sequence=lengths["mean_pages_expected"],
+            workload=prefix or PrefixWorkload(),
+            host_bytes_per_s=host_bytes_per_s,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
     if rate_rps is not None:
         out["output_token_demand_tps"] = output_token_demand(
             rate_rps, lengths["mean_output_tokens"]
@@ -323,6 +346,8 @@ def render_plan(p: dict) -> str:
             f"demand: {p['output_token_demand_tps']:.0f} output tok/s, "
             f"{p['input_token_demand_tps']:.0f} input tok/s"
         )
+    if "host_tier" in p:
+        lines += render_host_tier(p["host_tier"])
     if "replicas" in p:
         lines.append(f"replicas: {p['replicas']} = {p['replica_formula']}")
     if "moe" in p:
@@ -375,6 +400,13 @@ flags.DEFINE_float("rate", None, "demand (requests/s)")
 flags.DEFINE_float("goodput_per_replica", None, "measured goodput of one replica (req/s)")
 flags.DEFINE_string("sweep_json", None, "take goodput_per_replica from a sweep.json")
 flags.DEFINE_float("reserve", 0.2, "headroom fraction (failures, rollouts, bursts)")
+flags.DEFINE_integer("max_num_seqs", 64, "host tier: sequences the server runs at once")
+flags.DEFINE_float("host_kv_gib", 0.0, "host memory for evicted prefix-cache pages (GiB)")
+flags.DEFINE_integer("shared_prefix_tokens", 0, "host tier: prefix every request shares")
+flags.DEFINE_integer("sessions", 0, "host tier: sessions that come back (chats, agents)")
+flags.DEFINE_float("session_tokens", 0.0, "host tier: mean reusable context per session")
+flags.DEFINE_float("host_gib_per_s", None, "host tier: measured reload bandwidth (GiB/s)")
+flags.DEFINE_float("prefill_tokens_per_s", None, "host tier: measured prefill rate")
 flags.DEFINE_enum("format", "text", ["text", "json"], "output format")
 
 
@@ -412,11 +444,21 @@ def check_flags(argv) -> None:
         )
     for flag in ("device_memory_gib", "prompt_median", "output_median"):
         shared.check_positive(flag, getattr(F, flag))
-    for flag in ("workspace_gib", "prompt_sigma", "output_sigma", "reserve"):
+    for flag in ("workspace_gib", "prompt_sigma", "output_sigma", "reserve", "host_kv_gib",
+                 "shared_prefix_tokens", "sessions", "session_tokens"):  # fmt: skip
         shared.check_positive(flag, getattr(F, flag), allow_zero=True)
     shared.check_positive("weights_gib", F.weights_gib, allow_zero=True, allow_none=True)
     shared.check_positive("rate", F.rate, allow_none=True)
     shared.check_positive("goodput_per_replica", F.goodput_per_replica, allow_none=True)
+    for flag in ("host_gib_per_s", "prefill_tokens_per_s"):
+        shared.check_positive(flag, getattr(F, flag), allow_none=True)
+    shared.require("max_num_seqs", F.max_num_seqs, F.max_num_seqs >= 1, ">= 1")
+    shared.require(
+        "session_tokens",
+        F.session_tokens,
+        not F.sessions or F.session_tokens > 0,
+        "> 0 when --sessions is given",
+    )
     shared.check_fraction("utilization", F.utilization, low_open=True)
     shared.require("rho", F.rho, -1 <= F.rho <= 1, "-1 <= rho <= 1")
     shared.require("page_size", F.page_size, F.page_size >= 1, ">= 1")
@@ -489,6 +531,11 @@ def main(argv):
             prefill_chunk=F.prefill_chunk,
             weight_dtype=F.weight_dtype,
             expert_parallel=F.expert_parallel,
+            max_num_seqs=F.max_num_seqs,
+            host_kv_bytes=int(F.host_kv_gib * GIB),
+            prefix=PrefixWorkload(F.shared_prefix_tokens, F.sessions, F.session_tokens),
+            host_bytes_per_s=F.host_gib_per_s and F.host_gib_per_s * GIB,
+            prefill_tokens_per_s=F.prefill_tokens_per_s,
         )
     except ValueError as e:  # e.g. weights + workspace leave no KV memory, experts / devices
         raise shared.UsageError("", "", str(e)) from None
