@@ -451,6 +451,39 @@ def test_server_metrics_export_the_expert_load():
     assert 'expert="1"' not in text  # never routed: no series
 
 
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize("checkpoint", ["mixtral"], indirect=True)
+def test_server_metrics_show_a_served_moe_models_expert_load(checkpoint):
+    """The tiny Mixtral served in-process (the engine of the tests above, so the same
+    programs): after one request, /metrics has imbalance observations and per-expert
+    tokens summing to the tokens processed x k x layers."""
+    import re
+
+    import httpx
+
+    from engine import LLM
+    from serving.testing import running_server, wait_for
+
+    llm = LLM(checkpoint[3], **ENGINE_OPTS)
+    cfg = llm.model.config
+    with running_server(llm.engine, http_port=0, capacity_probe=False) as (server, client):
+        assert client.generate("a tiny prompt for the experts", max_tokens=4).code == "OK"
+        url = f"http://127.0.0.1:{server.http_port}/metrics"
+
+        def expert_tokens() -> float:
+            text = httpx.get(url).text
+            return sum(
+                float(v) for v in re.findall(r"pagedjax_moe_expert_tokens_total\{.*\} (\S+)", text)
+            )
+
+        routed = llm.stats()["tokens_processed"] * cfg.num_experts_per_tok * cfg.num_layers
+        wait_for(lambda: expert_tokens() == routed, what="per-expert tokens on /metrics")
+        text = httpx.get(url).text
+        steps = re.search(r"pagedjax_moe_expert_imbalance_count\{.*\} (\S+)", text)
+        assert steps and float(steps.group(1)) == llm.stats()["moe_steps"] > 0
+
+
 # ---- the Pallas grouped matmul (TPU kernel, interpret mode) -----------------------------------
 GROUPS = [[10, 0, 27, 0], [37, 0, 0, 0], [0, 0, 0, 37], [5, 9, 0, 23], [3, 4, 0, 10]]
 
