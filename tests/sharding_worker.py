@@ -55,7 +55,8 @@ def describe(llm: LLM, prompts, ref) -> dict:
     out = generate(llm, prompts)
     eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
     p = eng.runner.params
-    expert_tokens = eng.stats().get("moe_expert_tokens")  # MoE: after one run of prompts
+    # MoE: after one run of the prompts (data-parallel: summed over the replicas)
+    expert_tokens = llm.stats().get("moe_expert_tokens")
     before = compiles.count()
     again = generate(llm, prompts)  # a second run must reuse the compiled steps
     return {
