@@ -376,6 +376,7 @@ class EngineCore:
             "tokens": step.plan.total_num_scheduled_tokens,
             "requests": len(step.plan.scheduled),
             "device_wait_ms": round((t1 - t0) * 1e3, 2),
+            "step": self.num_steps,  # which step: a caller polling it sees a repeat as one
         }  # fmt: skip
         if aux is not None and self.expert_load is not None:
             self.last_step_info.update(self.expert_load.observe(aux))

@@ -436,7 +436,9 @@ def test_server_metrics_export_the_expert_load():
     from serving.frontend.metrics import ServerMetrics
 
     metrics = ServerMetrics("m", "r1", compat="none")
-    metrics.observe_step([], {"expert_imbalance": 1.3, "routed_tokens": 44})
+    info = {"expert_imbalance": 1.3, "routed_tokens": 44, "step": 7}
+    metrics.observe_step([], info)
+    metrics.observe_step([], info)  # a step() that ran no device step: not observed again
     metrics.observe_step([], {"tokens": 3})  # a dense model's step: nothing observed
     metrics.observe_stats({"moe_expert_tokens_by_expert": [4, 0, 7, 1]}, num_queued=0)
     metrics.observe_stats({"moe_expert_tokens_by_expert": [6, 0, 7, 3]}, num_queued=0)

@@ -248,6 +248,7 @@ class ServerMetrics:
             "Actual seconds from admission to the end of admitted requests",
         )
         self._last_stats: dict[str, float] = {}
+        self._last_moe_step: int | None = None  # the engine step last put in moe_imbalance
         self.compat = None
         if compat == "vllm":  # gateway model-server protocol (GIE, llm-d, KServe)
             from serving.gateway.metrics_compat import VllmCompatCollector
@@ -287,8 +288,12 @@ class ServerMetrics:
         """One engine step's outputs (RequestOutput deltas): tokens it generated; and from
         the engine's `last_step_info` (None: not available) an MoE step's expert imbalance."""
         self.step_generated_tokens.observe(sum(len(o.new_token_ids) for o in outputs))
-        if step_info and step_info.get("expert_imbalance"):  # 0.0: nothing was routed
-            self.moe_imbalance.observe(step_info["expert_imbalance"])
+        # NOTE: a step() call that processed no device step leaves last_step_info as it was:
+        # each engine step (its "step" number) is observed once; 0.0: nothing was routed.
+        info = step_info or {}
+        if info.get("expert_imbalance") and info.get("step") != self._last_moe_step:
+            self._last_moe_step = info.get("step")
+            self.moe_imbalance.observe(info["expert_imbalance"])
 
     def observe_stats(self, stats: dict, num_queued: int) -> None:
         """Gauges from the engine's stats(); cumulative engine counters become increments."""
