@@ -50,7 +50,7 @@ def _runner(params, cfg, case: Case):
     state = [DeviceState.without_penalties(kv, shape.num_prefill_seqs)]  # penalties unused
 
     def run():
-        state[0], packed = step_module.engine_step(
+        state[0], packed, _ = step_module.engine_step(
             params, state[0], batch, cfg=cfg, shape=shape, flags=GREEDY_FLAGS,
             use_penalties=False,
         )  # fmt: skip

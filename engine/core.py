@@ -5,7 +5,8 @@ One step, synchronous (`EngineConfig(async_scheduling=False)`), all on the calle
     plan = scheduler.schedule(now)             host: who computes how many tokens (committed)
     built = builder.build(plan.scheduled)      host: numpy gathers from per-slot state
     packed = runner.run(batch, shape, program) device: one jitted call, state donated
-    packed = device_get(packed)                the one device->host transfer (wait)
+    packed = device_get(packed)                the one device->host transfer (wait; with
+                                               an MoE model the step's expert load rides along)
     scheduler.receive_tokens(plan, tokens)     host: append sampled tokens, cache pages
     outputs.emit: stop checks (EOS, stop ids/strings, max_tokens) -> RequestOutput deltas
 
@@ -71,6 +72,7 @@ from engine.errors import InvalidRequestError
 from engine.lora.adapters import UnknownAdapterError
 from engine.parallel import sharding
 from engine.runner import compiles
+from engine.runner.expert_load import ExpertLoad
 from engine.runner.kv_offload import KVOffload
 from engine.runner.model_runner import ModelRunner
 from engine.runner.programs import StepProgram, structured_bitmask
@@ -85,6 +87,7 @@ from engine.sched.scheduler import Scheduler, SchedulerOutput
 from engine.spec.decode import Proposal, SpecDecoder
 from engine.spec.step import spec_engine_step
 from engine.structured.matcher import StructuredRequests
+from models.families import aux_output
 from models.registry import engine_model
 from pallas_kernels import resolve_impl
 
@@ -124,6 +127,7 @@ class _Launched:
     proposal: Proposal | None = None
     verified: tuple | None = None
     dispatched_at: float = 0.0
+    aux: jax.Array | None = None  # the step's auxiliary output (MoE expert load) on device
 
 
 class EngineCore:
@@ -195,6 +199,9 @@ class EngineCore:
         self.timings = StepTimings()
         self.num_steps = 0
         self.last_step_info: dict | None = None  # the last processed step (serving trace)
+        # MoE models: per-step expert load (engine/runner/expert_load.py); None otherwise
+        moe = aux_output(self.cfg) == "expert_tokens"
+        self.expert_load = ExpertLoad.for_config(self.cfg) if moe else None
         self.num_tokens_processed = 0
         self.num_failed_steps = 0
         self.spec = None
@@ -343,18 +350,18 @@ class EngineCore:
             self.timings.schedule_s += t1 - t0
             self.timings.build_s += t2 - t1
             self.timings.dispatch_s += t3 - t2
-        return _Launched(plan, built, packed)
+        return _Launched(plan, built, packed, aux=self.runner.last_step_aux)
 
     def _finish_step(self, step: _Launched, outputs: list[RequestOutput]) -> None:
         """Wait for a launched step, then fill in its tokens and emit the deltas."""
         t0 = time.perf_counter()
         try:
-            packed = np.asarray(jax.device_get(step.packed))
+            packed, aux = jax.device_get((step.packed, step.aux))  # one wait for both
         except Exception as e:
             self._fail(step.plan, e, outputs)
             return
         t1 = time.perf_counter()
-        result = SampleResult.unpack(packed)
+        result = SampleResult.unpack(np.asarray(packed))
         tokens = result.tokens[step.built.sampler_rows]  # [len(scheduled)]
         now = time.monotonic()
         if (tokens == NONFINITE_TOKEN).any():  # the per-row check only when needed
@@ -369,7 +376,10 @@ class EngineCore:
             "tokens": step.plan.total_num_scheduled_tokens,
             "requests": len(step.plan.scheduled),
             "device_wait_ms": round((t1 - t0) * 1e3, 2),
+            "step": self.num_steps,  # which step: a caller polling it sees a repeat as one
         }  # fmt: skip
+        if aux is not None and self.expert_load is not None:
+            self.last_step_info.update(self.expert_load.observe(aux))
         received, got = self.scheduler.receive_tokens(step.plan, tokens.tolist(), now)
         t2 = time.perf_counter()
         logprobs = (  # no per-row pass when no row asked for logprobs
@@ -497,6 +507,7 @@ class EngineCore:
             **{f"host_{k}": v for k, v in self.timings.as_dict_ms().items()},
             **({} if self.spec is None else self.spec.stats.as_dict()),
             **({} if self.adapters is None else self.adapters.stats()),
+            **({} if self.expert_load is None else self.expert_load.stats()),
         }
 
 

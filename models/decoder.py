@@ -10,6 +10,11 @@ A family supplies its layer body; the scaffold owns what is the same for all of 
 - the LM head (tied or not, int8 or float) and optional final logit soft-capping.
 
     body(x [T, D], cache, w (one layer's weights), layer int32, kind, proj) -> (x, cache)
+
+A family with an auxiliary per-layer output (models/families.py `AUX_OUTPUT`: MoE expert
+token counts) runs with `with_aux=True`: its body then returns (x, cache, aux) and the
+scaffold stacks the layers' aux in layer order, [L, ...], beside the logits. Without it the
+traced program is the plain one.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ def decoder_forward(
     embed_scale: float | None = None,
     norm_offset: float = 0.0,
     final_softcap: float | None = None,
-) -> tuple[Array, Any]:
-    """Returns (logits [R, V] float32, cache); see the module doc for `body`."""
+    with_aux: bool = False,
+) -> tuple[Array, Any] | tuple[Array, Any, Array]:
+    """Returns (logits [R, V] float32, cache), with `with_aux` also the layers' aux [L, ...];
+    see the module doc for `body`."""
     x = params.embed[token_ids]  # [T, D]
     if embed_scale is not None:  # Gemma: sqrt(D), rounded to the weights' dtype first
         x = x * jnp.asarray(embed_scale, x.dtype)
@@ -81,7 +88,10 @@ def decoder_forward(
     def step(kind, carry, xs):
         x, cache = carry
         w, layer, lw = xs
-        return body(x, cache, w, layer, kind, _proj_fn(w, lw, lora_mask)), None
+        out = body(x, cache, w, layer, kind, _proj_fn(w, lw, lora_mask))
+        return (out[:2], out[2]) if with_aux else (out, None)
+
+    auxes = []  # with_aux: [layers of the run, ...] per run, or one per unrolled layer
 
     if not isinstance(params.layers, tuple):  # stacked [L, ...]: one traced body per run
         for start, end, kind in _runs(kinds):
@@ -95,7 +105,8 @@ def decoder_forward(
             if lw is not None and not whole:
                 lw = jax.tree.map(sl, lw)
             xs = (ws, jnp.arange(start, end, dtype=jnp.int32), lw)
-            (x, cache), _ = jax.lax.scan(functools.partial(step, kind), (x, cache), xs)
+            (x, cache), aux = jax.lax.scan(functools.partial(step, kind), (x, cache), xs)
+            auxes.append(aux)
     else:  # a tuple of per-layer weights: the layers unrolled, each reads its own arrays
         for i, w in enumerate(params.layers):
             lw = lora_weights
@@ -103,10 +114,13 @@ def decoder_forward(
                 lw = jax.tree.map(lambda a, i=i: a[i], lw)
             elif lw is not None:
                 lw = lw[i]
-            (x, cache), _ = step(kinds[i], (x, cache), (w, jnp.int32(i), lw))
+            (x, cache), aux = step(kinds[i], (x, cache), (w, jnp.int32(i), lw))
+            auxes.append(None if aux is None else aux[None])
     if logits_indices is not None:
         x = x[logits_indices]  # [R, D]
     x = rms_norm(x, params.final_norm, cfg.norm_eps, norm_offset)
     head = params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
     logits = linear(x, head, "RD,DV->RV", out_dtype=jnp.float32)
+    if with_aux:
+        return soft_cap(logits, final_softcap), cache, jnp.concatenate(auxes)
     return soft_cap(logits, final_softcap), cache

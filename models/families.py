@@ -17,6 +17,10 @@ split at load), optionally `hf_layer_arrays(t, cfg, layer, shapes)` (a layer's o
 weights in our layout: MoE expert stacks) with `hf_projection_fields(cfg, layer)` (which of
 the seven it reads by Llama's names), `GGUF_NAMES` (llama.cpp tensor names beyond
 Llama's), `NORMS` (fields to initialise to 1), `HF_ARCHITECTURES` and `GGUF_ARCHITECTURES`.
+Optionally `AUX_OUTPUT`: the name of a small per-step array its `forward` also returns when
+called with `real_tokens=` ([T] bool, the non-padding rows): the MoE families' "expert_tokens"
+[L, E] int32. The engine reports it (`forward_with_aux`); a family without one is called
+exactly as before, so its step program is unchanged.
 
 The engine calls `forward`, `param_shapes` and `init_params` here; it never names a family.
 """
@@ -96,6 +100,22 @@ def family_for_gguf(arch: str, path: str) -> str:
 def forward(params, cfg: ModelConfig, *args, **kwargs) -> tuple[jax.Array, Any]:
     """`models.llama.forward`'s contract, run by the family of `cfg`."""
     return family_of(cfg).forward(params, cfg, *args, **kwargs)
+
+
+def aux_output(cfg: ModelConfig) -> str | None:
+    """The name of the auxiliary step output of `cfg`'s family (None: it has none)."""
+    return getattr(family_of(cfg), "AUX_OUTPUT", None)
+
+
+def forward_with_aux(
+    params, cfg: ModelConfig, *args, real_tokens: jax.Array | None, **kwargs
+) -> tuple[jax.Array, Any, jax.Array | None]:
+    """`forward` plus the family's auxiliary output (`aux_output`), or None for a family
+    without one (`real_tokens` is then not read, and may be None)."""
+    family = family_of(cfg)
+    if aux_output(cfg) is None:
+        return (*family.forward(params, cfg, *args, **kwargs), None)
+    return family.forward(params, cfg, *args, real_tokens=real_tokens, **kwargs)
 
 
 def param_shapes(cfg: ModelConfig):

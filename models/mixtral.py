@@ -25,6 +25,7 @@ from models.llama import AttentionFn, Params
 from models.lora import LoraInputs
 
 Array = jax.Array
+AUX_OUTPUT = moe.AUX_OUTPUT  # forward(..., real_tokens=) also returns the expert load
 
 HF_ARCHITECTURES = ("MixtralForCausalLM",)
 GGUF_ARCHITECTURES = ()  # llama.cpp writes Mixtral as "llama" with expert_count (gguf_loader)
@@ -84,8 +85,10 @@ def forward(
     attention: AttentionFn,
     logits_indices: Array | None = None,
     lora: LoraInputs | None = None,
-) -> tuple[Array, Any]:
-    """Same contract as `models.llama.forward`."""
+    real_tokens: Array | None = None,
+) -> tuple[Array, Any] | tuple[Array, Any, Array]:
+    """Same contract as `models.llama.forward`; with `real_tokens` [T] bool (the non-padding
+    rows) also returns AUX_OUTPUT, the expert token counts [L, E] int32 (models/moe.py)."""
     inv_freq = llama_family.rope_inv_freq(cfg)
     eps = cfg.norm_eps
 
@@ -97,7 +100,8 @@ def forward(
         attn, cache = attention(q, k, v, layer, cache)  # [T, H, hd]
         x = x + proj("wo", attn, 2)
         h = llama_family.rms_norm(x, w.mlp_norm, eps)
-        return x + moe.mlp_block(cfg, h, w, kind, proj), cache
+        out, aux = moe.mlp_block(cfg, h, w, kind, proj, real_tokens)
+        return (x + out, cache, *aux)
 
     return decoder_forward(
         params,
@@ -109,6 +113,7 @@ def forward(
         logits_indices,
         lora,
         layer_kinds=cfg.layer_kinds(),
+        with_aux=real_tokens is not None,
     )
 
 

@@ -19,6 +19,11 @@ data, and the result equals the dense per-expert loop of the reference up to sum
 Padding rows of the engine's bucketed batch are routed like any token (their output is
 discarded).
 
+Expert load (the family's auxiliary output, models/families.py `AUX_OUTPUT`): given
+`real_tokens` [T] bool (the engine's non-padding rows), each layer also returns how many real
+tokens chose each expert, [E] int32 (zeros for a dense layer); the decoder scaffold stacks
+them to [L, E]. Summed over experts: real tokens x k per sparse layer.
+
 NOTE: on XLA:CPU `ragged_dot` lowers to one dense [T*k, E*D] x [E*D, F] matmul with masks
 (E times the FLOPs of the grouped product), so the model runs `pallas_kernels.grouped_matmul`
 (`MoeConfig.grouped_matmul`): `lax` loops over the groups on CPU, ragged_dot elsewhere, a
@@ -48,6 +53,9 @@ Array = jax.Array
 GroupedMatmul = Callable[[Array, Array, Array], Array]
 ROUTINGS = ("topk_softmax", "softmax_topk")
 SPARSE, DENSE = "moe", "dense"
+# the families' auxiliary step output (models/families.py): [L, E] int32 real tokens routed
+# to each expert in each layer (dense layers: zeros)
+AUX_OUTPUT = "expert_tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +206,14 @@ def sort_by_expert(experts: Array, num_experts: int) -> tuple[Array, Array]:
     return order, group_sizes
 
 
+def expert_token_counts(experts: Array, real_tokens: Array, num_experts: int) -> Array:
+    """experts [T, k] int32, real_tokens [T] bool -> [E] int32: the real tokens routed to
+    each expert (a token counts once per choice; padding rows not at all)."""
+    k = experts.shape[1]
+    weights = jnp.repeat(real_tokens.astype(jnp.int32), k)  # [T*k]
+    return jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(weights)
+
+
 def moe_mlp(
     h: Array,
     router: Array,
@@ -210,9 +226,11 @@ def moe_mlp(
     norm_topk_prob: bool = True,
     act: str = "silu",
     grouped_matmul: GroupedMatmul = ragged_matmul,
-) -> Array:
+    real_tokens: Array | None = None,
+) -> Array | tuple[Array, Array]:
     """The sparse MLP (module doc). h [T, D], router [D, E], w_gate/w_up [E, D, F],
-    w_down [E, F, D] -> [T, D] in h's dtype."""
+    w_down [E, F, D] -> [T, D] in h's dtype; with `real_tokens` [T] bool also the expert
+    token counts [E] int32 (`expert_token_counts`)."""
     T, D = h.shape
     E = router.shape[-1]
     logits = jnp.dot(h, router, preferred_element_type=jnp.float32)  # [T, E]
@@ -224,14 +242,22 @@ def moe_mlp(
     y = grouped_matmul(layers.gated_mlp(gate, up, act), w_down, group_sizes)  # [T*k, D]
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back to (token, choice)
     out = jnp.sum(y.reshape(T, top_k, D).astype(jnp.float32) * weights[..., None], axis=1)
+    if real_tokens is not None:
+        return out.astype(h.dtype), expert_token_counts(experts, real_tokens, E)
     return out.astype(h.dtype)  # [T, D]
 
 
-def mlp_block(cfg: MoeConfig, h: Array, w, kind: str, proj) -> Array:
-    """The layer's MLP: dense (via `proj`, LoRA-capable) or sparse, by the layer's kind."""
+def mlp_block(
+    cfg: MoeConfig, h: Array, w, kind: str, proj, real_tokens: Array | None = None
+) -> tuple[Array, tuple]:
+    """The layer's MLP: dense (via `proj`, LoRA-capable) or sparse, by the layer's kind.
+    Returns (out [T, D], aux): aux is () without `real_tokens`, else (expert token counts
+    [E] int32,), zeros in a dense layer; a family's layer body returns (x, cache, *aux)."""
     if kind == DENSE:
-        return proj("w_down", layers.gated_mlp(proj("w_gate", h), proj("w_up", h), "silu"))
-    return moe_mlp(
+        out = proj("w_down", layers.gated_mlp(proj("w_gate", h), proj("w_up", h), "silu"))
+        no_counts = jnp.zeros(cfg.num_experts, jnp.int32)
+        return out, () if real_tokens is None else (no_counts,)
+    out = moe_mlp(
         h,
         w.router,
         w.moe_gate,
@@ -241,7 +267,9 @@ def mlp_block(cfg: MoeConfig, h: Array, w, kind: str, proj) -> Array:
         routing=cfg.routing,
         norm_topk_prob=cfg.norm_topk_prob,
         grouped_matmul=grouped_matmul_fn(cfg.grouped_matmul),
+        real_tokens=real_tokens,
     )
+    return (out, ()) if real_tokens is None else (out[0], out[1:])
 
 
 def moe_dense_reference(h, router, w_gate, w_up, w_down, *, top_k, routing, norm_topk_prob):

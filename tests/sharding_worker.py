@@ -55,12 +55,15 @@ def describe(llm: LLM, prompts, ref) -> dict:
     out = generate(llm, prompts)
     eng = llm.engine.replicas[0] if hasattr(llm.engine, "replicas") else llm.engine
     p = eng.runner.params
+    # MoE: after one run of the prompts (data-parallel: summed over the replicas)
+    expert_tokens = llm.stats().get("moe_expert_tokens")
     before = compiles.count()
     again = generate(llm, prompts)  # a second run must reuse the compiled steps
     return {
         "same": out == ref,
         "again_same": again == ref,
         "recompiled": compiles.count() - before,
+        "expert_tokens": expert_tokens,
         "num_kv_heads": eng.cfg.num_kv_heads,
         "grouped_matmul": getattr(eng.cfg, "grouped_matmul", None),
         "specs": {
@@ -100,6 +103,7 @@ def run(model, prompts, meshes, load_name: str | None = None) -> dict:
         "ref": ref,
         "ref_kv_bytes": single.engine.runner.state.kv.num_bytes,
         "ref_weights_bytes": single.stats()["weights_bytes"],
+        "ref_expert_tokens": single.stats().get("moe_expert_tokens"),
     }
     for mesh in meshes:
         llm = LLM(load_name or model, mesh=mesh, **OPTS)

@@ -295,6 +295,17 @@ def test_logits_match_transformers(checkpoint, layer_loop):
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=1e-4)
 
 
+# the engine of the greedy and expert-load tests (one set of compiled programs per family)
+ENGINE_OPTS = dict(
+    page_size=8,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    prefill_chunk_size=16,
+    max_model_len=128,
+    num_pages=64,
+)
+
+
 @pytest.mark.slow
 @pytest.mark.compile
 @pytest.mark.parametrize("checkpoint", ["mixtral", "qwen3_moe"], indirect=True)
@@ -307,15 +318,7 @@ def test_engine_greedy_matches_transformers(checkpoint):
     _, family, ref_model, folder = checkpoint
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 35, 21, 40)]
-    llm = LLM(
-        folder,
-        page_size=8,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        prefill_chunk_size=16,
-        max_model_len=128,
-        num_pages=64,
-    )
+    llm = LLM(folder, **ENGINE_OPTS)
     assert type(llm.model.config).family == family
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -330,6 +333,157 @@ def test_engine_greedy_matches_transformers(checkpoint):
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert out.token_ids == ref, (family, len(prompt))
+
+
+# ---- expert load: engine/runner/expert_load.py ------------------------------------------------
+def test_expert_token_counts_skip_padding_rows():
+    experts = jnp.array([[0, 1], [1, 3], [3, 2], [0, 0]], jnp.int32)  # row 3: padding
+    real = jnp.array([True, True, True, False])
+    counts = moe.expert_token_counts(experts, real, 4)
+    assert counts.tolist() == [1, 2, 1, 2]
+    from engine.runner.expert_load import imbalance
+
+    assert imbalance(np.array([[1, 2, 1, 2], [6, 0, 0, 0]])) == pytest.approx((2 + 6) / 3)
+    assert imbalance(np.zeros((2, 4))) == 0.0
+
+
+def _router_reference(ref_model, ids, num_experts, k) -> np.ndarray:
+    """[sparse layers, E]: transformers' router logits (output_router_logits) -> top-k ->
+    tokens per expert (softmax is monotonic: top-k of the logits picks the same experts)."""
+    with torch.no_grad():
+        out = ref_model(torch.tensor([ids]), output_router_logits=True)
+    return np.stack(
+        [
+            np.bincount(torch.topk(r, k).indices.numpy().ravel(), minlength=num_experts)
+            for r in out.router_logits
+        ]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize("checkpoint", ["mixtral", "qwen3_moe"], indirect=True)
+def test_expert_load_counts_real_tokens_as_transformers_routes_them(checkpoint):
+    """One prefill step of 11 tokens, run padded to a bigger bucket: the step's expert token
+    counts equal top-k of transformers' router logits in each sparse layer (Qwen3-MoE: layer
+    1 dense, left out); then a mixed generation (prefill chunks and decode steps, padded
+    rows in both): each sparse layer's cumulative counts sum to the tokens processed x k."""
+    from engine import LLM, SamplingParams
+    from engine.runner.expert_load import imbalance
+
+    _, _, ref_model, folder = checkpoint
+    llm = LLM(folder, **ENGINE_OPTS)
+    cfg = llm.model.config
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    ids = np.random.default_rng(2).integers(3, VOCAB, 11).tolist()
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    info, stats = llm.engine.last_step_info, llm.stats()
+    assert info["shape"][1] > len(ids)  # the step ran padding rows
+    ref = _router_reference(ref_model, ids, E, k)
+    assert ref.shape == (sum(cfg.sparse_layers), E)
+    assert stats["moe_last_step_expert_tokens"] == ref.tolist()
+    assert stats["moe_expert_tokens"] == ref.tolist()  # one step so far
+    assert info["routed_tokens"] == len(ids) * k * len(ref)
+    assert info["expert_imbalance"] == pytest.approx(imbalance(ref), abs=1e-4)
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 35, 21)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    stats = llm.stats()
+    per_layer = np.asarray(stats["moe_expert_tokens"]).sum(axis=1)
+    assert per_layer.tolist() == [stats["tokens_processed"] * k] * len(ref)
+    assert stats["moe_steps"] == stats["num_steps"] > 2
+    assert (
+        stats["moe_expert_tokens_by_expert"]
+        == np.asarray(stats["moe_expert_tokens"]).sum(axis=0).tolist()
+    )
+
+
+def test_dense_step_program_has_no_aux_output():
+    """A dense family declares no AUX_OUTPUT: its step returns aux None and the program has
+    the outputs it had before (the state's leaves and the packed results), nothing else."""
+    from engine import LLM, SamplingParams
+    from engine.batch.builder import StepBatch
+    from engine.runner.programs import GREEDY_PROGRAM
+    from engine.runner.step import engine_step
+
+    llm = LLM("tiny", num_pages=32, max_num_seqs=2, max_model_len=64)
+    runner, shape = llm.engine.runner, llm.engine.shapes.shapes[0]
+    lowered = engine_step.lower(
+        runner.params,
+        runner.state,
+        StepBatch.zeros(shape).pack(),
+        cfg=runner.cfg,
+        shape=shape,
+        flags=GREEDY_PROGRAM.flags,
+        use_penalties=False,
+        impl=runner.impl,
+    )
+    state_out, packed_out, aux_out = lowered.out_info
+    assert aux_out is None
+    assert len(jax.tree.leaves(lowered.out_info)) == len(jax.tree.leaves(runner.state)) + 1
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
+    assert runner.last_step_aux is None and llm.engine.expert_load is None
+    assert not any(key.startswith("moe_") for key in llm.stats())
+    assert "expert_imbalance" not in llm.engine.last_step_info
+
+
+def test_server_metrics_export_the_expert_load():
+    """The per-step imbalance histogram and the per-expert counter, from what the engine
+    reports (last_step_info per step, cumulative stats)."""
+    from prometheus_client import generate_latest
+
+    from serving.frontend.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", "r1", compat="none")
+    info = {"expert_imbalance": 1.3, "routed_tokens": 44, "step": 7}
+    metrics.observe_step([], info)
+    metrics.observe_step([], info)  # a step() that ran no device step: not observed again
+    metrics.observe_step([], {"tokens": 3})  # a dense model's step: nothing observed
+    metrics.observe_stats({"moe_expert_tokens_by_expert": [4, 0, 7, 1]}, num_queued=0)
+    metrics.observe_stats({"moe_expert_tokens_by_expert": [6, 0, 7, 3]}, num_queued=0)
+    text = generate_latest(metrics.registry).decode()
+    labels = 'model="m",revision="r1"'
+    assert f"pagedjax_moe_expert_imbalance_count{{{labels}}} 1.0" in text
+    assert f'pagedjax_moe_expert_imbalance_bucket{{le="1.25",{labels}}} 0.0' in text
+    assert f'pagedjax_moe_expert_imbalance_bucket{{le="1.5",{labels}}} 1.0' in text
+    for expert, total in ((0, 6), (2, 7), (3, 3)):
+        line = f'pagedjax_moe_expert_tokens_total{{expert="{expert}",{labels}}} {total:.1f}'
+        assert line in text
+    assert 'expert="1"' not in text  # never routed: no series
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize("checkpoint", ["mixtral"], indirect=True)
+def test_server_metrics_show_a_served_moe_models_expert_load(checkpoint):
+    """The tiny Mixtral served in-process (the engine of the tests above, so the same
+    programs): after one request, /metrics has imbalance observations and per-expert
+    tokens summing to the tokens processed x k x layers."""
+    import re
+
+    import httpx
+
+    from engine import LLM
+    from serving.testing import running_server, wait_for
+
+    llm = LLM(checkpoint[3], **ENGINE_OPTS)
+    cfg = llm.model.config
+    with running_server(llm.engine, http_port=0, capacity_probe=False) as (server, client):
+        assert client.generate("a tiny prompt for the experts", max_tokens=4).code == "OK"
+        url = f"http://127.0.0.1:{server.http_port}/metrics"
+
+        def expert_tokens() -> float:
+            text = httpx.get(url).text
+            return sum(
+                float(v) for v in re.findall(r"pagedjax_moe_expert_tokens_total\{.*\} (\S+)", text)
+            )
+
+        routed = llm.stats()["tokens_processed"] * cfg.num_experts_per_tok * cfg.num_layers
+        wait_for(lambda: expert_tokens() == routed, what="per-expert tokens on /metrics")
+        text = httpx.get(url).text
+        steps = re.search(r"pagedjax_moe_expert_imbalance_count\{.*\} (\S+)", text)
+        assert steps and float(steps.group(1)) == llm.stats()["moe_steps"] > 0
 
 
 # ---- the Pallas grouped matmul (TPU kernel, interpret mode) -----------------------------------

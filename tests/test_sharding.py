@@ -249,7 +249,9 @@ def moe_runs():
 def test_expert_axis_matches_one_device_and_splits_the_experts(moe_runs):
     """A tiny Qwen3-MoE (4 experts, one sparse and one dense layer): expert:2, expert:4,
     data:2,expert:2 and expert:2,model:2 give one device's greedy tokens without
-    recompiling; the expert stacks are split on E (and on their FFN by the model axis),
+    recompiling, and the same expert load (tokens per expert of the sparse layer; with
+    data:2 summed over the replicas); the
+    expert stacks are split on E (and on their FFN by the model axis),
     everything else replicated across the expert axis; the expert stacks' bytes shrink by
     the expert axis; an axis that does not divide the experts, or a dense model, is refused
     by name."""
@@ -258,6 +260,7 @@ def test_expert_axis_matches_one_device_and_splits_the_experts(moe_runs):
     for mesh, e in [("expert:2", 2), ("expert:4", 4), ("data:2,expert:2", 2)]:
         run = moe_runs[mesh]
         assert run["same"] and run["again_same"] and run["recompiled"] == 0, mesh
+        assert run["expert_tokens"] == moe_runs["ref_expert_tokens"], mesh  # data:2: summed
         assert run["grouped_matmul"] == "ragged_dot"  # one device ran the CPU loops
         assert run["specs"]["moe_gate"] == [None, "expert"]
         assert run["specs"]["moe_down"] == [None, "expert"]
@@ -266,6 +269,7 @@ def test_expert_axis_matches_one_device_and_splits_the_experts(moe_runs):
         assert run["kv_bytes_per_device"] == [moe_runs["ref_kv_bytes"]] * e  # replicated
     both = moe_runs["expert:2,model:2"]
     assert both["same"] and both["recompiled"] == 0
+    assert both["expert_tokens"] == moe_runs["ref_expert_tokens"]
     assert both["specs"]["moe_gate"] == [None, "expert", None, "model"]
     assert both["specs"]["moe_down"] == [None, "expert", "model"]
     assert moe_runs["data:2,expert:2"]["replica_devices"] == [[0, 1], [2, 3]]

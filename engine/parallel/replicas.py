@@ -82,4 +82,23 @@ class DataParallelEngine:
             "compile_seconds_total",
         ):
             out[key] = per[0][key]  # per process (engine/runner/compiles.py), not per replica
+        if "moe_expert_tokens" in out:
+            out.update(merged_expert_load(per))
+            for key in ("moe_last_step_expert_tokens", "moe_last_step_imbalance"):
+                out.pop(key)  # one step of one replica: not a figure of the whole engine
         return out
+
+
+def merged_expert_load(per: list[dict]) -> dict:
+    """The MoE expert load of d replicas' stats (engine/runner/expert_load.py): counts summed
+    elementwise, the mean step imbalance weighted by each replica's steps."""
+    steps = [s["moe_steps"] for s in per]
+    mean = sum(s["moe_imbalance_mean"] * n for s, n in zip(per, steps)) / max(sum(steps), 1)
+    return {
+        "moe_steps": sum(steps),
+        "moe_imbalance_mean": mean,
+        **{
+            key: np.sum([s[key] for s in per], axis=0).tolist()
+            for key in ("moe_expert_tokens", "moe_expert_tokens_by_expert")
+        },
+    }

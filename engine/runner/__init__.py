@@ -12,6 +12,7 @@ step, its programs, the KV cache pytree, penalty counts, step shapes and warm-up
     shapes.py             ShapeSet: the fixed set of step shapes an engine compiles
     warmup.py             builds (and optionally runs) every program of the shape set
     compiles.py           counts XLA programs built (jax.monitoring)
+    expert_load.py        ExpertLoad: an MoE step's tokens per expert and imbalance (host)
     compilation_cache.py  JAX's persistent compilation cache
 
 May import: configs, models, pallas_kernels, engine's top level (api_types, errors),

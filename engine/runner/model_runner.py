@@ -3,6 +3,8 @@
     runner = ModelRunner(model, config, sched_config, impl=..., mesh=...)
     program = runner.program(built, bitmask)            which program a step runs
     packed = runner.run(batch, shape, program)          dispatch a step (results on device)
+    runner.last_step_aux                                 that step's auxiliary output (MoE
+                                                        expert load) on device, or None
     packed, spec_packed, num_accepted = runner.verify(batch, shape, spec, program)
                                                         a speculative step: drafts verified
     runner.compile(shape, program)                      build a program without running it
@@ -107,6 +109,10 @@ class ModelRunner:
             self.init_penalties()
         self._all_allowed: dict[int, np.ndarray] = {}  # rows -> all-ones token bitmask
         self.adapters = self._adapter_manager(model, kv_sharding)
+        # NOTE: the aux output of the last `run` (engine/runner/step.py; None for a family
+        # without one): kept here so `run` still returns only the packed results, the value
+        # the fakes (benchmarks) and the multi-host leader pass through.
+        self.last_step_aux: jax.Array | None = None
         self.warmup_s: float | None = None
         self._compiles_at_warmup: int | None = None
         self._logged_compiles = 0
@@ -174,8 +180,9 @@ class ModelRunner:
     # ---- running and building programs ----------------------------------------------------
     def run(self, batch, shape: BatchShape, program: StepProgram) -> jax.Array:
         """Dispatch one step of `batch` (a StepBatch or its PackedBatch); returns the packed
-        results [Sd + Sp, 2 + 2K] on device without waiting for them."""
-        self.state, packed = engine_step(
+        results [Sd + Sp, 2 + 2K] on device without waiting for them (and keeps the step's
+        auxiliary output in `last_step_aux`)."""
+        self.state, packed, self.last_step_aux = engine_step(
             self.params,
             self.state,
             batch.pack() if isinstance(batch, StepBatch) else batch,

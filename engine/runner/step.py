@@ -1,6 +1,6 @@
 """The device step: one pure function, jitted once per `BatchShape` (and sampler variant).
 
-    (params, state: DeviceState, batch) -> (state, packed results)
+    (params, state: DeviceState, batch) -> (state, packed results, aux)
 
 The device state (engine/runner/state.py: KV cache, penalty counts, prompt mask,
 `last_tokens`) is donated, so XLA updates it in place.
@@ -13,6 +13,11 @@ engine fails that request instead of emitting a token sampled from garbage.
 input token the host has not read yet (`batch.token_slots[row] >= 0`: overlapped steps,
 engine/core.py) takes it from there, so step N+1 can be dispatched before step N's tokens
 reach the host; each step then writes the (finite) tokens it samples back into their slots.
+
+`aux`: the model family's auxiliary output (models/families.py `AUX_OUTPUT`; the MoE
+families' expert token counts [L, E] int32, padding rows excluded by `real_token_rows`), or
+None: a family without one runs the same program as before it existed (no extra output).
+The host fetches it in the same `device_get` as the packed results (engine/core.py).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from engine.runner.kv_cache import (
 )
 from engine.runner.state import DeviceState
 from engine.sampling.sampler import SamplingFlags, sample, update_counts
-from models.families import forward
+from models.families import aux_output, forward_with_aux
 from models.llama import Params
 from models.lora import LoraInputs
 from pallas_kernels import decode_paged_attention, ragged_paged_attention, write_kv
@@ -178,6 +183,16 @@ def windowed_meta(batch: StepBatch, shape: BatchShape, ring_pages: int, page_siz
     )
 
 
+def real_token_rows(batch: StepBatch, shape: BatchShape) -> jax.Array:
+    """[Sd + Tp] bool: the rows that hold a scheduled token, not bucket padding. A decode
+    row is real when its sequence has a KV length (padding: 0); the prefill rows are packed
+    from Sd on, and query_start_p's last entry is their count (engine/batch/builder.py)."""
+    decode = batch.kv_lens_d > 0  # [Sd]
+    num_prefill_rows = batch.positions.shape[0] - shape.num_decode
+    prefill = jnp.arange(num_prefill_rows) < batch.query_start_p[-1]  # [Tp]
+    return jnp.concatenate([decode, prefill])
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "shape", "flags", "use_penalties", "impl", "mesh"),
@@ -197,7 +212,8 @@ def engine_step(
     lora: LoraInputs | None = None,
     token_bitmask: jax.Array | None = None,
 ):
-    """Returns (state, packed [Sd + Sp, 2 + 2K] float32). `mesh`: None (one device) or the
+    """Returns (state, packed [Sd + Sp, 2 + 2K] float32, aux: the family's auxiliary output
+    or None, module doc). `mesh`: None (one device) or the
     engine's ("data", "expert", "model") mesh (params/cache placed by engine/parallel/sharding).
     `batch` may come packed (two flat buffers: one host->device copy each,
     engine/batch/builder.py); it is unpacked here by static slices. `lora`: the adapter
@@ -211,8 +227,17 @@ def engine_step(
     attention = paged_attention_fn(cfg, batch, shape, impl, mesh)
     from_device = last_tokens[jnp.maximum(batch.token_slots, 0)]  # [T]
     token_ids = jnp.where(batch.token_slots >= 0, from_device, batch.token_ids)  # [T]
-    logits, kv_cache = forward(
-        params, cfg, token_ids, batch.positions, kv_cache, attention, batch.logits_indices, lora
+    real = real_token_rows(batch, shape) if aux_output(cfg) else None  # traced only if read
+    logits, kv_cache, aux = forward_with_aux(
+        params,
+        cfg,
+        token_ids,
+        batch.positions,
+        kv_cache,
+        attention,
+        batch.logits_indices,
+        lora,
+        real_tokens=real,
     )  # [Sd + Sp, V]
     if mesh is not None:  # sampling sees the full (all-gathered) logits on every device
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
@@ -232,10 +257,10 @@ def engine_step(
     result.tokens = jnp.where(finite, result.tokens, NONFINITE_TOKEN)
     packed = result.pack()
     if mesh is not None:  # replicated: every process can read it; one jit key for the state
-        packed, counts, prompt_mask, last_tokens = jax.lax.with_sharding_constraint(
-            (packed, counts, prompt_mask, last_tokens), replicated(mesh)
+        packed, counts, prompt_mask, last_tokens, aux = jax.lax.with_sharding_constraint(
+            (packed, counts, prompt_mask, last_tokens, aux), replicated(mesh)
         )
-    return DeviceState(kv_cache, counts, prompt_mask, last_tokens), packed
+    return DeviceState(kv_cache, counts, prompt_mask, last_tokens), packed, aux
 
 
 def replicated(mesh):

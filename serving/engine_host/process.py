@@ -18,7 +18,7 @@ lock and the OS shares the cores between the two processes.
     parent -> child                          child -> parent
     ("add", EngineRequest)                   ("ok", None) | ("invalid", field, value, limit)
     ("abort", request_id)                    nothing (applied in order before the next step)
-    ("step",)                                ("ok", (outputs, has_unfinished))
+    ("step",)                                ("ok", (outputs, has_unfinished, last_step_info))
                                              | ("step_error", message, request_ids | None)
     ("stats",)                               ("ok", dict)
     ("warmup", max_shapes, execute)          ("ok", None)
@@ -113,6 +113,7 @@ class ProcessEngine:
         self._conn: Connection | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._has_unfinished = False
+        self.last_step_info: dict | None = None  # the child engine's last step (tracing, MoE)
         self._held: set[str] = set()  # added to the current child, not finished yet
         self._lost: set[str] = set()  # held by a child that died, not yet reported by step()
         self._death = ""  # why the last child died
@@ -167,7 +168,7 @@ class ProcessEngine:
                 if reply[0] == "step_error":
                     self._held.difference_update(reply[2] or ())
                     raise ChildStepError(reply[1], reply[2])
-                outputs, self._has_unfinished = reply[1]
+                outputs, self._has_unfinished, self.last_step_info = reply[1]
                 self._held.difference_update(o.request_id for o in outputs if o.finished)
                 return outputs
         lost, self._lost = sorted(self._lost), set()
@@ -357,7 +358,8 @@ def _handle(engine, message: tuple, engine_warmup) -> tuple | None:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - the parent fails that step's requests
                 return ("step_error", str(e), getattr(e, "request_ids", None))
-            return ("ok", (outputs, engine.has_unfinished()))
+            info = getattr(engine, "last_step_info", None)
+            return ("ok", (outputs, engine.has_unfinished(), info))
         if kind == "stats":
             return ("ok", dict(engine.stats()))
         if kind == "warmup":

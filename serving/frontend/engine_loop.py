@@ -352,9 +352,9 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_step(exc)
             return
-        self.metrics.observe_step(outputs)
+        info = getattr(self.engine, "last_step_info", None)
+        self.metrics.observe_step(outputs, info)
         if self.tracer is not None:
-            info = getattr(self.engine, "last_step_info", None)
             self.tracer.step(start, time.monotonic(), info, len(outputs))
         failed = False
         self._first_tokens = 0
