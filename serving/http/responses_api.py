@@ -50,7 +50,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from engine.chat.output import ChatOutput
-from engine.chat.setup import ChatSetup
 from engine.errors import InvalidRequestError
 from serving.frontend.generation import Refusal, invalid
 from serving.http import delivery, schemas
@@ -332,7 +331,7 @@ class ResponsesApi:
         except Refusal as e:
             return resp.refusal_response(e)
         (choice,) = choices
-        choice.chat_output = ChatOutput(api.chat_options.reasoning, _parsed_format(setup))
+        choice.chat_output = setup.output()
         run = _Run(self, tenant, req, response_id, conversation, choice)
         if req.stream:
             gone = asyncio.Event()
@@ -368,10 +367,6 @@ class ResponsesApi:
         except InvalidRequestError as e:
             raise invalid(e) from e
         return body, conversation, setup
-
-
-def _parsed_format(setup: ChatSetup):
-    return setup.options.tool_format if setup.parses_calls else None
 
 
 class _Run:
