@@ -351,8 +351,10 @@ class ToolCallStream:
         if sec.active and i < 0:
             self._emit(sec, out)
             return False
-        if sec.active:  # the closing tag
-            self._buf = self._buf[len(end) :]
+        if sec.active:  # the closing tag ends the section's text
+            sec.close()
+            if not sec.fallback:  # (else the whole reading needs the tag)
+                self._buf = self._buf[len(end) :]
         self._end_section(out)
         return True
 
