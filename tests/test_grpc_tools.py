@@ -339,3 +339,26 @@ def test_forced_calls_on_the_tiny_model_stream_name_first(tiny_model):
     done = next(e.item for e in events if e.type == "response.output_item.done")
     assert done.arguments == "".join(deltas)
     jsonschema.validate(json.loads(done.arguments), WEATHER)
+
+
+def test_call_deltas_in_one_message_keep_the_head_apart_and_fold_back():
+    """A call's head and its first fragments in one message (a fast engine's batch): the head
+    stays OpenAI's first delta (arguments ""), its fragments one entry after it; the client's
+    fold joins them into the whole call, across messages too."""
+    from serving.grpc_api.chat import fill
+    from serving.proto import fold_tool_call
+
+    head = {"index": 0, "id": "call_1", "type": "function"}
+    head["function"] = {"name": "get_time", "arguments": ""}
+    args = [{"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in ('{"tz"', ": ")]
+    first, second = pb.GenerateResponse(), pb.GenerateResponse()
+    fill(first, [{"content": "Hm."}, {"tool_calls": [head]}, *args])
+    fill(second, [{"tool_calls": [{"index": 0, "function": {"arguments": '"UTC"}'}}]}])
+    assert [(c.index, c.id, c.name, c.arguments) for c in first.tool_calls] == [
+        (0, "call_1", "get_time", ""),
+        (0, "", "", '{"tz": '),
+    ]
+    calls: list = []
+    for c in [*first.tool_calls, *second.tool_calls]:
+        fold_tool_call(calls, c)
+    assert [(c.id, c.name, c.arguments) for c in calls] == [("call_1", "get_time", '{"tz": "UTC"}')]
