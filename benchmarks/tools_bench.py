@@ -15,9 +15,10 @@ pass of C requests per mode:
     auto      tool_choice="auto": free text until the model opens a call, then constrained
 Per pass: output tok/s (completion tokens / wall, all requests), the first delta's time
 (content or a call, from the request's send; median and p90), the first call delta's time
-(requests that made a call), how many made a call and how many calls validate against their
-tool's schema (jsonschema). A call streams whole once it closes (engine/chat/tool_parsers.py),
-so "first call delta" is the time to a complete call. `cost` = required tok/s / free tok/s.
+(its name: calls held by a grammar stream name-first, engine/chat/call_stream.py), the last
+call delta's time (the call complete), the argument deltas per call, how many requests made
+a call and how many calls validate against their tool's schema (jsonschema).
+`cost` = required tok/s / free tok/s.
 
 Prints one JSON object with /proc/loadavg before and after; compare passes within one run
 only (the machine is shared and its speed drifts).
@@ -82,7 +83,7 @@ def question(i: int) -> list[dict]:
 async def one(client: openai.AsyncOpenAI, model: str, i: int, mode: str, max_tokens: int) -> dict:
     """One streamed chat request; its timings, token count and calls."""
     start = time.perf_counter()
-    first_delta = first_call = None
+    first_delta = first_call = last_call = None
     calls: dict[int, dict] = {}
     tokens = 0
     stream = await client.chat.completions.create(
@@ -107,12 +108,17 @@ async def one(client: openai.AsyncOpenAI, model: str, i: int, mode: str, max_tok
             first_delta = now
         for tc in delta.tool_calls or ():
             first_call = now if first_call is None else first_call
-            entry = calls.setdefault(tc.index, {"name": tc.function.name, "arguments": ""})
+            last_call = now
+            entry = calls.setdefault(
+                tc.index, {"name": tc.function.name, "arguments": "", "deltas": 0}
+            )
             entry["arguments"] += tc.function.arguments or ""
+            entry["deltas"] += bool(tc.function.arguments)
     return {
         "e2e_s": time.perf_counter() - start,
         "first_delta_s": first_delta,
         "first_call_s": first_call,
+        "last_call_s": last_call,
         "tokens": tokens,
         "calls": list(calls.values()),
     }
@@ -144,6 +150,8 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         "out_tok_s": round(tokens / wall_s, 2),
         "first_delta_s": _quantiles([r["first_delta_s"] for r in records if r["first_delta_s"]]),
         "first_call_s": _quantiles([r["first_call_s"] for r in records if r["first_call_s"]]),
+        "last_call_s": _quantiles([r["last_call_s"] for r in records if r["last_call_s"]]),
+        "argument_deltas_per_call": _quantiles([c["deltas"] for c in calls]),
         "requests_with_calls": sum(1 for r in records if r["calls"]),
         "calls": len(calls),
         "calls_valid": sum(valid(c) for c in calls),

@@ -28,7 +28,7 @@ import grpc
 from absl import app, flags
 
 from serving import flags as shared
-from serving.proto import SAMPLING_FIELDS
+from serving.proto import SAMPLING_FIELDS, fold_tool_call
 from serving.proto import pagedjax_pb2 as pb
 from serving.proto import pagedjax_pb2_grpc as pb_grpc
 
@@ -65,7 +65,7 @@ class GenerateResult:
     # a chat with tools or a server reasoning parser: the text split (GenerateResponse)
     content: str = ""
     reasoning_content: str = ""
-    tool_calls: list = dataclasses.field(default_factory=list)  # pb.ToolCall, in order
+    tool_calls: list = dataclasses.field(default_factory=list)  # pb.ToolCall, whole, in order
     reasoning_tokens: int = 0
 
     @property
@@ -200,7 +200,8 @@ class GenerateClient:
         res.text += msg.text
         res.content += msg.content
         res.reasoning_content += msg.reasoning_content
-        res.tool_calls.extend(msg.tool_calls)
+        for call in msg.tool_calls:
+            fold_tool_call(res.tool_calls, call)  # fragments appended to their call
         if msg.HasField("final"):
             f = msg.final
             res.finish_reason = f.finish_reason

@@ -125,14 +125,33 @@ def test_grpc_splits_the_output_as_the_http_api_does(served, ask):
         assert all(c.id.startswith("call_") and c.type == "function" for c in res.tool_calls)
     if want_calls:
         assert want_finish == "tool_calls"
+    if want_calls and ask != "MALFORMED":  # (a call no grammar would let through: as written)
         jsonschema.validate(json.loads(want_calls[0][1]), WEATHER)
 
 
-def test_a_streamed_call_arrives_whole_in_one_message(served):
-    _, client, _ = served
+def _streamed_calls(msgs) -> list[tuple[str, str, int]]:
+    """(name, arguments, number of argument deltas) per call of a streamed Generate, checking
+    OpenAI's order: a call's first delta carries its id and name, later ones only fragments."""
+    calls: dict[int, list] = {}
+    for m in msgs:
+        for c in m.tool_calls:
+            if c.index not in calls:
+                assert c.id.startswith("call_") and c.type == "function" and c.name, c
+                calls[c.index] = [c.name, c.arguments, int(bool(c.arguments))]
+            else:
+                assert not c.id and not c.name and c.arguments, c
+                calls[c.index][1] += c.arguments
+                calls[c.index][2] += 1
+    assert list(calls) == list(range(len(calls)))
+    return [tuple(c) for c in calls.values()]
+
+
+def test_a_streamed_call_comes_name_first_then_argument_fragments(served):
+    _, client, sdk = served
     msgs = list(client.stream(chat_request(_ask("TWO"), stream=True, tools=pb_tools())))
-    with_calls = [m for m in msgs if m.tool_calls]
-    assert [c.name for m in with_calls for c in m.tool_calls] == ["get_weather", "get_time"]
+    http = sdk.chat.completions.create(model="mock", messages=_ask("TWO"), tools=TOOLS)
+    want = [(c.function.name, c.function.arguments) for c in http.choices[0].message.tool_calls]
+    assert [(n, a) for n, a, _ in _streamed_calls(msgs)] == want
     assert all("<tool_call>" not in m.content for m in msgs)
     assert msgs[-1].final.finish_reason == "tool_calls"
 
@@ -223,17 +242,70 @@ def test_tools_need_a_chat_prompt_and_history_arguments_must_be_json(served):
     assert details.startswith("chat.messages[0].tool_calls[0].arguments="), details
 
 
+def _sdk_stream(sdk, **kwargs):
+    """The openai SDK's streamed chat, its tool-call deltas accumulated as OpenAI's docs show
+    (the first delta of an index is kept, later deltas' arguments appended to it); also the
+    number of argument deltas per call and the content."""
+    final_tool_calls, pieces, content = {}, {}, ""
+    for chunk in sdk.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta and delta.content) or ""
+        for tool_call in (delta and delta.tool_calls) or []:
+            index = tool_call.index
+            if index not in final_tool_calls:
+                assert tool_call.id and tool_call.function.name, tool_call
+                assert not tool_call.function.arguments  # the name comes first, alone
+                final_tool_calls[index] = tool_call
+            else:
+                assert tool_call.id is None and tool_call.function.name is None
+                final_tool_calls[index].function.arguments += tool_call.function.arguments
+                pieces[index] = pieces.get(index, 0) + 1
+    calls = [(c.function.name, c.function.arguments) for c in final_tool_calls.values()]
+    return calls, [pieces.get(i, 0) for i in final_tool_calls], content
+
+
 @pytest.mark.compile
-def test_required_on_the_tiny_model_gives_a_valid_call(tiny_model):
-    """Real constrained decoding behind gRPC: the random model's call parses and validates."""
+def test_forced_calls_on_the_tiny_model_stream_name_first(tiny_model):
+    """Real constrained decoding: tool_choice named / required, T=1 with a seed, through the
+    openai SDK (streamed, accumulated as OpenAI documents; and not), gRPC (streamed) and the
+    Responses API (streamed events). The calls validate, the streamed ones equal the
+    non-streamed answer, and each call's arguments arrive in more than one delta."""
     from engine.core import EngineCore
 
     config = EngineConfig(
         model="tiny", page_size=16, num_pages=256, max_num_seqs=4, max_model_len=2048
     )
-    admission = AdmissionConfig(max_prompt_tokens=1800, max_tokens=200, max_model_len=2048)
+    admission = AdmissionConfig(max_prompt_tokens=1800, max_tokens=1000, max_model_len=2048)
     engine = EngineCore(tiny_model, config)
-    with running_server(engine, admission=admission, capacity_probe=False) as (_, client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answers = {}
+    with running_server(engine, admission=admission, capacity_probe=False, http_port=0) as (
+        server,
+        client,
+    ):
+        sdk = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
+        )
+        for choice, parallel in ((named, False), ("required", True)):
+            ask = dict(
+                model="tiny",
+                messages=_ask("Weather in Paris?"),
+                tools=TOOLS,
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
+                temperature=1.0,
+                seed=3,
+                max_tokens=1000 if parallel else 200,  # a call is ~100 byte tokens
+            )
+            full = sdk.chat.completions.create(**ask).choices[0]
+            assert full.finish_reason == "tool_calls", full.message
+            want = [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
+            answers[parallel] = want
+            calls, pieces, content = _sdk_stream(sdk, **ask)
+            assert (calls, content) == (want, full.message.content or "")
+            assert all(n > 1 for n in pieces), pieces  # fragments, not the call at once
+            for name, args in calls:
+                jsonschema.validate(json.loads(args), WEATHER if name == "get_weather" else TIME)
         req = chat_request(
             _ask("Weather in Paris?"),
             tools=pb_tools(),
@@ -241,9 +313,52 @@ def test_required_on_the_tiny_model_gives_a_valid_call(tiny_model):
             parallel_tool_calls=False,
             sampling=pb.SamplingParams(temperature=1.0, seed=3),
             max_tokens=200,
+            stream=True,
         )
-        res = client.generate_request(req)
-    assert res.ok, res.details
-    assert res.finish_reason == "tool_calls" and len(res.tool_calls) == 1, res.text
-    assert res.tool_calls[0].name == "get_weather"
-    jsonschema.validate(json.loads(res.tool_calls[0].arguments), WEATHER)
+        msgs = list(client.stream(req))
+        events = list(
+            sdk.responses.create(
+                model="tiny",
+                input="Weather in Paris?",
+                tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                tool_choice={"type": "function", "name": "get_weather"},
+                parallel_tool_calls=False,
+                temperature=1.0,
+                max_output_tokens=200,
+                stream=True,
+            )
+        )
+    grpc_calls = _streamed_calls(msgs)  # the same seed and prompt as the named HTTP request
+    assert [(n, a) for n, a, _ in grpc_calls] == answers[False]
+    assert msgs[-1].final.finish_reason == "tool_calls" and grpc_calls[0][2] > 1
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert events[added].item.name == "get_weather"
+    assert added < kinds.index("response.function_call_arguments.delta") and len(deltas) > 1
+    done = next(e.item for e in events if e.type == "response.output_item.done")
+    assert done.arguments == "".join(deltas)
+    jsonschema.validate(json.loads(done.arguments), WEATHER)
+
+
+def test_call_deltas_in_one_message_keep_the_head_apart_and_fold_back():
+    """A call's head and its first fragments in one message (a fast engine's batch): the head
+    stays OpenAI's first delta (arguments ""), its fragments one entry after it; the client's
+    fold joins them into the whole call, across messages too."""
+    from serving.grpc_api.chat import fill
+    from serving.proto import fold_tool_call
+
+    head = {"index": 0, "id": "call_1", "type": "function"}
+    head["function"] = {"name": "get_time", "arguments": ""}
+    args = [{"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in ('{"tz"', ": ")]
+    first, second = pb.GenerateResponse(), pb.GenerateResponse()
+    fill(first, [{"content": "Hm."}, {"tool_calls": [head]}, *args])
+    fill(second, [{"tool_calls": [{"index": 0, "function": {"arguments": '"UTC"}'}}]}])
+    assert [(c.index, c.id, c.name, c.arguments) for c in first.tool_calls] == [
+        (0, "call_1", "get_time", ""),
+        (0, "", "", '{"tz": '),
+    ]
+    calls: list = []
+    for c in [*first.tool_calls, *second.tool_calls]:
+        fold_tool_call(calls, c)
+    assert [(c.id, c.name, c.arguments) for c in calls] == [("call_1", "get_time", '{"tz": "UTC"}')]

@@ -143,13 +143,38 @@ def test_the_sdk_stream_helper_accumulates_our_deltas(served):
     assert json.loads(calls[1].function.arguments) == {"tz": "UTC"}
 
 
-def test_malformed_call_is_content_with_finish_reason_stop(served):
+LLAMA_MALFORMED = '{"name": "get_weather", "parameters": {"city": }'
+
+
+def test_malformed_call_is_content_with_finish_reason_stop():
+    """Where no grammar holds the call's syntax (llama3_json's auto has no trigger tag), a
+    call is read whole: malformed, it is the model's text, streamed or not."""
+    engine = ScriptedEngine(lambda prompt: LLAMA_MALFORMED)
+    with running_server(engine, http_port=0, tool_call_parser="llama3_json") as (server, _):
+        sdk = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
+        )
+        r = sdk.chat.completions.create(model="mock", messages=_ask("hi"), tools=TOOLS)
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == LLAMA_MALFORMED
+        assert not r.choices[0].message.tool_calls
+        _, content, calls, finish = _stream(sdk, _ask("hi"), tools=TOOLS)
+    assert (content, calls, finish) == (LLAMA_MALFORMED, [], ["stop"])
+
+
+def test_a_call_announced_under_a_grammar_stays_a_call(served):
+    """hermes' auto is held by the lazy call grammar, so calls stream name-first; the scripted
+    engine ignores grammars and writes a call that breaks after its name: it stays a call,
+    the rest of its section its arguments as written (OpenAI gives a cut-off call so), and
+    nothing of the markup reaches content, streamed or not."""
     _, _, sdk = served
     r = sdk.chat.completions.create(model="mock", messages=_ask("MALFORMED"), tools=TOOLS)
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == MALFORMED
-    assert not r.choices[0].message.tool_calls
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": \n')
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     _, content, calls, finish = _stream(sdk, _ask("MALFORMED"), tools=TOOLS)
-    assert (content, calls, finish) == (MALFORMED, [], ["stop"])
+    assert (content, finish) == ("", ["tool_calls"])
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": \n')]
 
 
 def test_tool_choice_none_leaves_the_output_as_content(served):

@@ -198,3 +198,66 @@ def test_http_clients_authenticate_at_the_router_which_presents_its_own_key():
         with pytest.raises(RouterHttpError, match="UNAUTHENTICATED"):
             wrong_key.start()
         wrong_key.stop(0)
+
+
+ROUTED_CALLS = (
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+)
+ROUTED_TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+    for n in ("get_weather", "get_time")
+]
+
+
+def test_tool_calls_through_the_router_equal_the_worker():
+    """A chat with tools through the router. Its gRPC front relays the tools fields to the
+    worker and the worker's call deltas back (name-first ToolCall deltas, folded by the
+    client into the same calls); its HTTP front splits the output itself and streams the
+    same calls name-first, as the worker's own HTTP API does."""
+    from serving.client import GenerateClient
+    from serving.engine_host.scripted_engine import ScriptedEngine
+    from serving.proto import pagedjax_pb2 as pb
+
+    engine = ScriptedEngine(lambda prompt: ROUTED_CALLS, step_time_s=0.002)
+    req = pb.GenerateRequest(max_tokens=400, stream=True)
+    req.chat.messages.add(role="user", content="Weather and time?")
+    for t in ROUTED_TOOLS:
+        req.tools.add(type="function", function={"name": t["function"]["name"]})
+    with running_server(engine, capacity_probe=False, http_port=0) as (worker, direct):
+        router = Router(
+            [f"127.0.0.1:{worker.port}"], http_port=0, tokenizer=ByteTokenizer()
+        ).start()
+        try:
+            with GenerateClient(f"127.0.0.1:{router.port}") as via:
+                routed_msgs = list(via.stream(req))
+                routed_res = via.generate_request(req)
+            own = direct.generate_request(req)
+            ask = dict(
+                model="mock", messages=[{"role": "user", "content": "hi"}], tools=ROUTED_TOOLS
+            )
+            answers = {}
+            for name, port in (("worker", worker.http_port), ("router", router.http_port)):
+                sdk = openai.OpenAI(
+                    base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+                )
+                with sdk.chat.completions.stream(**ask) as s:
+                    final = s.get_final_completion().choices[0]
+                answers[name] = (
+                    final.message.content,
+                    [(c.function.name, c.function.arguments) for c in final.message.tool_calls],
+                    final.finish_reason,
+                )
+        finally:
+            router.stop(0)
+    want = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "UTC"}')]
+    for res in (own, routed_res):
+        assert res.ok and res.finish_reason == "tool_calls", res.details
+        assert res.content == "Checking."
+        assert [(c.name, c.arguments) for c in res.tool_calls] == want
+    heads = [c for m in routed_msgs for c in m.tool_calls if c.id]
+    assert [(c.index, c.name, c.arguments) for c in heads] == [
+        (0, want[0][0], ""),
+        (1, want[1][0], ""),
+    ]
+    assert answers["router"] == answers["worker"] == ("Checking.", want, "tool_calls")

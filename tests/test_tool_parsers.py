@@ -1,16 +1,21 @@
 """Tool-call parsers and the reasoning splitter on model outputs in each family's format:
 the whole output parsed at once, and the same output fed one character at a time (every
-tag split across deltas) give the same content, calls and reasoning."""
+tag split across deltas) give the same content, calls and reasoning. Incremental (name-first)
+reading: every split of every output gives the same calls, each announced before any of its
+arguments, the fragments concatenating to the arguments, no markup in content."""
 
 import json
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from engine.chat.call_stream import ToolCallStream, parse
 from engine.chat.output import ChatOutput
 from engine.chat.reasoning import ReasoningStream, get_reasoning_format, split
 from engine.chat.setup import call_schema
-from engine.chat.tool_parsers import ToolCallStream, format_for_template, get_format, parse
+from engine.chat.tool_parsers import format_for_template, get_format
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 
@@ -144,6 +149,139 @@ def test_parse_whole_and_streamed(name, text, content, calls):
                 assert fmt.start not in e.content
 
 
+# outputs that are calls in every reading (CASES with calls, and a few more shapes)
+CALL_CASES = [(n, t, c, calls) for n, t, c, calls in CASES if calls] + [
+    (  # braces and quotes inside strings, the arguments before the name
+        "hermes",
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "}{\\"]"}}\n</tool_call>\n'
+        '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_weather"}\n</tool_call>',
+        "",
+        [("get_time", {"tz": '}{"]'}), ("get_weather", {"city": "Paris"})],
+    ),
+    (  # arguments written as a JSON string (some models do)
+        "hermes",
+        '<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}\n</tool_call>',
+        "",
+        [("get_time", {"tz": "UTC"})],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": -3.5e2, "c": [true, null]}}'
+        "\n</tool_call>",
+        "",
+        [("add", {"a": 12, "b": -350.0, "c": [True, None]})],
+    ),
+]
+MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")
+
+
+def _incremental(fmt, chunks):
+    """Feeds `chunks`; (content, calls, events), checking the OpenAI order on the way: a
+    call's announcement (index, name) before any fragment of its arguments."""
+    stream = ToolCallStream(fmt, incremental=True)
+    events = [e for chunk in chunks for e in stream.feed(chunk)] + stream.finish()
+    announced, fragments = [], {}
+    for e in events:
+        if e.call is not None:
+            assert e.index == len(announced) and e.call.name and e.call.id.startswith("call_")
+            announced.append(e.call.name)
+        elif e.arguments:
+            assert e.index < len(announced), "arguments before their call's name"
+            fragments[e.index] = fragments.get(e.index, "") + e.arguments
+    assert announced == [c.name for c in stream.calls]
+    for i, c in enumerate(stream.calls):  # the fragments concatenate to the arguments
+        assert fragments.get(i, "") == c.arguments
+    content = "".join(e.content for e in events)
+    return content, stream.calls, events
+
+
+@pytest.mark.parametrize("name,text,content,calls", CALL_CASES)
+def test_incremental_reading_at_every_split(name, text, content, calls):
+    fmt = get_format(name)
+    whole_content, whole_calls = parse(fmt, text, incremental=True)
+    assert whole_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == calls
+    assert [(c.name, json.loads(c.arguments)) for c in parse(fmt, text)[1]] == calls
+    want = [(c.name, c.arguments) for c in whole_calls]
+    splits = [list(text)] + [[text[:k], text[k:]] for k in range(1, len(text))]
+    for chunks in splits:
+        got_content, got_calls, events = _incremental(fmt, chunks)
+        assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, want)
+        assert not any(m in e.content for e in events for m in MARKUP)
+    _, _, events = _incremental(fmt, list(text))  # one character at a time: an object's
+    for i, c in enumerate(whole_calls):  # arguments come a piece per character written
+        pieces = [e.arguments for e in events if e.arguments and e.index == i]
+        # held: arguments as a JSON string (given out once complete), or before the name
+        held = '"arguments": "' in text or '{"arguments"' in text
+        assert len(pieces) >= 1 if held else pieces == list(c.arguments)
+
+
+# (format, output, content, [(name, arguments as given out)]): what incremental reading makes
+# of outputs a call grammar would not let through (a scripted engine, a grammar-less model)
+INCREMENTAL_EDGES = [
+    (  # announced, then malformed: the rest of the section is its arguments (no markup)
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>',
+        "",
+        [("get_weather", '{"city": "Paris"\n')],
+    ),
+    ("hermes", 'Sure.<tool_call>\n{"name": "get_wea', 'Sure.<tool_call>\n{"name": "get_wea', []),
+    (  # cut off by max_tokens inside the arguments: what was written
+        "hermes",
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+        "Sure.",
+        [("get_weather", '{"city": "Pa')],
+    ),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    (  # text after a call, inside its section: content
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {}} oops\n</tool_call> done',
+        "oopsdone",
+        [("f", "{}")],
+    ),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", '{"name": "f", "parameters": {"n": 1}} then', "then", [("f", '{"n": 1}')]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": }]',
+        "",
+        [("get_weather", '{"city": }]')],
+    ),
+    ("mistral", "[TOOL_CALLS]not a name![ARGS]{}", "[TOOL_CALLS]not a name![ARGS]{}", []),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", INCREMENTAL_EDGES)
+def test_incremental_reading_of_outputs_no_grammar_would_allow(name, text, content, calls):
+    fmt = get_format(name)
+    for chunks in [[text], list(text)] + [[text[:k], text[k:]] for k in range(1, len(text))]:
+        got_content, got_calls, _ = _incremental(fmt, chunks)
+        assert got_content == content
+        assert [(c.name, c.arguments) for c in got_calls] == calls
+
+
+_PIECES = st.sampled_from(
+    [*MARKUP, "{", "}", "[", "]", '"', "\\", ",", ":", ";", " ", "\n", "name", "arguments",
+     "parameters", '"name": "f"', '"arguments": ', '{"a": 1}', "x", "é"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(["hermes", "llama3_json", "mistral"]),
+    pieces=st.lists(_PIECES, max_size=24),
+    cuts=st.lists(st.integers(0, 200), max_size=6),
+)
+def test_incremental_reading_of_any_text_never_fails_and_ignores_the_splits(name, pieces, cuts):
+    fmt, text = get_format(name), "".join(pieces)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    content, calls = parse(fmt, text, incremental=True)
+    got_content, got_calls, _ = _incremental(fmt, chunks)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == [(c.name, c.arguments) for c in calls]
+
+
 def test_calls_render_back_and_parse_in_every_format():
     calls = [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]
     for name in ("hermes", "llama3_json", "mistral"):
@@ -161,19 +299,23 @@ def test_parser_defaults_from_the_template():
         get_format("nope")
 
 
-def test_streamed_deltas_are_openai_shaped_and_concatenate_to_valid_arguments():
+@pytest.mark.parametrize("incremental", [False, True])
+def test_streamed_deltas_are_openai_shaped_and_concatenate_to_valid_arguments(incremental):
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
         "required": ["city"],
     }
     text = CASES[2][1]  # two hermes calls
-    out = ChatOutput(None, get_format("hermes"))
+    out = ChatOutput(None, get_format("hermes"), incremental)
     deltas = []
     for ch in text:
         deltas += out.feed(ch, 1)
     deltas += out.finish()
     assert all("content" not in d for d in deltas)
+    pieces = [d["tool_calls"][0]["index"] for d in deltas if "id" not in d["tool_calls"][0]]
+    # name-first: each call's arguments in many fragments (one per character fed); whole: one
+    assert [pieces.count(i) > 1 for i in (0, 1)] == [incremental] * 2
     calls: dict[int, dict] = {}
     for d in deltas:
         (tc,) = d["tool_calls"]

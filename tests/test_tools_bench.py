@@ -1,7 +1,8 @@
 """benchmarks/tools_bench.py at smoke size: a real `python -m serving.server` on the tiny model,
 two concurrent openai SDK streams per pass. Free text runs to max_tokens without a call;
-with tool_choice required every request makes one call that validates, its first call delta
-is timed, and the cost ratio comes out."""
+with tool_choice required every request makes one call that validates, streamed name-first
+(announced before it is complete, its arguments in several deltas), and the cost ratio
+comes out."""
 
 import pytest
 
@@ -25,4 +26,7 @@ def test_tools_bench_smoke(tmp_path):
     assert free["completion_tokens"] == 2 * 160 and free["calls"] == 0  # ignore_eos
     assert required["requests_with_calls"] == required["calls"] == required["calls_valid"] == 2
     assert 0 < required["first_call_s"]["median"] <= required["first_call_s"]["p90"]
+    # name-first: the call is announced before it is complete, its arguments in pieces
+    assert required["first_call_s"]["median"] < required["last_call_s"]["median"]
+    assert required["argument_deltas_per_call"]["median"] > 1
     assert result["cost"] > 0 and len(result["loadavg_after"]) == 3

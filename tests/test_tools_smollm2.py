@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from configs.engine_config import EngineConfig
-from engine.chat.tool_parsers import get_format, parse
+from engine.chat.call_stream import parse
+from engine.chat.tool_parsers import get_format
 from serving.frontend.admission import AdmissionConfig
 from serving.testing import running_server
 from tests.shared_configs import SMOLLM2_SERVED

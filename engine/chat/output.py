@@ -11,7 +11,12 @@ exactly the concatenation of the streamed deltas. A tool call streams as OpenAI 
 
     {"tool_calls": [{"index": 0, "id": "call_...", "type": "function",
                      "function": {"name": "get_weather", "arguments": ""}}]}
-    {"tool_calls": [{"index": 0, "function": {"arguments": "{\\"city\\": \\"Paris\\"}"}}]}
+    {"tool_calls": [{"index": 0, "function": {"arguments": "{\\"city\\": "}}]}
+    {"tool_calls": [{"index": 0, "function": {"arguments": "\\"Paris\\"}"}}]}
+
+`incremental` (engine/chat/call_stream.py): the call is announced once its name is complete
+and its arguments follow as the model writes them; otherwise it comes whole once it closes
+(the head, then all its arguments in one fragment).
 
 and the choice's finish_reason becomes "tool_calls" when it made calls and stopped on its
 own ("length" stays "length"). Tool calls inside the thought are not parsed.
@@ -19,14 +24,20 @@ own ("length" stays "length"). Tool calls inside the thought are not parsed.
 
 from __future__ import annotations
 
+from engine.chat.call_stream import ToolCallStream
 from engine.chat.reasoning import ReasoningFormat, ReasoningStream
-from engine.chat.tool_parsers import ToolCall, ToolCallFormat, ToolCallStream
+from engine.chat.tool_parsers import ToolCall, ToolCallFormat
 
 
 class ChatOutput:
-    def __init__(self, reasoning: ReasoningFormat | None, tool_format: ToolCallFormat | None):
+    def __init__(
+        self,
+        reasoning: ReasoningFormat | None,
+        tool_format: ToolCallFormat | None,
+        incremental: bool = False,
+    ):
         self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
-        self.tools = ToolCallStream(tool_format) if tool_format is not None else None
+        self.tools = ToolCallStream(tool_format, incremental) if tool_format is not None else None
         self.content = ""
         self.reasoning_content = ""
         self.finished = False
@@ -55,11 +66,7 @@ class ChatOutput:
         deltas += self.finish() if done else []
         merged: list[dict] = []
         for d in deltas:
-            if merged and _is_text(d) and _is_text(merged[-1]) and d.keys() == merged[-1].keys():
-                key = next(iter(d))
-                merged[-1] = {key: merged[-1][key] + d[key]}
-            else:
-                merged.append(d)
+            _append(merged, d)
         return merged
 
     def finish(self) -> list[dict]:
@@ -82,18 +89,16 @@ class ChatOutput:
             return deltas
         events = self.tools.feed(answer) + (self.tools.finish() if finish else [])
         for e in events:
-            if e.call is None:
+            if e.call is not None:
+                head = {"index": e.index, "id": e.call.id, "type": "function"}
+                head["function"] = {"name": e.call.name, "arguments": ""}
+                deltas.append({"tool_calls": [head]})
+            elif e.arguments:
+                part = {"index": e.index, "function": {"arguments": e.arguments}}
+                _append(deltas, {"tool_calls": [part]})
+            else:
                 self.content += e.content
-                if deltas and "content" in deltas[-1]:
-                    deltas[-1]["content"] += e.content
-                else:
-                    deltas.append({"content": e.content})
-                continue
-            index = self.calls.index(e.call)
-            head = {"index": index, "id": e.call.id, "type": "function"}
-            head["function"] = {"name": e.call.name, "arguments": ""}
-            args = {"index": index, "function": {"arguments": e.call.arguments}}
-            deltas += [{"tool_calls": [head]}, {"tool_calls": [args]}]
+                _append(deltas, {"content": e.content})
         return deltas
 
     def message(self) -> dict:
@@ -112,5 +117,28 @@ class ChatOutput:
         return engine_reason
 
 
+def _append(deltas: list[dict], d: dict) -> None:
+    """Appends `d`, merged into the last delta when both are text of one kind or both
+    are arguments of one call (fewer, longer deltas: the same concatenation)."""
+    last = deltas[-1] if deltas else {}
+    if _is_text(d) and _is_text(last) and d.keys() == last.keys():
+        key = next(iter(d))
+        deltas[-1] = {key: last[key] + d[key]}
+    elif _arguments_of(d) is not None and _arguments_of(last) == _arguments_of(d):
+        (part,) = last["tool_calls"]
+        text = part["function"]["arguments"] + d["tool_calls"][0]["function"]["arguments"]
+        deltas[-1] = {"tool_calls": [{"index": part["index"], "function": {"arguments": text}}]}
+    else:
+        deltas.append(d)
+
+
 def _is_text(delta: dict) -> bool:
     return len(delta) == 1 and ("content" in delta or "reasoning_content" in delta)
+
+
+def _arguments_of(delta: dict) -> int | None:
+    """The call index of an arguments-only delta, else None."""
+    calls = delta.get("tool_calls")
+    if not calls or len(delta) != 1 or "id" in calls[0]:
+        return None
+    return calls[0]["index"]

@@ -109,6 +109,14 @@ class ToolSetup:
             return None if lazy is None else StructuredOutput(grammar=lazy)
         return None
 
+    def constrains(self, fmt: ToolCallFormat) -> bool:
+        """Whether `constraint(fmt)` holds the calls' syntax (without compiling it)."""
+        if self.choice in ("required", "function"):
+            return True
+        if self.choice != "auto":
+            return False
+        return fmt.lazy_grammar(call_schema(self.tools, fmt), self.parallel) is not None
+
 
 def call_schema(tools: Sequence[dict], fmt: ToolCallFormat) -> dict:
     """JSON Schema of one call object of `fmt` to any of `tools` (name first, as written)."""
@@ -244,6 +252,13 @@ class ChatSetup:
     def parses_calls(self) -> bool:
         return self.tools is not None and self.tools.choice != "none"
 
+    @property
+    def streams_calls(self) -> bool:
+        """Calls stream name-first (engine/chat/call_stream.py `incremental`) exactly when the
+        call grammar holds their syntax: a call announced early cannot turn out malformed
+        (only cut off by max_tokens). Without a grammar (llama3_json's auto) calls come whole."""
+        return self.parses_calls and self.tools.constrains(self.options.tool_format)
+
     def sampling(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, Any] = {}
         if self.max_thinking_tokens is not None:
@@ -271,11 +286,14 @@ class ChatSetup:
         return dataclasses.replace(params, **changes) if changes else params
 
     def new_output(self) -> ChatOutput | None:
-        reasoning = self.options.reasoning
-        fmt = self.options.tool_format if self.parses_calls else None
-        if reasoning is None and fmt is None:
+        """The choice's splitter; None when there is nothing to split."""
+        if self.options.reasoning is None and not self.parses_calls:
             return None
-        return ChatOutput(reasoning, fmt)
+        return self.output()
+
+    def output(self) -> ChatOutput:
+        fmt = self.options.tool_format if self.parses_calls else None
+        return ChatOutput(self.options.reasoning, fmt, incremental=self.streams_calls)
 
     def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
         messages, kwargs = self.render_inputs(messages)

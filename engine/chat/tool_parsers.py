@@ -9,18 +9,9 @@ One `ToolCallFormat` per family (`--tool_call_parser`), each knowing how its cal
     mistral       [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]   or the newer
                   [TOOL_CALLS]f[ARGS]{...}   (Mistral / Mixtral)
 
-`ToolCallStream` turns the output into content text and whole calls as it arrives, token by
-token; the non-streamed response is the same stream fed all at once (`parse`), so streamed
-and non-streamed answers agree by construction:
-
-    text "Let me check.<tool_call>\\n{...}\\n</tool_call>"
-      feed -> [content "Let me check."]  ... markup held back ...  [call get_weather {...}]
-
-Markup is held back until its call is complete and parses: a call section that is not valid
-JSON of the format (or is cut off) comes back as content, never as a crash, and nothing of
-the markup of a valid call leaks into content. Whitespace next to markup is dropped.
-NOTE: holding a call until it closes means its first streamed delta arrives when the call
-is complete, not when its name is known: a call is never announced and then retracted.
+engine/chat/call_stream.py reads calls out of the output as it streams (whole calls, or
+OpenAI's name-first deltas when a grammar holds the syntax); `parse_section` is the whole
+reading of one call section.
 
 Each format also renders calls back into its syntax (history in a template without tool
 support) and describes its syntax as an llguidance Lark grammar over the tools' parameter
@@ -57,20 +48,18 @@ class ToolCall:
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class ToolEvent:
-    """One step of a parsed stream, in output order: content text or a whole call."""
-
-    content: str = ""
-    call: ToolCall | None = None
-
-
 class ToolCallFormat(abc.ABC):
     name: ClassVar[str]
     start: ClassVar[str]  # the markup opening a call section
     end: ClassVar[str | None] = None  # closes one call; None: the section runs to the end
     bare_json_start: ClassVar[bool] = False  # an output starting with '{' is a call section
     args_key: ClassVar[str] = "arguments"
+    # how a section's calls follow one another, for reading them as they stream
+    # (engine/chat/call_stream.py): a list around them, a separator between, a name as markup
+    list_open: ClassVar[str | None] = None
+    list_close: ClassVar[str | None] = None
+    separator: ClassVar[str | None] = None
+    named_args: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def parse_section(self, body: str) -> list[tuple[str, dict]] | None:
@@ -135,7 +124,8 @@ def _json_values(text: str, separator: str = "") -> list[Any] | None:
     return values
 
 
-def _dumps(obj: Any) -> str:
+def dumps(obj: Any) -> str:
+    """JSON text as the models write it (", " and ": ", characters unescaped)."""
     return json.dumps(obj, ensure_ascii=False)
 
 
@@ -160,7 +150,7 @@ class HermesFormat(ToolCallFormat):
 
     def render(self, calls):
         return "\n".join(
-            f"{self.start}\n{_dumps(self.call_object(n, a))}\n{self.end}" for n, a in calls
+            f"{self.start}\n{dumps(self.call_object(n, a))}\n{self.end}" for n, a in calls
         )
 
     def grammar(self, call_schema, parallel):
@@ -177,6 +167,7 @@ class Llama3JsonFormat(ToolCallFormat):
     start = "<|python_tag|>"
     bare_json_start = True
     args_key = "parameters"
+    separator = ";"
 
     def parse_section(self, body):
         values = _json_values(body, separator=";")
@@ -186,7 +177,7 @@ class Llama3JsonFormat(ToolCallFormat):
         return None if any(c is None for c in calls) else calls
 
     def render(self, calls):
-        return "; ".join(_dumps(self.call_object(n, a)) for n, a in calls)
+        return "; ".join(dumps(self.call_object(n, a)) for n, a in calls)
 
     def grammar(self, call_schema, parallel):
         repeat = ' ("; " obj)*' if parallel else ""
@@ -196,6 +187,7 @@ class Llama3JsonFormat(ToolCallFormat):
 class MistralFormat(ToolCallFormat):
     name = "mistral"
     start = "[TOOL_CALLS]"
+    list_open, list_close, named_args = "[", "]", "[ARGS]"
 
     def parse_section(self, body):
         if body.lstrip().startswith("["):  # [TOOL_CALLS][{...}, {...}]
@@ -208,7 +200,7 @@ class MistralFormat(ToolCallFormat):
         return None if not calls or any(c is None for c in calls) else calls
 
     def render(self, calls):
-        return self.start + _dumps([self.call_object(n, a) for n, a in calls])
+        return self.start + dumps([self.call_object(n, a) for n, a in calls])
 
     def grammar(self, call_schema, parallel):
         array = {"type": "array", "items": call_schema, "minItems": 1}
@@ -254,98 +246,3 @@ def held_prefix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
-
-
-class ToolCallStream:
-    """Output text in, content and whole tool calls out (see the module docstring)."""
-
-    def __init__(self, fmt: ToolCallFormat):
-        self.fmt = fmt
-        self.calls: list[ToolCall] = []
-        self._buf = ""  # text not yet given out
-        self._opener: str | None = None  # inside a call section: the markup that opened it
-        self._started = False  # any non-whitespace output seen (bare JSON starts only there)
-        self._after_call = False  # drop the whitespace right after a call
-        self._held_ws = ""  # trailing whitespace of content (dropped if markup follows)
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        self._buf += text
-        out: list[ToolEvent] = []
-        while self._step(out):
-            pass
-        return out
-
-    def finish(self) -> list[ToolEvent]:
-        """The end of the output: an open call section is parsed (or given back as content),
-        held text is given out."""
-        out: list[ToolEvent] = []
-        if self._opener is not None:
-            self._close_section(self._buf, "", out)
-        else:
-            self._content(self._buf, out, before_markup=False)
-            if self._held_ws and not self._after_call:
-                out.append(ToolEvent(content=self._held_ws))
-        self._buf, self._held_ws = "", ""
-        return out
-
-    def _step(self, out: list[ToolEvent]) -> bool:
-        """Consumes what it can of the buffer; True when it should run again."""
-        fmt = self.fmt
-        if self._opener is not None:
-            if fmt.end is None or (i := self._buf.find(fmt.end)) < 0:
-                return False
-            body, self._buf = self._buf[:i], self._buf[i + len(fmt.end) :]
-            self._close_section(body, fmt.end, out)
-            return True
-        if fmt.bare_json_start and not self._started:
-            stripped = self._buf.lstrip()
-            if not stripped:
-                return False
-            self._started = True
-            if stripped.startswith("{"):
-                self._opener, self._buf = "", stripped
-                return True
-        i = self._buf.find(fmt.start)
-        if i >= 0:
-            self._content(self._buf[:i], out, before_markup=True)
-            self._opener, self._buf = fmt.start, self._buf[i + len(fmt.start) :]
-            return True
-        keep = held_prefix(self._buf, fmt.start)
-        self._content(self._buf[: len(self._buf) - keep], out, before_markup=False)
-        self._buf = self._buf[len(self._buf) - keep :]
-        return False
-
-    def _close_section(self, body: str, closer: str, out: list[ToolEvent]) -> None:
-        opener, self._opener = self._opener or "", None
-        calls = self.fmt.parse_section(body)
-        if calls is None:  # not a call after all: the model's text, as it wrote it
-            self._content(opener + body + closer, out, before_markup=False)
-            return
-        self._held_ws = ""
-        for name, args in calls:
-            call = ToolCall(name, _dumps(args))
-            self.calls.append(call)
-            out.append(ToolEvent(call=call))
-        self._after_call = True
-
-    def _content(self, text: str, out: list[ToolEvent], before_markup: bool) -> None:
-        if text and not text.isspace():
-            self._started = True
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        text, self._held_ws = self._held_ws + text, ""
-        trimmed = text.rstrip()
-        if not before_markup:
-            self._held_ws = text[len(trimmed) :]
-        if trimmed:
-            out.append(ToolEvent(content=trimmed))
-
-
-def parse(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole output: the stream fed at once."""
-    stream = ToolCallStream(fmt)
-    events = stream.feed(text) + stream.finish()
-    return "".join(e.content for e in events), stream.calls

@@ -8,6 +8,7 @@ engine/chat's, the same code the HTTP API runs; this module only maps fields.
       .sampling(params)           + the call grammar when a call is forced
       .new_output()               engine/chat/output.py ChatOutput (None: nothing to split)
     ChatOutput deltas -> fill(msg, deltas): msg.content, msg.reasoning_content, msg.tool_calls
+                         (a call's first delta: id and name; later ones: arguments fragments)
 """
 
 from __future__ import annotations
@@ -147,22 +148,20 @@ def template_messages(chat: pb.ChatMessages) -> list[dict]:
     return out
 
 
-def fill(msg: pb.GenerateResponse, deltas: list[dict], output: ChatOutput) -> None:
-    """ChatOutput's OpenAI deltas into the message's split fields. A call's deltas (head with
-    id and name, then its arguments) become one ToolCall."""
+def fill(msg: pb.GenerateResponse, deltas: list[dict]) -> None:
+    """ChatOutput's OpenAI deltas into the message's split fields: a call's first delta
+    (index, id, type, name; arguments "") and its arguments fragments as ToolCall deltas, a
+    call's fragments within one message joined into one."""
     for d in deltas:
         msg.content += d.get("content") or ""
         msg.reasoning_content += d.get("reasoning_content") or ""
         for part in d.get("tool_calls", ()):
-            if "id" not in part:
-                continue  # the arguments half of a call announced just before
-            call = output.calls[part["index"]]
-            msg.tool_calls.append(
-                pb.ToolCall(
-                    index=part["index"],
-                    id=call.id,
-                    type="function",
-                    name=call.name,
-                    arguments=call.arguments,
+            f, last = part["function"], msg.tool_calls[-1] if msg.tool_calls else None
+            if "id" in part:
+                msg.tool_calls.add(
+                    index=part["index"], id=part["id"], type=part["type"], name=f["name"]
                 )
-            )
+            elif last is not None and last.index == part["index"] and not last.id:
+                last.arguments += f["arguments"]
+            else:
+                msg.tool_calls.add(index=part["index"], arguments=f["arguments"])

@@ -9,7 +9,7 @@ from engine.chat.setup import chat_token_ids
 from engine.errors import InvalidRequestError
 from engine.sampling.params import SamplingParams
 from engine.structured.output import StructuredOutput
-from serving.proto import SAMPLING_FIELDS
+from serving.proto import SAMPLING_FIELDS, fold_tool_call
 from serving.proto import pagedjax_pb2 as pb
 
 # Priority class -> engine priority (larger = more important).
@@ -118,7 +118,8 @@ def merge_into(acc: pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
     acc.logprobs.extend(msg.logprobs)
     acc.content += msg.content
     acc.reasoning_content += msg.reasoning_content
-    acc.tool_calls.extend(msg.tool_calls)
+    for call in msg.tool_calls:
+        fold_tool_call(acc.tool_calls, call)
 
 
 def versions_message(identity) -> pb.ModelVersions:

@@ -132,7 +132,7 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
                 msg = convert.delta_message(r.request_id, items)
                 done = is_done(items)
                 if output is not None:
-                    chat.fill(msg, output.feed_outputs(items, done), output)
+                    chat.fill(msg, output.feed_outputs(items, done))
                 if done:
                     summary = final_summary(r, items[-1].finish_reason)
                     msg.final.CopyFrom(convert.final_info(summary, r.identity or self.identity))

@@ -51,7 +51,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from engine.chat.output import ChatOutput
-from engine.chat.setup import ChatSetup
 from engine.errors import InvalidRequestError
 from serving.frontend.generation import Refusal, invalid
 from serving.http import delivery, schemas
@@ -333,7 +332,7 @@ class ResponsesApi:
         except Refusal as e:
             return resp.refusal_response(responses_refusal(e))
         (choice,) = choices
-        choice.chat_output = ChatOutput(api.chat_options.reasoning, _parsed_format(setup))
+        choice.chat_output = setup.output()
         run = _Run(self, tenant, req, response_id, conversation, choice)
         if req.stream:
             gone = asyncio.Event()
@@ -391,10 +390,6 @@ def responses_refusal(e: Refusal) -> Refusal:
         e.details = name + e.details[len(e.param) :]
     e.param = name
     return e
-
-
-def _parsed_format(setup: ChatSetup):
-    return setup.options.tool_format if setup.parses_calls else None
 
 
 class _Run:
