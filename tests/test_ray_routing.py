@@ -386,3 +386,27 @@ def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
         print(f"1 -> 2 replicas {time.monotonic() - start:.1f} s after the burst began")
     finally:
         serve.delete("scaled")
+
+
+def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
+    """A deployment capped below its replica's capacity (max_ongoing_requests=1) with Serve's
+    queue bounded at 1: of a burst, at most 1 + 1 are served, the rest get Serve's 429 +
+    Retry-After at once from the ingress (no replica header: no replica saw them)."""
+    import httpx
+
+    server_args = ["--mock_step_time_s=0.05", "--capacity_probe=false", "--log_level=warning"]
+    args = dict(model="mock", num_replicas=1, num_cpus=0.5, server_args=server_args)
+    bounds = dict(max_ongoing_requests=1, max_queued_requests=1, retry_after_s=2.0)
+    serve.run(build_app({**args, **bounds}), name="bounded", route_prefix="/")
+    url = f"http://127.0.0.1:{serve_port}/v1/completions"
+    body = {"model": "mock", "prompt": "abc", "max_tokens": 40, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: httpx.post(url, json=body, timeout=120), range(6)))
+    finally:
+        serve.delete("bounded")
+    served = [r for r in replies if r.status_code == 200]
+    refused = [r for r in replies if r.status_code == 429]
+    assert 1 <= len(served) <= 2 and len(served) + len(refused) == 6, replies
+    for reply in refused:
+        assert reply.headers["Retry-After"] == "2" and REPLICA_HEADER not in reply.headers

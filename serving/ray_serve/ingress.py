@@ -20,8 +20,8 @@ own queue bound (max_queued_requests) answers 429 + Retry-After here.
 May import: ray.serve, fastapi/starlette, serving.ray_serve.router.
 """
 
-from __future__ import annotations
-
+# NOTE: no `from __future__ import annotations`: Serve's class ingress rebuilds the route's
+# signature, and FastAPI then reads a string annotation `Request` as a query parameter.
 import asyncio
 import contextlib
 import dataclasses
@@ -130,6 +130,29 @@ def _scope(call: HttpCall) -> dict:
     }
 
 
+async def _chunks(stream) -> AsyncIterator[bytes]:
+    done = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        done = True
+    finally:
+        if not done:
+            stream.cancel()  # the client left mid-stream: the replica's app sees a disconnect
+
+
+def _backpressure(e: BackPressureError) -> Response:
+    retry_after_s = e.retry_after_s or 1.0
+    headers = {
+        "Retry-After": str(max(1, math.ceil(retry_after_s))),
+        "retry-after-ms": str(int(retry_after_s * 1000)),
+    }
+    body = {"error": {"message": e.message, "type": "overloaded", "code": e.status_code}}
+    return JSONResponse(body, status_code=e.status_code, headers=headers)
+
+
+# NOTE: the helpers above are defined before the class: serve.ingress serializes the class
+# when it is decorated, with the module globals that exist at that point.
 api = FastAPI(title="pagedjax on Ray Serve")
 
 
@@ -168,24 +191,3 @@ class PagedJaxIngress:
         assert isinstance(start, ResponseStart), start
         headers = {k: v for k, v in start.headers if k.lower() not in _HOP_HEADERS}
         return StreamingResponse(_chunks(stream), status_code=start.status, headers=headers)
-
-
-async def _chunks(stream) -> AsyncIterator[bytes]:
-    done = False
-    try:
-        async for chunk in stream:
-            yield chunk
-        done = True
-    finally:
-        if not done:
-            stream.cancel()  # the client left mid-stream: the replica's app sees a disconnect
-
-
-def _backpressure(e: BackPressureError) -> Response:
-    retry_after_s = e.retry_after_s or 1.0
-    headers = {
-        "Retry-After": str(max(1, math.ceil(retry_after_s))),
-        "retry-after-ms": str(int(retry_after_s * 1000)),
-    }
-    body = {"error": {"message": e.message, "type": "overloaded", "code": e.status_code}}
-    return JSONResponse(body, status_code=e.status_code, headers=headers)
