@@ -172,6 +172,8 @@ def test_serve_cap_sits_above_the_replica_capacity():
 FAST_METRICS = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.2",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.2",
+    # a worker process starting on a loaded 2-core machine can take over Ray's 60 s default
+    "RAY_worker_register_timeout_seconds": "600",
 }
 
 
@@ -354,6 +356,7 @@ def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
         upscale_delay_s=1.0,
         downscale_delay_s=600.0,
         look_back_period_s=1.0,
+        metrics_interval_s=0.2,  # deprecated, but Serve warns while it exceeds the look-back
     )
     args = dict(model="mock", num_replicas="auto", autoscaling_config=scaling, num_cpus=0.5)
     serve.run(build_app({**args, "server_args": server_args}), name="scaled", route_prefix="/")

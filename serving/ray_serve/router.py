@@ -108,7 +108,11 @@ def key_of(pending_request: PendingRequest | None) -> RoutingKey | None:
     if pending_request is None or not pending_request.args:
         return None
     key = getattr(pending_request.args[0], "key", None)
-    return key if isinstance(key, RoutingKey) else None
+    # NOTE: read by attribute, not isinstance: serve.ingress serializes the ingress class by
+    # value, so its RoutingKey can be a copy of this class rather than this class.
+    if key is None or not hasattr(key, "block_keys"):
+        return None
+    return RoutingKey(tuple(key.block_keys), getattr(key, "session_id", None))
 
 
 class PrefixAffinityRouter(RequestRouter):
