@@ -103,7 +103,7 @@ def wait_http(base_url: str, proc=None, timeout_s: float = 900.0) -> None:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(f"{base_url}/models", timeout=5).status_code == 200:
+            if httpx.get(base_url.removesuffix("/v1") + "/ready", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
