@@ -44,7 +44,7 @@ ENGINE_ARGS = [
     "--capacity_probe=false",
     "--log_level=warning",
 ]
-SYSTEM = "You are a helpful assistant for team {i}. Answer in one short line, please."
+SYSTEM = "T{i}: you are a helpful assistant for this team. Answer in one short line, please."
 
 
 def define_flags() -> None:
@@ -77,8 +77,11 @@ def percentiles(times_ms: list[float]) -> dict:
     }
 
 
-def drive(base_url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list:
-    """(latency_ms, reply) per prompt, `concurrency` at once, with the official SDK."""
+def drive(
+    base_url: str, prompts: list[str], concurrency: int, max_tokens: int, warm: bool = True
+) -> list:
+    """(latency_ms, reply) per prompt, `concurrency` at once, with the official SDK; `warm`:
+    one untimed call first."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
@@ -90,7 +93,8 @@ def drive(base_url: str, prompts: list[str], concurrency: int, max_tokens: int) 
         )
         return 1e3 * (time.perf_counter() - t0), reply
 
-    one(prompts[0])  # untimed: connections, first-use costs
+    if warm:
+        one(prompts[0])  # untimed: connections, first-use costs
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, prompts))
 
@@ -173,7 +177,7 @@ def prefix_hit_rate(port: int, router: str) -> dict:
     try:
         before = replica_stats(app_name, F.replicas)
         t0 = time.perf_counter()
-        drive(f"http://127.0.0.1:{port}/v1", prompts, F.concurrency, 4)
+        drive(f"http://127.0.0.1:{port}/v1", prompts, F.concurrency, 4, warm=False)
         wall_s = time.perf_counter() - t0
         after = replica_stats(app_name, F.replicas)
     finally:
