@@ -1,7 +1,8 @@
 """pagedjax on Ray Serve (serving/ray_serve/app.py), started as the README shows it: Ray's own
 CLI, `serve run deploy/ray/serve.yaml`, with the config's args swapped for the tiny model and
 two replicas (one local Ray cluster, started by `serve run` and shut down by its SIGINT).
-Driven by the official `openai` SDK through Serve's HTTP proxy:
+Driven by the official `openai` SDK through Serve's HTTP proxy and the app's ingress
+(serving/ray_serve/ingress.py), which relays each call to the replica the router picks:
 
 - both replicas RUNNING (read from Serve's own status by a driver attached to the cluster);
 - every greedy completion (plain and streamed, 8 at once so both replicas serve) equals one

@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import secrets
+from collections.abc import Sequence
 
 from configs.engine_config import CacheSharingPolicy, SchedulerConfig
 from engine.sched.request import Request
@@ -68,6 +69,21 @@ def cache_salt_for(tenant: str, policy: CacheSharingPolicy | None = None) -> str
     if group is not None:
         return "group:" + group
     return "tenant:" + tenant
+
+
+def chain_page_keys(
+    token_ids: Sequence[int], page_size: int, extra_keys: tuple, keys: list[int] | None = None
+) -> list[int]:
+    """The prefix-cache keys of the full pages of `token_ids` (key_i = hash((key_{i-1} or None,
+    page i's ids, extra_keys))), extending `keys` (the keys of the first pages, already made) in
+    place. Python's hash: a key means something only inside the process that made it
+    (serving/ray_serve/router.py keys prompt blocks with it, in the router's process)."""
+    keys = [] if keys is None else keys
+    ps = page_size
+    for i in range(len(keys), len(token_ids) // ps):
+        parent = keys[i - 1] if i else None
+        keys.append(hash((parent, tuple(token_ids[i * ps : (i + 1) * ps]), extra_keys)))
+    return keys
 
 
 def model_keys_of(identity) -> tuple:
@@ -229,11 +245,7 @@ class PagePool:
         if request.page_keys_generation != self.generation:
             request.page_keys, request.page_keys_generation = [], self.generation
         keys, ps, tokens = request.page_keys, self.page_size, request.all_token_ids
-        extra = self.extra_keys(request)
-        for i in range(len(keys), len(tokens) // ps):
-            parent = keys[i - 1] if i else None
-            keys.append(hash((parent, tuple(tokens[i * ps : (i + 1) * ps]), extra)))
-        return keys
+        return chain_page_keys(tokens, ps, self.extra_keys(request), keys)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """(page ids, tokens covered): the longest chain of cached full pages that starts the

@@ -1,25 +1,35 @@
-"""pagedjax as a Ray Serve application: N engine replicas behind Serve's HTTP proxy.
+"""pagedjax as a Ray Serve application: an ingress and N engine replicas behind Serve's proxy.
 
     serve run deploy/ray/serve.yaml                     # Ray's own CLI; OpenAI routes at /v1
     serve run serving.ray_serve:build_app model=tiny num_replicas=2
 
-Each replica is one `PagedJaxServer` (the same engine, admission, tenants, metrics and
-warm-up as `python -m serving.server`) whose OpenAI-compatible FastAPI app (serving/http/api.py)
-is the replica's Serve ingress: Serve's proxy owns the port (`http_options.port`), picks a
-replica per request (its request router; power of two choices by default) and restarts a
-replica whose health check fails. The replica's own gRPC server listens on an ephemeral port
-(its address is in the replica's log and in `PagedJaxReplica.grpc_address`).
+Two deployments (serving/ray_serve/ingress.py draws the path of a request):
+  ingress   PagedJaxIngress: reads the body, makes the request's RoutingKey, calls the engine
+            deployment through a handle and relays the replica's answer as it streams
+  pagedjax  PagedJaxReplica: one `PagedJaxServer` each (the same engine, admission, tenants,
+            metrics and warm-up as `python -m serving.server`); a call runs through the
+            replica's OpenAI-compatible FastAPI app (serving/http/api.py) in-process. Its
+            request router is PrefixAffinityRouter (serving/ray_serve/router.py) or Serve's
+            default (power of two choices); Serve restarts a replica whose health check fails
+            and scales the deployment on the replicas' own load (serving/ray_serve/autoscale.py).
+The replica's own gRPC server listens on an ephemeral port (its address is in the replica's
+log and in `PagedJaxReplica.grpc_address`).
 
 Arguments of the application builder (`applications[].args` in the Serve config):
   model         the --model of every replica (default smollm2-135m)
-  num_replicas  int, or "auto" with `autoscaling_config` (Serve's own keys)
   server_args   more serving.server flags for every replica, a list or one string
                 ("--max_num_seqs=64 --prefix_caching=true"): one flag vocabulary
   num_cpus, num_gpus, resources   Ray resources of one replica (JAX sees what Ray assigns)
-  max_ongoing_requests            Serve's per-replica cap (default: the server's default
-                                  queue bound plus 64 in flight, so the replica's own
-                                  admission, not Serve's small default of 5, decides what
-                                  to shed; lower it to make Serve queue or spill first)
+  router        "prefix" (default: PrefixAffinityRouter) or "default" (Serve's own)
+  router_kwargs PrefixAffinityRouter's options (imbalance_threshold, max_index_keys, ...)
+  block_bytes, block_tokens      the RoutingKey's block sizes (router.py)
+  num_replicas  int, or "auto": Serve autoscaling with `autoscaling_config` (Serve's keys:
+                min_replicas, max_replicas, target_ongoing_requests, upscale_delay_s, ...;
+                our load signals and policy unless it names another `policy`)
+  max_ongoing_requests, max_queued_requests, retry_after_s   Serve's per-replica cap and
+                queue bound (defaults: the replica's capacity + headroom, 64, 1 s: see
+                autoscale.py, so the replica's admission, not Serve, decides what to shed)
+  ingress_replicas, ingress_max_ongoing_requests             the ingress deployment
 
 A replica is ready (Serve routes to it) only once its warm-up has ended; a failed warm-up
 fails the replica's constructor with the one-line cause, and Serve reports it.
@@ -29,14 +39,19 @@ from __future__ import annotations
 
 import shlex
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from serving import flags as shared
-from serving.frontend.admission import AdmissionConfig
+from serving.ray_serve.autoscale import deployment_options, replica_signals
+from serving.ray_serve.ingress import HttpCall, PagedJaxIngress, ResponseStart, run_asgi
+from serving.ray_serve.router import PrefixAffinityRouter
 
+REPLICA_HEADER = "x-pagedjax-replica"  # on every answer: the replica that served it
 DEFAULT_READY_TIMEOUT_S = 1800.0  # only guards against a hang: warm-up on a small CPU box
 
 
@@ -75,11 +90,11 @@ def _build_server(argv: list[str]):
 
 
 @serve.deployment(name="pagedjax")
-@serve.ingress()
 class PagedJaxReplica:
-    """One engine replica; its FastAPI app is this deployment's ingress."""
+    """One engine replica: the ingress's calls run through its own HTTP API."""
 
     def __init__(self, argv: list[str], ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S):
+        self.name = serve.get_replica_context().replica_id.unique_id
         self.server, self.http_api = _build_server(argv)
         failed = threading.Event()
         self.server.on_fatal = failed.set
@@ -96,8 +111,12 @@ class PagedJaxReplica:
             raise RuntimeError(f"pagedjax replica not ready: {cause}")
         shared.progress(f"replica ready (gRPC {self.grpc_address})")
 
-    def __serve_build_asgi_app__(self):
-        return self.http_api.app
+    async def relay(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
+        """One HTTP call from the ingress: its ResponseStart, then its body as it is written."""
+        async for item in run_asgi(self.http_api.app, call):
+            if isinstance(item, ResponseStart):  # which replica answered: for operators, tests
+                item = ResponseStart(item.status, (*item.headers, (REPLICA_HEADER, self.name)))
+            yield item
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine keeps failing (breaker open) or
@@ -107,9 +126,14 @@ class PagedJaxReplica:
         if self.server.generator.draining:
             raise RuntimeError("draining")
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: this replica's load and KV usage."""
+        return replica_signals(self.server)
+
     def stats(self) -> dict:
-        """The engine's counters (pages, cache hits, preemptions) for tests and operators."""
-        return dict(self.server.loop.last_stats or self.server.engine.stats())
+        """The engine's counters (pages, cache hits, preemptions) for tests and operators,
+        and this replica's name (`replica`)."""
+        return {**(self.server.loop.last_stats or self.server.engine.stats()), "replica": self.name}
 
     def __del__(self):
         server = getattr(self, "server", None)
@@ -122,22 +146,38 @@ def build_app(args: dict[str, Any]) -> Application:
     args = dict(args)
     model = args.pop("model", shared.DEFAULT_MODEL)
     argv = _server_argv(model, args.pop("server_args", None))
-    num_replicas = args.pop("num_replicas", 1)
     actor: dict[str, Any] = {"num_cpus": float(args.pop("num_cpus", 1))}
     if "num_gpus" in args:
         actor["num_gpus"] = float(args.pop("num_gpus"))
     if "resources" in args:
         actor["resources"] = dict(args.pop("resources"))
-    options: dict[str, Any] = {"ray_actor_options": actor}
-    if num_replicas == "auto" or "autoscaling_config" in args:
-        options["autoscaling_config"] = args.pop("autoscaling_config", {})
-    else:
-        options["num_replicas"] = int(num_replicas)
-    default_ongoing = AdmissionConfig().max_queue_requests + 64
-    options["max_ongoing_requests"] = int(args.pop("max_ongoing_requests", default_ongoing))
+    options: dict[str, Any] = {"ray_actor_options": actor, **deployment_options(args, argv)}
+    options["request_router_config"] = _router_config(
+        args.pop("router", "prefix"), args.pop("router_kwargs", None)
+    )
     ready_timeout_s = float(args.pop("ready_timeout_s", DEFAULT_READY_TIMEOUT_S))
+    ingress_options = {
+        "num_replicas": int(args.pop("ingress_replicas", 1)),
+        "max_ongoing_requests": int(args.pop("ingress_max_ongoing_requests", 4096)),
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    key_options = {k: int(args.pop(k)) for k in ("block_bytes", "block_tokens") if k in args}
     if args:
         raise shared.UsageError(
             "args", ", ".join(sorted(args)), "unknown application argument(s) of build_app"
         )
-    return PagedJaxReplica.options(**options).bind(argv, ready_timeout_s)
+    engine = PagedJaxReplica.options(**options).bind(argv, ready_timeout_s)
+    return PagedJaxIngress.options(**ingress_options).bind(engine, **key_options)
+
+
+def _router_config(router: str, router_kwargs: dict | None) -> RequestRouterConfig:
+    if router == "prefix":
+        return RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs=dict(router_kwargs or {}),
+        )
+    if router == "default":
+        if router_kwargs:
+            raise shared.UsageError("router_kwargs", router_kwargs, 'only with router: "prefix"')
+        return RequestRouterConfig()
+    raise shared.UsageError("router", router, '"prefix" or "default"')

@@ -1,0 +1,415 @@
+"""Routing, autoscaling and overload of pagedjax on Ray Serve (serving/ray_serve/).
+
+Without a cluster (the policies as plain objects):
+- the RoutingKey: prompts sharing a system prompt share their leading block keys; the model
+  (adapter) and the credential (tenant) key them apart;
+- PrefixAffinityRouter: a prefix goes back to the replica it was sent to, a session to its
+  replica, and a busy home spills to the least-loaded replica;
+- the autoscaling policy reads our replicas' load and KV usage (Serve's count before they report);
+- the engine deployment's Serve cap sits above the replica's own capacity.
+
+On one local Ray cluster (module fixture, shut down after), through Serve's HTTP proxy with
+the official `openai` SDK:
+- 2 tiny-model replicas, 20 requests sharing 4 system prompts: with PrefixAffinityRouter
+  >= 90% of the reusable prefix tokens are served from the replicas' caches (their engine
+  stats), versions in every response, a session header keeps its replica; Serve's default
+  router on the same workload and fresh replicas hits less (the control);
+- mock-engine replicas under a burst: the replica sheds with 429 + Retry-After, each shed
+  answer comes back before any admitted request finishes (nothing waited in front of the
+  replica), and Serve autoscaling raises the deployment from 1 replica to 2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import socket
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+# NOTE: Ray's own private module: the router's constructor arguments (Serve builds it).
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
+from ray.serve.config import AutoscalingConfig  # noqa: E402
+from ray.serve.request_router import ReplicaID  # noqa: E402
+
+from serving.ray_serve import autoscale  # noqa: E402
+from serving.ray_serve.app import REPLICA_HEADER, build_app  # noqa: E402
+from serving.ray_serve.ingress import HttpCall  # noqa: E402
+from serving.ray_serve.router import PrefixAffinityRouter, RoutingKey, routing_key  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SYSTEM = "You are a helpful assistant for the team. Answer in one short line."  # 68 bytes
+
+
+# ---- no cluster ------------------------------------------------------------------------------
+def test_routing_key_shares_prefix_blocks_and_keys_tenants_and_models_apart():
+    def key(prompt, model="m", auth="Bearer a", session=None):
+        headers = {"authorization": auth, **({"x-session-id": session} if session else {})}
+        return routing_key({"model": model, "prompt": prompt}, headers, block_bytes=16)
+
+    a, b = key(SYSTEM + " Q: one?"), key(SYSTEM + " Q: two, longer?")
+    assert len(a.block_keys) == len(SYSTEM + " Q: one?") // 16
+    assert a.block_keys[:4] == b.block_keys[:4]  # the system prompt's 4 full blocks
+    assert not set(key(SYSTEM, model="lora-1").block_keys) & set(a.block_keys)
+    assert not set(key(SYSTEM, auth="Bearer b").block_keys) & set(a.block_keys)
+    assert key("x", session="s1") == RoutingKey((), "s1")
+    chat = {"model": "m", "messages": [{"role": "system", "content": SYSTEM}]}
+    assert len(routing_key(chat, {}, block_bytes=16).block_keys) >= 4
+    ids = routing_key({"model": "m", "prompt": list(range(40))}, {}, block_tokens=16)
+    assert len(ids.block_keys) == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeReplica:
+    replica_id: ReplicaID
+    max_ongoing_requests: int = 100
+
+
+def _router(**kwargs) -> tuple[PrefixAffinityRouter, list[FakeReplica]]:
+    dep = DeploymentID(name="pagedjax", app_name="test")
+    router = PrefixAffinityRouter(
+        deployment_id=dep,
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
+    router.initialize_state(**kwargs)
+    return router, [FakeReplica(ReplicaID(name, dep)) for name in ("a", "b", "c")]
+
+
+def _pending(key: RoutingKey):
+    call = HttpCall("POST", "/v1/completions", "", (), b"", key)
+    return types.SimpleNamespace(args=[call], kwargs={})
+
+
+def _choose(router, replicas, key):
+    import asyncio
+
+    return asyncio.run(router.choose_replicas(replicas, _pending(key)))
+
+
+def test_prefix_router_returns_home_keeps_sessions_and_spills_when_busy():
+    router, (a, b, c) = _router(imbalance_threshold=2)
+    first = routing_key({"model": "m", "prompt": SYSTEM + " Q: one?"}, {}, block_bytes=16)
+    later = routing_key({"model": "m", "prompt": SYSTEM + " Q: two?"}, {}, block_bytes=16)
+    ranks = _choose(router, [a, b, c], first)  # a new prefix: the least loaded
+    router.replica_queue_len_cache.update(a.replica_id, 0)
+    router.replica_queue_len_cache.update(b.replica_id, 0)
+    router.replica_queue_len_cache.update(c.replica_id, 0)
+    assert len(ranks[0]) == 1
+    router.on_request_routed(_pending(first), b.replica_id, None)
+    assert _choose(router, [a, b, c], later)[0] == [b]  # the shared prefix's replica
+    router.replica_queue_len_cache.update(b.replica_id, 2)
+    assert _choose(router, [a, b, c], later)[0] == [b]  # 2 more than the least: still home
+    router.replica_queue_len_cache.update(b.replica_id, 3)
+    assert _choose(router, [a, b, c], later)[0] in ([a], [c])  # 3 more: spills
+    assert _choose(router, [a, c], later)[0] in ([a], [c])  # b gone: no stale home
+    third = routing_key({"model": "m", "prompt": "another system prompt, Q?"}, {}, block_bytes=16)
+    router.on_request_routed(_pending(third), b.replica_id, None)
+    router.on_request_routed(_pending(RoutingKey((), "s1")), c.replica_id, None)
+    router.replica_queue_len_cache.update(b.replica_id, 0)
+    assert _choose(router, [a, b, c], third)[0] == [b]
+    assert _choose(router, [a, b, c], RoutingKey(third.block_keys, "s1"))[0] == [c]  # session
+    assert dict(router.decisions) == {"new": 2, "home": 4, "spill": 1}
+
+
+def test_autoscaling_policy_reads_replica_load_and_kv_usage():
+    policy = autoscale.PagedJaxAutoscalingPolicy(kv_usage_target=0.9)
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=2)
+
+    def ctx(metrics, total=0.0, replicas=1):
+        return types.SimpleNamespace(
+            aggregated_metrics=metrics,
+            total_num_requests=total,
+            config=config,
+            current_num_replicas=replicas,
+            policy_state={},
+        )
+
+    assert policy(ctx({autoscale.LOAD: {"r1": 5.0, "r2": 3.0}}, replicas=2))[0] == 4.0
+    assert policy(ctx({}, total=6.0))[0] == 3.0  # no reports yet: Serve's own count
+    kv_full = {autoscale.LOAD: {"r1": 1.0}, autoscale.KV_USAGE: {"r1": 0.95}}
+    assert policy(ctx(kv_full))[0] == 2  # few requests, pages full: one more replica
+    with pytest.raises(ValueError, match="kv_usage_target"):
+        autoscale.PagedJaxAutoscalingPolicy(kv_usage_target=0)
+
+
+def test_serve_cap_sits_above_the_replica_capacity():
+    from absl import flags
+
+    from serving import server as srv
+
+    if "model" not in flags.FLAGS:
+        srv.define_flags()
+    for name, default in autoscale.SERVER_DEFAULTS.items():
+        assert flags.FLAGS[name].default == default, name
+    argv = ["serving.server", "--max_num_seqs=4", "--max_queue_requests=3"]
+    assert autoscale.replica_capacity(argv) == 7
+    options = autoscale.deployment_options({"num_replicas": 2}, argv)
+    assert options["max_ongoing_requests"] > 7
+    assert options["backpressure_config"]["status_code"] == 429
+    auto = autoscale.deployment_options({"num_replicas": "auto"}, argv)["autoscaling_config"]
+    assert auto["min_replicas"] == 1 and auto["policy"]["policy_function"] == autoscale.POLICY_PATH
+    with pytest.raises(Exception, match="num_replicas"):
+        autoscale.deployment_options({"num_replicas": 0}, argv)
+
+
+# ---- one local Ray cluster -------------------------------------------------------------------
+FAST_METRICS = {
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.2",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.2",
+    # a worker process starting on a loaded 2-core machine can take over Ray's 60 s default
+    "RAY_worker_register_timeout_seconds": "600",
+}
+
+
+@pytest.fixture(scope="module")
+def serve_port():
+    """A local Ray cluster with Serve's proxy on a free port; shut down after the module."""
+    saved = dict(os.environ)
+    os.environ.update(FAST_METRICS, JAX_PLATFORMS="cpu")
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)  # the replicas import this repository
+    os.environ.pop("RAY_ADDRESS", None)
+    port = free_port()
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+TINY_ARGS = [
+    "--page_size=4",
+    "--num_pages=256",
+    "--max_num_seqs=4",
+    "--max_num_batched_tokens=128",
+    "--prefill_chunk_size=128",
+    "--max_model_len=128",
+    "--warmup_max_shapes=4",
+    "--capacity_probe=false",
+    "--log_level=warning",
+]
+SYSTEMS = [f"S{i}: " + SYSTEM for i in range(4)]  # differ from their first byte
+
+
+TENANTS = {
+    "tenants": [{"name": "a", "api_keys": ["key-a"]}, {"name": "b", "api_keys": ["key-b"]}],
+    "allow_anonymous": False,
+}
+
+
+def _complete(client, prompt: str, session: str | None = None, key: str | None = None):
+    headers = {"x-session-id": session} if session else {}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_headers=headers
+    )
+    return raw.parse(), raw.headers[REPLICA_HEADER]
+
+
+def _engine_stats(app: str, num_replicas: int) -> dict[str, dict]:
+    """Each replica's engine stats, by replica name (stats calls go to random replicas)."""
+    engine = serve.get_deployment_handle("pagedjax", app_name=app)
+    seen: dict[str, dict] = {}
+    for _ in range(200):
+        stats = engine.stats.remote().result()
+        seen[stats["replica"]] = stats
+        if len(seen) == num_replicas:
+            return seen
+    raise AssertionError(f"stats reached {sorted(seen)} only")
+
+
+def _hit_tokens(app: str, before: dict, expected: int) -> int:
+    """Prefix-cache hit tokens since `before`, summed over the replicas (their stats refresh
+    every 0.1 s on the engine thread: read until they show `expected` or stop changing)."""
+    last = None
+    for _ in range(50):
+        after = _engine_stats(app, len(before))
+        key = "prefix_cache_hit_tokens"
+        hit = sum(after[r][key] - before[r][key] for r in after)
+        if hit in (expected, last):
+            return hit
+        last = hit
+        time.sleep(0.2)
+    return hit
+
+
+def run_prefix_workload(port: int, app: str, router: str, tenants: Path, checks=None) -> dict:
+    """Deploy `app` (2 tiny replicas, `router`), send 5 waves of 4 (one request per system
+    prompt, at once): the first brings each prefix, the next four reuse it. Returns the
+    replies (with the replica that answered) and the share of the reusable prefix tokens
+    (those a single engine would have served from its cache) the replicas served from theirs.
+    `checks(client, replies)` runs while the app is up."""
+    import openai
+
+    from models.registry import tiny_tokenizer
+
+    server_args = [*TINY_ARGS, f"--tenants_config={tenants}"]
+    args = dict(model="tiny", num_replicas=2, server_args=server_args, router=router)
+    serve.run(build_app({**args, "block_bytes": 16}), name=app, route_prefix="/")
+    prompts = [[f"{s} Q{w}: item {w * 7 + i}?" for i, s in enumerate(SYSTEMS)] for w in range(5)]
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="key-a")
+        before = _engine_stats(app, 2)
+        replies = []
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for wave in prompts:
+                replies.append(list(pool.map(lambda p: _complete(client, p), wave)))
+        cached = sum(
+            r.usage.prompt_tokens_details.cached_tokens for wave in replies for r, _ in wave
+        )
+        hit = _hit_tokens(app, before, cached)
+        if checks is not None:
+            checks(client, replies)
+    finally:
+        serve.delete(app)
+    tok = tiny_tokenizer()
+    reusable = 0
+    for w in range(1, 5):
+        for i in range(4):
+            shared = os.path.commonprefix([tok.encode(prompts[0][i]), tok.encode(prompts[w][i])])
+            reusable += len(shared) // 4 * 4  # whole pages of 4 tokens
+    return {"hit_rate": hit / reusable, "replies": replies, "cached": cached, "hit": hit}
+
+
+def check_sessions_and_tenants(client, replies) -> None:
+    """A session keeps its replica; a tenant's salt keeps another tenant off its cached pages
+    even on the same replica; an unknown key is refused by the replica."""
+    import openai
+
+    unrelated = [_complete(client, f"unrelated {i} " * 3, session="s-1")[1] for i in range(3)]
+    assert len(set(unrelated)) == 1, unrelated
+    follower = f"{SYSTEMS[0]} Q9: item 99?"
+    home = replies[0][0][1]
+    reply, replica = _complete(client, follower, session="pin")  # S0's home, learned
+    assert replica == home and reply.usage.prompt_tokens_details.cached_tokens > 0
+    reply, replica = _complete(client, follower, session="pin", key="key-b")
+    assert replica == home  # the session pins tenant b to the replica holding a's pages
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # ... which b cannot hit
+    with pytest.raises(openai.AuthenticationError):
+        _complete(client, follower, key="key-wrong")
+
+
+def test_prefix_affinity_routing_hits_the_cache_and_beats_the_default_router(
+    serve_port, tiny_model, tmp_path
+):
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps(TENANTS))
+    routed = run_prefix_workload(
+        serve_port, "affinity", "prefix", tenants, checks=check_sessions_and_tenants
+    )
+    identity = tiny_model.identity
+    for wave in routed["replies"]:
+        for reply, _ in wave:
+            assert reply.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
+    homes = [[replica for _, replica in wave] for wave in routed["replies"]]
+    assert len(set(homes[0])) == 2, homes  # the 4 new prefixes spread over both replicas
+    assert all(wave == homes[0] for wave in homes), homes  # each prefix then stays home
+    assert routed["cached"] == routed["hit"]  # the replies' usage says what the stats say
+    assert routed["hit_rate"] >= 0.9, routed["hit_rate"]
+    control = run_prefix_workload(serve_port, "control", "default", tenants)
+    print(f"prefix hit rate: affinity {routed['hit_rate']:.2f}, default {control['hit_rate']:.2f}")
+    assert control["hit_rate"] < routed["hit_rate"], (control["hit_rate"], routed["hit_rate"])
+
+
+def _replicas(app: str) -> int:
+    status = serve.status().applications.get(app)
+    return status.deployments["pagedjax"].replica_states.get("RUNNING", 0) if status else 0
+
+
+def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
+    import httpx
+
+    server_args = [
+        "--mock_step_time_s=0.05",  # 100 tokens: 5 s a request
+        "--max_num_seqs=2",
+        "--max_queue_requests=2",
+        "--capacity_probe=false",
+        "--log_level=warning",
+    ]
+    scaling = dict(
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing_requests=2,
+        upscale_delay_s=1.0,
+        downscale_delay_s=600.0,
+        look_back_period_s=1.0,
+        metrics_interval_s=0.2,  # deprecated, but Serve warns while it exceeds the look-back
+    )
+    args = dict(model="mock", num_replicas="auto", autoscaling_config=scaling, num_cpus=0.5)
+    serve.run(build_app({**args, "server_args": server_args}), name="scaled", route_prefix="/")
+    url = f"http://127.0.0.1:{serve_port}/v1/completions"
+    body = {"model": "mock", "prompt": "abc", "max_tokens": 100, "ignore_eos": True}
+
+    def send(_):
+        reply = httpx.post(url, json=body, timeout=120)
+        return reply, time.monotonic()
+
+    try:
+        assert _replicas("scaled") == 1
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(send, range(12)))
+        statuses = sorted(r.status_code for r, _ in results)
+        shed = [(r, t) for r, t in results if r.status_code == 429]
+        done = [(r, t) for r, t in results if r.status_code == 200]
+        assert shed and done and len(shed) + len(done) == 12, statuses
+        for reply, _ in shed:  # the replica's own admission answered, with its hint
+            assert int(reply.headers["Retry-After"]) >= 1, reply.headers
+            assert reply.headers[REPLICA_HEADER], reply.headers
+        # Nothing waited in front of the replica: every shed answer came back before any
+        # admitted request (5 s of decoding) finished.
+        assert max(t for _, t in shed) < min(t for _, t in done), statuses
+        while _replicas("scaled") < 2:  # the burst's load (4 per replica > 2) scales out
+            assert time.monotonic() - start < 300, serve.status()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                list(pool.map(send, range(4)))
+        print(f"1 -> 2 replicas {time.monotonic() - start:.1f} s after the burst began")
+    finally:
+        serve.delete("scaled")
+
+
+def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
+    """A deployment capped below its replica's capacity (max_ongoing_requests=1) with Serve's
+    queue bounded at 1: of a burst, at most 1 + 1 are served, the rest get Serve's 429 +
+    Retry-After at once from the ingress (no replica header: no replica saw them)."""
+    import httpx
+
+    server_args = ["--mock_step_time_s=0.05", "--capacity_probe=false", "--log_level=warning"]
+    args = dict(model="mock", num_replicas=1, num_cpus=0.5, server_args=server_args)
+    bounds = dict(max_ongoing_requests=1, max_queued_requests=1, retry_after_s=2.0)
+    serve.run(build_app({**args, **bounds}), name="bounded", route_prefix="/")
+    url = f"http://127.0.0.1:{serve_port}/v1/completions"
+    body = {"model": "mock", "prompt": "abc", "max_tokens": 40, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: httpx.post(url, json=body, timeout=120), range(6)))
+    finally:
+        serve.delete("bounded")
+    served = [r for r in replies if r.status_code == 200]
+    refused = [r for r in replies if r.status_code == 429]
+    assert 1 <= len(served) <= 2 and len(served) + len(refused) == 6, replies
+    for reply in refused:
+        assert reply.headers["Retry-After"] == "2" and REPLICA_HEADER not in reply.headers
