@@ -53,6 +53,7 @@ def _build_server(argv: list[str]):
     from absl import flags
 
     from serving import server as srv
+    from serving.disagg import service as kv_transfer_service
 
     if "model" not in flags.FLAGS:
         srv.define_flags()
@@ -67,6 +68,11 @@ def _build_server(argv: list[str]):
         mock_step_time_s=flags.FLAGS.mock_step_time_s,
         max_model_len=flags.FLAGS.max_model_len,
     )
+    # -- hook for serving/ray_serve/disagg.py (issue 32 item 4): K/V export/import for --role,
+    # as serving.server's main does (a `both` replica is unchanged)
+    engine = kv_transfer_service.wrap_engine(engine)
+    role, transport = flags.FLAGS.role, flags.FLAGS.kv_transport
+    warmup = kv_transfer_service.with_transfer_warmup(engine, warmup, role, transport)
     config = srv.config_from_flags(options)
     server = srv.PagedJaxServer(
         engine, config, srv.TenantRegistry.from_file(flags.FLAGS.tenants_config), warmup=warmup
