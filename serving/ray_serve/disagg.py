@@ -58,6 +58,7 @@ from ray import serve
 from ray.serve import Application
 
 from serving import flags as shared
+from serving.frontend.admission import AdmissionConfig
 from serving.ray_serve.app import DEFAULT_READY_TIMEOUT_S, PagedJaxReplica
 
 log = logging.getLogger("pagedjax.ray")
@@ -233,7 +234,12 @@ def pd_application(
             num_replicas=int(replicas),
             ray_actor_options=dict(actor_options or {"num_cpus": 1.0}),
         ).bind(argv, role, registry, ready_timeout_s)
-    return PDRouter.options(ray_actor_options={"num_cpus": float(router_num_cpus)}).bind(
+    # NOTE: the router's own admission sheds, not Serve's small default of 5 in flight
+    ongoing = AdmissionConfig().max_queue_requests + 64
+    router = PDRouter.options(
+        ray_actor_options={"num_cpus": float(router_num_cpus)}, max_ongoing_requests=ongoing
+    )
+    return router.bind(
         registry, pools["prefill"], pools["decode"], tokenizer or model, policy, ready_timeout_s
     )
 

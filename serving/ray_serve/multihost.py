@@ -58,25 +58,37 @@ def coordinator_address() -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def follower_engine(argv: list[str]):
-    """The engine of a process != 0, built from the leader's serving.server flags in the
-    same order as the leader builds its own (serving.server's main, follower branch)."""
+def server_flags(argv: list[str]):
+    """serving.server's absl FLAGS parsed from `argv`, refused (UsageError) where the
+    multi-host path does not support a flag (serving/engine_host/multihost.py)."""
     from absl import flags
 
     from serving import server as srv
+    from serving.engine_host.multihost import refusals
 
     if "model" not in flags.FLAGS:
         srv.define_flags()
     flags.FLAGS.unparse_flags()
     flags.FLAGS(argv)
-    srv.check_flags()
+    for flag, value, why in refusals(flags.FLAGS):
+        raise shared.UsageError(flag, value, why.replace("--distributed_env", "several hosts"))
+    return flags.FLAGS
+
+
+def follower_engine(argv: list[str]):
+    """The engine of a process != 0, built from the leader's serving.server flags in the
+    same order as the leader builds its own (serving.server's main, follower branch)."""
+    from serving import server as srv
+
+    flags = server_flags(argv)
+    srv.check_flags()  # after jax.distributed.initialize: --mesh counts every host's devices
     options = {**srv.engine_options_from_flags(), **srv.warmup_options()}
     engine, _ = srv.build_serving_engine(
-        flags.FLAGS.model,
+        flags.model,
         options,
         in_process=True,
-        mock_step_time_s=flags.FLAGS.mock_step_time_s,
-        max_model_len=flags.FLAGS.max_model_len,
+        mock_step_time_s=flags.mock_step_time_s,
+        max_model_len=flags.max_model_len,
     )
     return engine
 
@@ -106,6 +118,7 @@ class MultiHostReplica(PagedJaxReplica.func_or_class):
     ):
         from engine.parallel.distributed import DistributedConfig, initialize
 
+        server_flags(argv)  # a flag the multi-host path refuses fails the replica here
         group = ray.util.get_current_placement_group()
         if group is None:
             raise RuntimeError("MultiHostReplica runs in a placement group (build_multihost_app)")
