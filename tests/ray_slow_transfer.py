@@ -17,7 +17,7 @@ HOLD_S = 5.0
 
 
 class SlowTransferWorker(PDWorker):
-    async def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):
         self.holding = threading.Event()
         self.held = 0
         send_chunks = service.payload_chunks
@@ -31,7 +31,7 @@ class SlowTransferWorker(PDWorker):
             yield from stream
 
         service.payload_chunks = chunks  # this replica's process only
-        await super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)
 
     def hold(self, on: bool) -> None:
         if on:

@@ -80,9 +80,7 @@ def _build_server(argv: list[str]):
     return server, server.build_http_api()
 
 
-@serve.deployment(name="pagedjax")
-@serve.ingress()
-class PagedJaxReplica:
+class EngineReplica:
     """One engine replica; its FastAPI app is this deployment's ingress."""
 
     def __init__(self, argv: list[str], ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S):
@@ -121,6 +119,11 @@ class PagedJaxReplica:
         server = getattr(self, "server", None)
         if server is not None:
             server.stop(0)
+
+
+# -- hook for serving/ray_serve/disagg.py (issue 32 item 4): the replica class undecorated, so
+# the P/D workers reuse it without being FastAPI ingresses (Serve allows one per application)
+PagedJaxReplica = serve.deployment(name="pagedjax")(serve.ingress()(EngineReplica))
 
 
 def build_app(args: dict[str, Any]) -> Application:

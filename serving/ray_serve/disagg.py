@@ -59,13 +59,17 @@ from ray.serve import Application
 
 from serving import flags as shared
 from serving.frontend.admission import AdmissionConfig
-from serving.ray_serve.app import DEFAULT_READY_TIMEOUT_S, PagedJaxReplica
+from serving.ray_serve.app import DEFAULT_READY_TIMEOUT_S, EngineReplica
 
 log = logging.getLogger("pagedjax.ray")
 ROLES = ("prefill", "decode")
 HEARTBEAT_S = 1.0
 REGISTRY_TTL_S = 5.0
 SPEC_PREFIX = "ray:"  # a WorkerPool spec "ray:prefill": that pool's registered addresses
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
 
 
 @serve.deployment(name="pd-registry", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -85,19 +89,20 @@ class PDRegistry:
         )
 
 
-class PDWorker(PagedJaxReplica.func_or_class):
-    """A PagedJaxReplica with a role: its gRPC server (the KVTransfer service included) on
-    the node's IP, reported to the registry while it lives."""
+class PDWorker(EngineReplica):
+    """An engine replica with a role: its gRPC server (the KVTransfer service included) on
+    the node's IP, reported to the registry while it lives. Not an HTTP ingress (the router
+    is the application's one)."""
 
-    async def __init__(
+    def __init__(
         self, argv: list[str], role: str, registry, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
     ):
         if role not in ROLES:
             raise shared.UsageError("role", role, f"one of {ROLES}")
         node_ip = ray.util.get_node_ip_address()
-        await super().__init__([*argv, f"--role={role}", f"--host={node_ip}"], ready_timeout_s)
+        super().__init__([*argv, f"--role={role}", f"--host={node_ip}"], ready_timeout_s)
         self.role, self.registry = role, registry
-        self.address = f"{node_ip}:{self.server.port}"
+        self.address = host_port(node_ip, self.server.port)
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="pd-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -116,11 +121,11 @@ class PDWorker(PagedJaxReplica.func_or_class):
         """The address the router and the other pool reach this worker on."""
         return self.address
 
-    async def __del__(self):
+    def __del__(self):
         stopped = getattr(self, "_stopped", None)
         if stopped is not None:
             stopped.set()
-        await super().__del__()
+        super().__del__()
 
 
 PDWorkerDeployment = serve.deployment(name="pd-worker")(PDWorker)

@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serving import flags as shared
 from serving.ray_serve.app import DEFAULT_READY_TIMEOUT_S, PagedJaxReplica
-from serving.ray_serve.disagg import worker_argv
+from serving.ray_serve.disagg import host_port, worker_argv
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -55,7 +55,7 @@ def coordinator_address() -> str:
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port(host, port)
 
 
 def server_flags(argv: list[str]):
