@@ -219,11 +219,11 @@ def test_pd_cancel_during_transfer_frees_pages_on_both_sides(ray_serve, pd_app, 
         asyncio.run(cancel_during_transfer())
     finally:
         prefill.hold.remote(False).result(timeout_s=30)
-    for handle in (prefill, decode):
+    for role, handle in (("prefill", prefill), ("decode", decode)):
         wait_until(
             lambda h=handle: (s := stats(h))["kv_pages_used"] == 0 and s["num_running"] == 0,
             60,
-            "pages freed",
+            f"the {role} replica's pages freed",
         )
     assert stats(prefill)["kv_exports"] == exports + 1  # the transfer had begun ...
     assert stats(decode)["kv_imports"] == imports  # ... and never reached the decode engine
