@@ -46,6 +46,7 @@ SERVER_ARGS = [
 ]
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a b c", "tiny"]
 MAX_TOKENS = [12, 5, 9, 3]
+MEMORY_MONITOR = "RAY_memory_monitor_refresh_ms"  # Ray's own spelling
 
 
 def wait_until(predicate, timeout_s: float, what: str):
@@ -87,14 +88,19 @@ def ray_serve():
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         "PAGEDJAX_COMPILATION_CACHE_DIR": os.environ.get("PAGEDJAX_COMPILATION_CACHE_DIR", ""),
     }
-    ray.init(
-        address="local",  # never a cluster another test or shell started
-        num_cpus=6,  # logical: the replicas' reservations, not this machine's cores
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-    )
+    # NOTE: Ray's memory monitor kills workers when the NODE passes 95% memory, whoever uses
+    # it: on a machine shared with other runs it killed this cluster's controller and router
+    # (2026-12-05) while the test itself used ~3 GB. Off for this cluster's raylet only.
+    saved = os.environ.get(MEMORY_MONITOR)
+    os.environ[MEMORY_MONITOR] = "0"
     try:
+        ray.init(
+            address="local",  # never a cluster another test or shell started
+            num_cpus=6,  # logical: the replicas' reservations, not this machine's cores
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": env},
+        )
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
@@ -103,6 +109,10 @@ def ray_serve():
             serve.shutdown()
         finally:
             ray.shutdown()
+            if saved is None:
+                os.environ.pop(MEMORY_MONITOR, None)
+            else:
+                os.environ[MEMORY_MONITOR] = saved
 
 
 def completions(base_url: str, identity, texts, lengths) -> None:

@@ -170,6 +170,13 @@ class PDRouter:
             port=0,
             start_timeout_s=start_timeout_s,
         ).start()
+        # ready (Serve routes to it) once a prefill + decode pair is routable, not once the
+        # first worker answered: a request in between would be refused as no_route (503)
+        end = time.monotonic() + start_timeout_s
+        while not client.has_route():
+            if time.monotonic() > end:
+                raise RuntimeError(f"no prefill + decode pair within {start_timeout_s}s")
+            time.sleep(interval_s)
         shared.progress(f"pd router ready: {self.pool.snapshot()}")
 
     def _resolve(self, spec: str) -> list[str]:
