@@ -68,6 +68,7 @@ def _build_server(argv: list[str]):
     from absl import flags
 
     from serving import server as srv
+    from serving.disagg import service as kv_transfer_service
 
     if "model" not in flags.FLAGS:
         srv.define_flags()
@@ -82,6 +83,11 @@ def _build_server(argv: list[str]):
         mock_step_time_s=flags.FLAGS.mock_step_time_s,
         max_model_len=flags.FLAGS.max_model_len,
     )
+    # -- hook for serving/ray_serve/disagg.py (issue 32 item 4): K/V export/import for --role,
+    # as serving.server's main does (a `both` replica is unchanged)
+    engine = kv_transfer_service.wrap_engine(engine)
+    role, transport = flags.FLAGS.role, flags.FLAGS.kv_transport
+    warmup = kv_transfer_service.with_transfer_warmup(engine, warmup, role, transport)
     config = srv.config_from_flags(options)
     server = srv.PagedJaxServer(
         engine, config, srv.TenantRegistry.from_file(flags.FLAGS.tenants_config), warmup=warmup
@@ -89,9 +95,9 @@ def _build_server(argv: list[str]):
     return server, server.build_http_api()
 
 
-@serve.deployment(name="pagedjax")
-class PagedJaxReplica:
-    """One engine replica: the ingress's calls run through its own HTTP API."""
+class EngineReplica:
+    """One engine replica: the ingress's calls run through its own HTTP API (undecorated, so
+    the P/D workers of serving/ray_serve/disagg.py reuse it as deployments of their own)."""
 
     def __init__(self, argv: list[str], ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S):
         self.name = serve.get_replica_context().replica_id.unique_id
@@ -139,6 +145,11 @@ class PagedJaxReplica:
         server = getattr(self, "server", None)
         if server is not None:
             server.stop(0)
+
+
+# The engine deployment; the ingress (serving/ray_serve/ingress.py) is the app's only FastAPI
+# ingress (Serve allows one per application), which also lets disagg.py reuse EngineReplica.
+PagedJaxReplica = serve.deployment(name="pagedjax")(EngineReplica)
 
 
 def build_app(args: dict[str, Any]) -> Application:

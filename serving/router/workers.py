@@ -12,7 +12,8 @@ brings it back.
 
 Discovery: a `dns:NAME:PORT` entry (a Kubernetes headless Service, deploy/k8s/) is resolved
 again every round; each address it returns is a worker, and one that disappears from the
-answer leaves the pool once it has no request in flight.
+answer leaves the pool once it has no request in flight. Another `resolver` (spec ->
+addresses) may stand in for DNS: Ray Serve's replicas (serving/ray_serve/disagg.py).
 
 Load = requests this router has in flight on the worker (`acquire` / `release`), exact for
 the traffic it sends and free to read.
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -76,10 +78,17 @@ def resolve(spec: str) -> list[str]:
 
 
 class WorkerPool:
-    def __init__(self, specs: list[str], revision: str = "", interval_s: float = 0.5):
+    def __init__(
+        self,
+        specs: list[str],
+        revision: str = "",
+        interval_s: float = 0.5,
+        resolver: Callable[[str], list[str]] = resolve,
+    ):
+        """`resolver`: one spec -> the worker addresses it names now (called every round)."""
         if not specs:
             raise ValueError("workers: at least one host:port or dns:NAME:PORT")
-        self.specs = list(specs)
+        self.specs, self.resolver = list(specs), resolver
         self.workers: dict[str, Worker] = {}
         self.reference: dict | None = {"revision": revision} if revision else None
         self.interval_s = interval_s
@@ -110,13 +119,13 @@ class WorkerPool:
             self.check(w)
 
     def _discover(self) -> None:
-        found = [a for spec in self.specs for a in resolve(spec)]
+        found = [a for spec in self.specs for a in self.resolver(spec)]
         with self._lock:
             for a in found:
                 if a not in self.workers:
                     self.workers[a] = Worker(a, grpc.insecure_channel(a))
             for a in [a for a, w in self.workers.items() if a not in found and not w.inflight]:
-                log.info("worker %s left the DNS answer", a)
+                log.info("worker %s left the resolver's answer", a)
                 self.workers.pop(a).channel.close()
 
     def check(self, w: Worker, timeout_s: float = 2.0) -> None:
