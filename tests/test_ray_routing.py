@@ -393,7 +393,8 @@ def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
 
 def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
     """A deployment capped below its replica's capacity (max_ongoing_requests=1) with Serve's
-    queue bounded at 1: of a burst, at most 1 + 1 are served, the rest get Serve's 429 +
+    queue bounded at 1: of a burst, at most 1 + 1 are served (each runs 10 s, longer than the
+    burst takes to arrive even on a loaded machine), the rest get Serve's 429 +
     Retry-After at once from the ingress (no replica header: no replica saw them)."""
     import httpx
 
@@ -402,7 +403,7 @@ def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
     bounds = dict(max_ongoing_requests=1, max_queued_requests=1, retry_after_s=2.0)
     serve.run(build_app({**args, **bounds}), name="bounded", route_prefix="/")
     url = f"http://127.0.0.1:{serve_port}/v1/completions"
-    body = {"model": "mock", "prompt": "abc", "max_tokens": 40, "ignore_eos": True}
+    body = {"model": "mock", "prompt": "abc", "max_tokens": 200, "ignore_eos": True}
     try:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(lambda _: httpx.post(url, json=body, timeout=120), range(6)))

@@ -143,7 +143,7 @@ class MultiHostReplica(EngineReplica):
             for i, f in enumerate(self.followers, start=1)
         ]
         initialize(DistributedConfig(self.coordinator, num_hosts, 0))  # waits for them all
-        await super().__init__(argv, ready_timeout_s)
+        super().__init__(argv, ready_timeout_s)
 
     def topology(self) -> dict:
         """Processes, devices, and the processes the engine's mesh spans (per axis)."""
@@ -163,8 +163,8 @@ class MultiHostReplica(EngineReplica):
             "mesh": spans,
         }
 
-    async def __del__(self):
-        await super().__del__()  # the leader's engine stops and tells the followers to stop
+    def __del__(self):
+        super().__del__()  # the leader's engine stops and tells the followers to stop
         for actor in getattr(self, "followers", []):
             ray.kill(actor)
 
