@@ -299,7 +299,7 @@ def model_decode(sizes: Sizes, peak: dict, smoke: bool) -> dict:
 
     def step(batch, shape):
         nonlocal state
-        state, packed = step_module.engine_step(
+        state, packed, _ = step_module.engine_step(
             params,
             state,
             batch,

@@ -205,7 +205,7 @@ def profile_case(
     def run_step(flags, impl="auto"):
         def go():
             nonlocal state
-            state, packed = step_module.engine_step(
+            state, packed, _ = step_module.engine_step(
                 params,
                 state,
                 batch,
