@@ -89,6 +89,11 @@ def _decode_rate(llm, batch: int, short: int, long: int, vocab: int) -> tuple[fl
     return batch * steps / dt, 1e3 * dt / steps
 
 
+def _load() -> list[str]:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", choices=sorted(SIZES), default="default")
@@ -101,7 +106,7 @@ def main(argv=None) -> list[dict]:
     D, L, E, k, Fm, H, KV, hd, V, batches = SIZES[args.sizes]
     print(
         f"D {D}, {L} layers, {E} experts top-{k} of width {Fm} vs a dense MLP of width {k * Fm}; "
-        f"load {open('/proc/loadavg').read().split()[:3]}"
+        f"load {_load()}"
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +132,7 @@ def main(argv=None) -> list[dict]:
                 f"batch {b:>3}: dense {d_tps:8.1f} tok/s ({d_ms:6.1f} ms/step)  "
                 f"moe {m_tps:8.1f} tok/s ({m_ms:6.1f} ms/step)  moe/dense {m_tps / d_tps:.2f}"
             )
-    print(f"load {open('/proc/loadavg').read().split()[:3]}")
+    print(f"load {_load()}")
     return rows
 
 
