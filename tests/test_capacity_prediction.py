@@ -114,6 +114,9 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_pat
 def test_calibration_survives_a_restart(tmp_path):
     model = CapacityModel({1: 0.02, 8: 0.05}, prefill_tokens_per_s=4000.0, max_inflight=8)
     model.observe_length(30, 100)
+    for _ in range(5):  # the steps seen per size (the isotonic weights) are kept too
+        model.observe_step(8, 0.06)
+    assert model.snapshot()["steps_seen"] == {1: 1, 8: 6}
     tracker = PredictionTracker(min_samples=2)
     for predicted, actual in [(1.0, 1.1), (2.0, 1.9), (1.0, 1.0)]:
         tracker.observe(predicted, actual)

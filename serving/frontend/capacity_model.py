@@ -76,6 +76,7 @@ class CapacityModel:
         max_inflight: int,
         smoothing: float = 0.1,
         length_fraction: float = 1.0,
+        steps_seen: dict[int, int] | None = None,
     ):
         assert step_s_by_concurrency and prefill_tokens_per_s > 0, (
             step_s_by_concurrency,
@@ -85,7 +86,8 @@ class CapacityModel:
         self.max_jump = 2.0  # one observation counts at most this x the current estimate
         self._step_s = dict(step_s_by_concurrency)
         self._envelope: list[tuple[int, float]] | None = None  # _points, cached
-        self._seen = dict.fromkeys(self._step_s, 1)  # steps observed per size
+        # steps observed per size (the isotonic weights; kept across restarts)
+        self._seen = {c: max(1, int((steps_seen or {}).get(c, 1))) for c in self._step_s}
         self._prefill_tokens_per_s = prefill_tokens_per_s
         # Mean tokens a request produces / its max_tokens (chat replies end at EOS well
         # before max_tokens): what the requests ahead are expected to hold a slot for.
@@ -276,6 +278,7 @@ class CapacityModel:
                 "step_s_by_concurrency": dict(sorted(self._step_s.items())),
                 "prefill_tokens_per_s": self._prefill_tokens_per_s,
                 "length_fraction": self._length_fraction,
+                "steps_seen": dict(sorted(self._seen.items())),
             }
 
 
