@@ -17,7 +17,10 @@ second client measuring the shedding speed, shed calls retried once after Retry-
     server 2, restarted on server 1's saved calibration: the first burst after a restart
 
 The calibration goes to a directory of its own (its `xla/` a link to the shared compilation
-cache, so the step programs load from it), so nothing another run left behind seeds it.
+cache, so the step programs load from it; for the mock an empty directory, beside which the
+mock's calibration persists too), so nothing another run left behind seeds it. Before each
+burst the server's admission margin (ServerInfo stats `admission_margin`: the measured p90
+of actual / predicted finish, or the prior) is recorded.
 Targets (issue 34): OK in time >= 0.8 x capacity, <= 10% past deadline, shed p99 < 50 ms,
 the burst after a restart as good as a warm one.
 """
@@ -77,6 +80,14 @@ def capacity(port: int, levels: list[int], window_s: float, max_tokens: int) -> 
     return {"levels": runs, "capacity": best["ok_in_window"], "best": best["concurrency"]}
 
 
+def admission_margin(port: int) -> float | None:
+    """The factor admission holds estimates to before a burst (the measured p90 of actual /
+    predicted finish, or the prior before any was measured)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stats = pb_grpc.PagedJaxStub(channel).ServerInfo(pb.ServerInfoRequest(), timeout=10).stats
+    return stats.get("admission_margin")
+
+
 def calibration_dir(root: str) -> str:
     """`root/xla` linked to the shared compilation cache: the server's calibration then goes
     to `root/capacity`, its own."""
@@ -90,17 +101,21 @@ def calibration_dir(root: str) -> str:
 def run(a) -> dict:
     root = tempfile.mkdtemp(prefix="burst_capacity-")
     args = [*a.server_args.split(",")] if a.server_args else []
-    if a.model != "mock":
-        args.append(f"--compilation_cache_dir={calibration_dir(root)}")
+    # the mock compiles nothing: its "cache" is a directory of its own, beside which the
+    # calibration persists
+    xla = calibration_dir(root) if a.model != "mock" else os.path.join(root, "xla")
+    args.append(f"--compilation_cache_dir={xla}")
     log = lambda name: os.path.join(a.out_dir, f"{name}.log")
     out = {"loadavg": {"start": os.getloadavg()}, "server_args": args}
     proc, port = rb.start_server(a.model, args, log("server1"))
     try:
+        out["margin"] = {"cold": admission_margin(port)}
         out["cold"] = rb.burst_with_probe(port, a.n, a.max_tokens, a.deadline_s, "cold", a.probes)
         out["loadavg"]["cold"] = os.getloadavg()
         rb.wait_idle(port)
         out["capacity"] = capacity(port, a.concurrency, a.deadline_s, a.max_tokens)
         out["loadavg"]["capacity"] = os.getloadavg()
+        out["margin"]["warm"] = admission_margin(port)
         out["warm"] = rb.burst_with_probe(port, a.n, a.max_tokens, a.deadline_s, "warm", a.probes)
         out["loadavg"]["warm"] = os.getloadavg()
     finally:
@@ -108,6 +123,7 @@ def run(a) -> dict:
         out["server1_exit_code"] = proc.wait(120)
     proc, port = rb.start_server(a.model, args, log("server2"))
     try:
+        out["margin"]["restart"] = admission_margin(port)
         out["restart"] = rb.burst_with_probe(
             port, a.n, a.max_tokens, a.deadline_s, "restart", a.probes
         )
@@ -132,9 +148,9 @@ def render(r: dict, a) -> str:
             f"{x['concurrency']} streams: {x['ok_in_window']}" for x in r["capacity"]["levels"]
         )
         + f" -> capacity {cap}",
-        "| burst | load (1 min) | OK | shed | DEADLINE_EXCEEDED | other | OK / capacity | "
+        "| burst | load (1 min) | margin | OK | shed | DEADLINE_EXCEEDED | other | OK / capacity | "
         "shed p50 / p99 ms (light client) | retried after hint |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for name in ("cold", "warm", "restart"):
         b = r[name]
@@ -143,7 +159,8 @@ def render(r: dict, a) -> str:
         shed = sum(codes.pop(c, 0) for c in rb.SHED_CODES)
         p = b["probe"]["shed_latency_ms"]
         rows.append(
-            f"| {name} | {r['loadavg'][name][0]:.1f} | {ok} | {shed} | {de} ({de / b['n']:.0%}) "
+            f"| {name} | {r['loadavg'][name][0]:.1f} | {r['margin'].get(name) or 0:.3f} | {ok} "
+            f"| {shed} | {de} ({de / b['n']:.0%}) "
             f"| {sum(codes.values())} | {ok / max(1, cap):.2f} | {p.get('p50', 0):.1f} / "
             f"{p.get('p99', 0):.1f} | {b['retried_after_hint']} |"
         )

@@ -904,6 +904,8 @@ def main(argv) -> None:
         from engine.runner.compilation_cache import enable as enable_compilation_cache
 
         cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)  # before compiling
+    elif FLAGS.compilation_cache_dir not in (None, "", "none"):  # the mock: calibration only
+        cache_dir = FLAGS.compilation_cache_dir
     options = engine_options_from_flags()
     # Warm-up runs on the engine thread once the server listens (/ready says when it ended).
     build_kwargs = dict(mock_step_time_s=FLAGS.mock_step_time_s, max_model_len=FLAGS.max_model_len)

@@ -32,11 +32,30 @@ def test_one_compiling_step_does_not_poison_the_model():
     assert model.step_s(1) == pytest.approx(0.22)
     model.observe_prefill(40, 15.0)  # a first token after a 15 s compile
     assert model.prefill_s(100) == pytest.approx(1.1)
-    model.observe_step(4, 30.0)  # a first observation of a bucket is clamped too
-    assert model.step_s(4) == pytest.approx(2 * 0.22)
+    # a first observation of a size starts from the sizes around it and is clamped too
+    model.observe_step(4, 30.0)
+    assert model.step_s(4) == pytest.approx(0.22 + 0.1 * (2 * 0.22 - 0.22))
     for _ in range(100):
         model.observe_step(1, 0.5)
-    assert model.step_s(1) == pytest.approx(0.5, rel=1e-3)
+    assert model.snapshot()["step_s_by_concurrency"][1] == pytest.approx(0.5, rel=1e-3)
+    # pooled with size 4's one step (a larger batch is not cheaper), weighted 10 : 1
+    assert model.step_s(1) == pytest.approx((10 * 0.5 + 0.242) / 11, rel=1e-3)
+
+
+def test_a_step_of_more_rows_is_not_cheaper():
+    """A few slow steps at a rarely seen size do not make that size slower than a larger,
+    often seen batch (weighted isotonic: step_s non-decreasing in the batch); a lasting
+    slowdown seen often at a small size still lifts it past a stale larger one."""
+    model = CapacityModel({1: 0.05, 16: 0.05, 64: 0.052}, prefill_tokens_per_s=1e6, max_inflight=64)
+    for _ in range(10):
+        model.observe_step(16, 0.05)
+        model.observe_step(64, 0.052)
+    for _ in range(3):
+        model.observe_step(4, 0.1)  # slow steps (a collection, a client's stall) at size 4
+    assert model.snapshot()["step_s_by_concurrency"][4] > 0.06
+    # pooled with sizes 16 and 64 (10 steps each): 3 steps lift them by ~1 ms, not to 0.06
+    assert model.step_s(4) == model.step_s(64) == pytest.approx(0.0526, rel=0.01)
+    assert all(model.step_s(c) <= model.step_s(c + 1) for c in range(1, 64))
 
 
 def test_slot_wait_follows_the_waves_of_a_burst():

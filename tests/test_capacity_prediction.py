@@ -74,13 +74,14 @@ def _capacity(max_inflight, arrival, n_max=300) -> int:
 
 @pytest.mark.parametrize("max_inflight,prompt,max_tokens", [(32, 40, 64), (64, 40, 64)])
 def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_path):
-    """300 requests at once, 15 s deadline. Cold (start-up probe, the configured 1.2
-    margin): every admitted request finishes in time. Warm (the margin is the measured p90
-    of actual / predicted finish from the cold burst): admitted within 10% of the known
-    capacity, and still every admitted one in time. Restarted (calibration saved and
-    loaded, nothing probed): within 10% too, all in time. NOTE: when a wave's prompts overflow
-    the step's token budget (16 x 200 tokens in 2048) the model does not see the stagger:
-    the warm burst admitted 37 of a capacity of 42 (12% under), all in time."""
+    """300 requests at once, 15 s deadline (issue 34: "admitted requests all finish in
+    time, and the count admitted is within 10% of the known capacity"), three times: cold
+    (start-up probe, the configured prior margin), warm (the margin is the measured p90 of
+    actual / predicted finish from the cold burst) and restarted (calibration saved and
+    loaded, nothing probed). The old prior of 1.2 admits 0.78-0.80 of capacity cold and
+    fails here. NOTE: when a wave's prompts overflow the step's token budget (16 x 200
+    tokens in 2048) the model does not see the stagger: the warm burst admitted 37 of a
+    capacity of 42 (12% under), all in time."""
     arrival = sim.Arrival(0.0, prompt, max_tokens, None, 15.0)
     capacity = _capacity(max_inflight, arrival)
     burst = [arrival] * 300
@@ -88,6 +89,7 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_pat
     cold = sim.run(burst, max_inflight, model, NO_LIMITS, tracker)
     cold_admitted = [r for r in cold if r.admitted]
     assert all(r.in_time for r in cold_admitted)
+    assert abs(len(cold_admitted) - capacity) <= 0.1 * capacity, (len(cold_admitted), capacity)
     assert {r.reason for r in cold if not r.admitted} == {"deadline"}
     warm = sim.run(burst, max_inflight, model, NO_LIMITS, tracker)
     warm_admitted = [r for r in warm if r.admitted]
@@ -103,12 +105,18 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_pat
     restarted = sim.run(burst, max_inflight, loaded, NO_LIMITS, restarted_tracker)
     restarted_admitted = [r for r in restarted if r.admitted]
     assert all(r.in_time for r in restarted_admitted)
-    assert abs(len(restarted_admitted) - capacity) <= 0.1 * capacity
+    assert abs(len(restarted_admitted) - capacity) <= 0.1 * capacity, (
+        len(restarted_admitted),
+        capacity,
+    )
 
 
 def test_calibration_survives_a_restart(tmp_path):
     model = CapacityModel({1: 0.02, 8: 0.05}, prefill_tokens_per_s=4000.0, max_inflight=8)
     model.observe_length(30, 100)
+    for _ in range(5):  # the steps seen per size (the isotonic weights) are kept too
+        model.observe_step(8, 0.06)
+    assert model.snapshot()["steps_seen"] == {1: 1, 8: 6}
     tracker = PredictionTracker(min_samples=2)
     for predicted, actual in [(1.0, 1.1), (2.0, 1.9), (1.0, 1.0)]:
         tracker.observe(predicted, actual)

@@ -328,3 +328,30 @@ def test_dispatch_ledger_gives_undispatched_calls_one_outcome():
     with pytest.raises(_Aborted):  # picked up after being recorded: no second outcome
         list(late.unary_stream("req", _FakeContext()))
     assert len(recorded) == 1
+
+
+def test_a_popped_request_counts_as_in_the_engine_before_the_feed_ends():
+    """The engine thread pops queued requests one by one and sets the engine's counts only
+    after its feed: an arrival judged in between must still see the popped ones ahead of
+    it (they were once in neither count, and a fifth wave of a mock burst was admitted as
+    if it were the fourth, then timed out). 2 slots, 1 s per request: the fifth request in
+    line starts at 2 s whether its four predecessors are queued or half fed."""
+    from serving.frontend.capacity_model import CapacityModel
+
+    def queue():
+        model = CapacityModel({1: 0.1, 2: 0.1}, prefill_tokens_per_s=1e9, max_inflight=2)
+        q = WaitingQueue(AdmissionConfig(deadline_margin=1.0), clock=Clock(), capacity=model)
+        for i in range(4):
+            q.offer(QueuedRequest(f"r{i}", 10, 1, 0.0, prompt_tokens=1, max_tokens=10))
+        return q
+
+    def wait_of_next(q):
+        item = QueuedRequest("next", 10, 1, 0.0, prompt_tokens=1, max_tokens=10)
+        q.offer(item)
+        return item.estimate.wait_s
+
+    all_queued = wait_of_next(queue())
+    assert all_queued == pytest.approx(2.0)
+    mid_feed = queue()
+    assert mid_feed.pop().request_id == "r0" and mid_feed.pop().request_id == "r1"
+    assert wait_of_next(mid_feed) == pytest.approx(all_queued)

@@ -107,7 +107,8 @@ def save(path: str, key: str, model: CapacityModel, tracker: PredictionTracker) 
         **model.snapshot(),
         "ratios": tracker.ratios(),
     }
-    state["step_s_by_concurrency"] = {str(c): s for c, s in state["step_s_by_concurrency"].items()}
+    for field in ("step_s_by_concurrency", "steps_seen"):
+        state[field] = {str(c): v for c, v in state[field].items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".capacity-", suffix=".tmp")
     try:
@@ -140,6 +141,10 @@ def load(path: str, key: str, max_inflight: int) -> tuple[CapacityModel, list[fl
             float(state["prefill_tokens_per_s"]),
             max_inflight,
             length_fraction=float(state.get("length_fraction", 1.0)),
+            # NOTE: without them (a file of an earlier version) every size weighs 1, and a
+            # size seen in 3 stray steps pooled as much as one seen in thousands: the
+            # restarted mock server shed a burst's fourth wave (0.75 of capacity)
+            steps_seen={int(c): int(n) for c, n in state.get("steps_seen", {}).items()},
         )
         ratios = [float(r) for r in state.get("ratios", [])]
     except (KeyError, TypeError, ValueError, AssertionError) as e:

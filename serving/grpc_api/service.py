@@ -235,6 +235,8 @@ class PagedJaxService(pb_grpc.PagedJaxServicer):
             if isinstance(v, (int, float)) and math.isfinite(float(v))
         }
         numeric["server_queue_requests"] = float(len(self.waiting))
+        if self.waiting.capacity is not None:  # the factor admission holds estimates to
+            numeric["admission_margin"] = self.waiting.margin()
         return pb.ServerInfoResponse(
             model=self._model_info(),
             kv_capacity_tokens=int(stats.get("kv_capacity_tokens", 0)),
