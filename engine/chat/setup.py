@@ -13,8 +13,10 @@ arguments (OpenAI-shaped dicts) and share everything below.
          ChatSetup.new_output()                      one ChatOutput per choice
 
 tool_choice: "none" (tools are shown to the model; its output is all content), "auto"
-(default with tools; free text until the model writes the format's trigger tag, e.g.
-<tool_call>, then constrained to a valid call: lazy, with the same grammar), "required" or
+(default with tools; free text until the model opens a call: the format's trigger tag, e.g.
+<tool_call>, or a '{' opening a llama3_json output; then constrained to a valid call: lazy,
+with the same grammar; a tag the tokenizer holds as a special token is asked for as that
+token: ChatOptions.tag_token), "required" or
 {"type": "function", "function": {"name": N}}: decoding is constrained with llguidance
 (engine/structured/output.py) to the format's call syntax around JSON objects
 {"name": <a tool's name>, "arguments": <that tool's parameters schema>}, so each call

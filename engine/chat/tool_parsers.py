@@ -15,7 +15,11 @@ reading of one call section.
 
 Each format also renders calls back into its syntax (history in a template without tool
 support) and describes its syntax as an llguidance Lark grammar over the tools' parameter
-schemas (engine/chat/setup.py: tool_choice required / named).
+schemas (engine/chat/setup.py): forced (tool_choice required / named) and lazy (auto: free
+text until the trigger, then the same calls). A trigger that the tokenizer holds as one
+special token (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]) is written `<[id]>`, the
+token itself, which no text lexeme can produce. NOTE: where a grammar forces bytes (the
+call's opening), llguidance allows only the tokenizer's canonical tokens for them.
 """
 
 from __future__ import annotations
