@@ -89,9 +89,7 @@ class ToolCallFormat(abc.ABC):
         start = "body" if self.bare_json_start else "section"
         return f"start: {start}\n" + self._section_rules(call_schema, parallel, tag_token)
 
-    def lazy_grammar(
-        self, call_schema: dict, parallel: bool, tag_token: int | None = None
-    ) -> str:
+    def lazy_grammar(self, call_schema: dict, parallel: bool, tag_token: int | None = None) -> str:
         """tool_choice=auto: free text until the model opens a call section (its trigger:
         `start`, and for a bare-JSON format an output that begins with '{'), then calls
         exactly as in `grammar`. The free text is one lexeme that cannot hold the trigger,
@@ -102,10 +100,7 @@ class ToolCallFormat(abc.ABC):
         bare = " | WS? body" if self.bare_json_start else ""
         ws = "WS: /\\s+/\n" if self.bare_json_start else ""
         if tag_token is not None:
-            return (
-                f"start: TEXT | TEXT? section{bare}\n{rules}{ws}"
-                f"TEXT: /(?s:.*)/{not_bare}\n"
-            )
+            return f"start: TEXT | TEXT? section{bare}\n{rules}{ws}TEXT: /(?s:.*)/{not_bare}\n"
         tag = re.escape(self.start).replace("/", "\\/")
         # LEAD is text that ends at the first tag
         return (
