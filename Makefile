@@ -36,12 +36,12 @@ test: install
 
 # The SmolLM2-size variants that `make test` runs smaller (every JSON Schema on SmolLM2,
 # the SmolLM2 + peft adapter oracle, SmolLM2 on 3 sharded devices, the in-process SmolLM2
-# HTTP chat), the 300-call SmolLM2 HTTP burst (issue 37) and the real Gemma 3 270M against
-# transformers.
+# HTTP chat, the 50 forced SmolLM2 tool calls), the 300-call SmolLM2 HTTP burst (issue 37) and
+# the real Gemma 3 270M against transformers.
 test-full-sizes: install
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_structured_smollm2.py tests/test_lora_peft.py \
 	  tests/test_engine.py tests/test_model_parity.py tests/test_sharding.py \
-	  tests/test_http_engine_e2e.py tests/test_llm_tools.py -k "smollm2 or paris"
+	  tests/test_http_engine_e2e.py tests/test_llm_tools.py tests/test_tools_smollm2.py -k "smollm2 or paris"
 	PAGEDJAX_FULL_SIZES=1 $(VPY) -m pytest -q tests/test_http_deadline_burst.py tests/test_gemma3_gguf.py
 
 # Full-size reliability checks (issue 17): writes reliability/report.md. Sizes are flags of

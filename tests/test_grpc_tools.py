@@ -362,3 +362,33 @@ def test_call_deltas_in_one_message_keep_the_head_apart_and_fold_back():
     for c in [*first.tool_calls, *second.tool_calls]:
         fold_tool_call(calls, c)
     assert [(c.id, c.name, c.arguments) for c in calls] == [("call_1", "get_time", '{"tz": "UTC"}')]
+
+
+def _format_replies(parser: str) -> dict[str, str]:
+    from engine.chat.tool_parsers import get_format
+
+    fmt = get_format(parser)
+    two = fmt.render(
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"tz": "UTC"})]
+    )
+    return {"TWO": "Let me check." + (fmt.start if fmt.bare_json_start else "") + two}
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_llama3_json_and_mistral_calls_stream_name_first_as_over_http(parser):
+    """auto holds every format's calls with a lazy grammar, so gRPC streams llama3_json and
+    mistral calls as hermes': a call's first delta its id and name, then argument fragments;
+    the calls equal the openai SDK's answer, the markup never reaches content."""
+    replies = _format_replies(parser)
+    engine = ScriptedEngine(lambda prompt: replies["TWO"] if "TWO" in prompt else "Plain.")
+    with running_server(engine, http_port=0, tool_call_parser=parser) as (server, client):
+        sdk = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
+        )
+        http = sdk.chat.completions.create(model="mock", messages=_ask("TWO"), tools=TOOLS)
+        want = [(c.function.name, c.function.arguments) for c in http.choices[0].message.tool_calls]
+        msgs = list(client.stream(chat_request(_ask("TWO"), stream=True, tools=pb_tools())))
+    assert [n for n, _ in want] == ["get_weather", "get_time"]
+    assert [(n, a) for n, a, _ in _streamed_calls(msgs)] == want
+    assert "".join(m.content for m in msgs) == http.choices[0].message.content == "Let me check."
+    assert msgs[-1].final.finish_reason == "tool_calls"

@@ -143,23 +143,63 @@ def test_the_sdk_stream_helper_accumulates_our_deltas(served):
     assert json.loads(calls[1].function.arguments) == {"tz": "UTC"}
 
 
-LLAMA_MALFORMED = '{"name": "get_weather", "parameters": {"city": }'
+def _replies(parser: str) -> dict[str, str]:
+    """Recorded outputs in `parser`'s syntax: two calls after text, a call that breaks after
+    its name, an object that is no call (llama3_json: '{' opening the output)."""
+    fmt = get_format(parser)
+    two = fmt.render(
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"tz": "UTC"})]
+    )
+    lead = "Let me check." + (fmt.start if fmt.bare_json_start else "")
+    if parser == "llama3_json":
+        broken = '{"name": "get_weather", "parameters": {"city": }'
+    else:
+        broken = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": }'
+    return {"TWO": lead + two, "BROKEN": broken, "NOCALL": '{"location": "Paris"}'}
 
 
-def test_malformed_call_is_content_with_finish_reason_stop():
-    """Where no grammar holds the call's syntax (llama3_json's auto has no trigger tag), a
-    call is read whole: malformed, it is the model's text, streamed or not."""
-    engine = ScriptedEngine(lambda prompt: LLAMA_MALFORMED)
-    with running_server(engine, http_port=0, tool_call_parser="llama3_json") as (server, _):
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_auto_calls_of_every_format_stream_name_first(parser):
+    """auto is held by a lazy grammar for every format (engine/chat/tool_parsers.py), so
+    llama3_json and mistral calls stream as hermes' do: each call's first delta carries its
+    name, then its arguments come in later deltas, equal to the non-streamed answer; no
+    markup reaches content. A call that
+    breaks after its name stays a call (OpenAI gives a cut-off call so); text that never
+    named a call is content, finish_reason stop."""
+    replies = _replies(parser)
+
+    def reply(prompt: str) -> str:
+        last_user = prompt.rsplit("<user>", 1)[-1]
+        return next((v for k, v in replies.items() if k in last_user), "Plain answer.")
+
+    engine = ScriptedEngine(reply)
+    with running_server(engine, http_port=0, tool_call_parser=parser) as (server, _):
         sdk = openai.OpenAI(
             base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
         )
-        r = sdk.chat.completions.create(model="mock", messages=_ask("hi"), tools=TOOLS)
-        assert r.choices[0].finish_reason == "stop"
-        assert r.choices[0].message.content == LLAMA_MALFORMED
-        assert not r.choices[0].message.tool_calls
-        _, content, calls, finish = _stream(sdk, _ask("hi"), tools=TOOLS)
-    assert (content, calls, finish) == (LLAMA_MALFORMED, [], ["stop"])
+        full = sdk.chat.completions.create(model="mock", messages=_ask("TWO"), tools=TOOLS)
+        chunks, content, calls, finish = _stream(sdk, _ask("TWO"), tools=TOOLS)
+        assert full.choices[0].message.content == content == "Let me check."
+        want = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+        assert [(c["name"], c["arguments"]) for c in calls] == want
+        assert [n for n, _ in want] == ["get_weather", "get_time"] and finish == ["tool_calls"]
+        jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_SCHEMA)
+        fragments = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert fragments[0].function.name == "get_weather" and not fragments[0].function.arguments
+        # (the mock's steps outrun the client: the relay joins a call's fragments in a chunk)
+        assert all(f.function.name is None for f in fragments[1:] if f.index == 0)
+        r = sdk.chat.completions.create(model="mock", messages=_ask("BROKEN"), tools=TOOLS)
+        (call,) = r.choices[0].message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": }')
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        _, content, calls, finish = _stream(sdk, _ask("BROKEN"), tools=TOOLS)
+        assert (content, finish) == ("", ["tool_calls"])
+        assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": }')]
+        r = sdk.chat.completions.create(model="mock", messages=_ask("NOCALL"), tools=TOOLS)
+        assert r.choices[0].message.content == replies["NOCALL"]
+        assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+        _, content, calls, finish = _stream(sdk, _ask("NOCALL"), tools=TOOLS)
+        assert (content, calls, finish) == (replies["NOCALL"], [], ["stop"])
 
 
 def test_a_call_announced_under_a_grammar_stays_a_call(served):

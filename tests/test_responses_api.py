@@ -211,3 +211,40 @@ def test_agents_sdk_runs_a_tool_loop_to_a_final_message(served, responses):
     assert len(prompts) == 3  # call, call, answer: each tool output went back to the model
     assert "<tool_response>\nsunny\n</tool_response>" in prompts[1]
     assert "<tool_response>\n12:00\n</tool_response>" in prompts[2]
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_llama3_json_and_mistral_calls_stream_as_function_call_events(parser):
+    """auto holds every format's calls with a lazy grammar, so the Responses API streams
+    llama3_json and mistral calls as hermes': the function_call item (with its name) is added
+    before its argument deltas, which concatenate to the done item's arguments."""
+    from engine.chat.tool_parsers import get_format
+
+    fmt = get_format(parser)
+    call = fmt.render([("get_weather", {"city": "Paris"})])
+    reply = "Checking." + (fmt.start if fmt.bare_json_start else "") + call
+    engine = ScriptedEngine(lambda prompt: reply if "WEATHER" in prompt else "Hello.")
+    with running_server(engine, http_port=0, tool_call_parser=parser) as (server, _):
+        sdk = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
+        )
+        events = list(
+            sdk.responses.create(model="mock", input="WEATHER?", tools=TOOLS, stream=True)
+        )
+        whole = sdk.responses.create(model="mock", input="WEATHER?", tools=TOOLS)
+    kinds = [e.type for e in events]
+    added = next(
+        e
+        for e in events
+        if e.type == "response.output_item.added" and e.item.type == "function_call"
+    )
+    assert added.item.name == "get_weather"
+    first_delta = kinds.index("response.function_call_arguments.delta")
+    assert events.index(added) < first_delta
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call"]
+    assert json.loads(args) == {"city": "Paris"} and done[1].arguments == args
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Checking."
+    assert [i.type for i in whole.output] == ["message", "function_call"]
+    assert whole.output[1].arguments == args and whole.output_text == "Checking."

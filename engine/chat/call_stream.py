@@ -7,12 +7,13 @@ is constrained by the call grammar, so the call's syntax cannot go wrong):
     whole        a call's markup is held until the call closes and parses; a section that
                  does not parse (malformed JSON, cut off) comes back as content, as written.
                  A call is never announced and then retracted. Its first delta arrives when
-                 the call is complete. (tool_choice auto with llama3_json: no grammar.)
+                 the call is complete. (`parse` of unconstrained text; the servers' requests
+                 all have a grammar.)
     incremental  OpenAI's streaming: a call is announced (index, id, name) as soon as its
                  name is complete, then its arguments stream as the model writes them, each
                  new piece an `arguments` fragment; the fragments concatenate to the
-                 arguments as written. (required, a named function, and auto with a trigger
-                 tag: the grammar makes every call well-formed.)
+                 arguments as written. (required, a named function, and auto: the grammar,
+                 lazy under auto, makes every call well-formed.)
 
     text "Let me check.<tool_call>\\n{"name": "f", "arguments": {"a": 1}}\\n</tool_call>"
       feed -> [content "Let me check."]  [call 0: f]  [0: '{"a": ']  [0: '1}']  ...

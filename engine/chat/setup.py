@@ -13,8 +13,10 @@ arguments (OpenAI-shaped dicts) and share everything below.
          ChatSetup.new_output()                      one ChatOutput per choice
 
 tool_choice: "none" (tools are shown to the model; its output is all content), "auto"
-(default with tools; free text until the model writes the format's trigger tag, e.g.
-<tool_call>, then constrained to a valid call: lazy, with the same grammar), "required" or
+(default with tools; free text until the model opens a call: the format's trigger tag, e.g.
+<tool_call>, or a '{' opening a llama3_json output; then constrained to a valid call: lazy,
+with the same grammar; a tag the tokenizer holds as a special token is asked for as that
+token: ChatOptions.tag_token), "required" or
 {"type": "function", "function": {"name": N}}: decoding is constrained with llguidance
 (engine/structured/output.py) to the format's call syntax around JSON objects
 {"name": <a tool's name>, "arguments": <that tool's parameters schema>}, so each call
@@ -67,6 +69,9 @@ class ChatOptions:
     reasoning: ReasoningFormat | None
     template_renders_tools: bool  # the template reads `tools`
     template_renders_calls: bool  # the template reads assistant `tool_calls`
+    # the id of the format's opening tag where the tokenizer holds it as one special token
+    # (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]): the call grammars ask for that token
+    tag_token: int | None = None
 
     @classmethod
     def for_tokenizer(
@@ -75,12 +80,25 @@ class ChatOptions:
         """ValueError for an unknown parser name (the server checks its flags with it)."""
         template = getattr(tokenizer, "chat_template", None)
         text = getattr(template, "text", None) or ""
+        fmt = get_format(tool_call_parser or format_for_template(text))
         return cls(
-            tool_format=get_format(tool_call_parser or format_for_template(text)),
+            tool_format=fmt,
             reasoning=get_reasoning_format(reasoning_parser) if reasoning_parser else None,
             template_renders_tools="tools" in text,
             template_renders_calls="tool_calls" in text,
+            tag_token=special_token_id(tokenizer, fmt.start),
         )
+
+
+def special_token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer holds it as one special token, else None."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return None
+    for token_id, token in backend.get_added_tokens_decoder().items():
+        if token.special and token.content == text:
+            return token_id
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,26 +114,24 @@ class ToolSetup:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
 
-    def constraint(self, fmt: ToolCallFormat) -> StructuredOutput | None:
+    def constraint(
+        self, fmt: ToolCallFormat, tag_token: int | None = None
+    ) -> StructuredOutput | None:
         """The call grammar when a call is forced (required / named); with auto, free text
-        until the format's trigger tag, then a valid call (None for a format without one,
-        and for none)."""
+        until the format's trigger (its tag; llama3_json: also '{' opening the output), then
+        a valid call (lazy); None for none. `tag_token`: ChatOptions.tag_token."""
         tools = [t for t in self.tools if self.named in (None, t["function"]["name"])]
         schema = call_schema(tools, fmt)
         if self.choice in ("required", "function"):
-            return StructuredOutput(grammar=fmt.grammar(schema, self.parallel))
+            return StructuredOutput(grammar=fmt.grammar(schema, self.parallel, tag_token))
         if self.choice == "auto":
-            lazy = fmt.lazy_grammar(schema, self.parallel)
-            return None if lazy is None else StructuredOutput(grammar=lazy)
+            return StructuredOutput(grammar=fmt.lazy_grammar(schema, self.parallel, tag_token))
         return None
 
-    def constrains(self, fmt: ToolCallFormat) -> bool:
-        """Whether `constraint(fmt)` holds the calls' syntax (without compiling it)."""
-        if self.choice in ("required", "function"):
-            return True
-        if self.choice != "auto":
-            return False
-        return fmt.lazy_grammar(call_schema(self.tools, fmt), self.parallel) is not None
+    @property
+    def constrained(self) -> bool:
+        """Whether `constraint` holds the calls' syntax: every choice but none."""
+        return self.choice != "none"
 
 
 def call_schema(tools: Sequence[dict], fmt: ToolCallFormat) -> dict:
@@ -256,8 +272,8 @@ class ChatSetup:
     def streams_calls(self) -> bool:
         """Calls stream name-first (engine/chat/call_stream.py `incremental`) exactly when the
         call grammar holds their syntax: a call announced early cannot turn out malformed
-        (only cut off by max_tokens). Without a grammar (llama3_json's auto) calls come whole."""
-        return self.parses_calls and self.tools.constrains(self.options.tool_format)
+        (only cut off by max_tokens). Every choice that parses calls has one (auto: lazy)."""
+        return self.parses_calls and self.tools.constrained
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, Any] = {}
@@ -272,7 +288,7 @@ class ChatSetup:
             changes["structured"] = StructuredOutput(grammar=grammar)
         if self.tools is None:
             return dataclasses.replace(params, **changes) if changes else params
-        constraint = self.tools.constraint(self.options.tool_format)
+        constraint = self.tools.constraint(self.options.tool_format, self.options.tag_token)
         if constraint is not None:
             if params.structured is not None or changes:
                 raise InvalidRequestError(
@@ -281,8 +297,10 @@ class ChatSetup:
                     "not with response_format / guided_* / max_thinking_tokens",
                 )
             changes["structured"] = constraint
-        if self.parses_calls and self.options.tool_format.name == "mistral":
-            changes["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
+        if self.parses_calls and (
+            self.options.tool_format.name == "mistral" or self.options.tag_token is not None
+        ):
+            changes["skip_special_tokens"] = False  # the parser reads the tag's text
         return dataclasses.replace(params, **changes) if changes else params
 
     def new_output(self) -> ChatOutput | None:

@@ -15,7 +15,11 @@ reading of one call section.
 
 Each format also renders calls back into its syntax (history in a template without tool
 support) and describes its syntax as an llguidance Lark grammar over the tools' parameter
-schemas (engine/chat/setup.py: tool_choice required / named).
+schemas (engine/chat/setup.py): forced (tool_choice required / named) and lazy (auto: free
+text until the trigger, then the same calls). A trigger that the tokenizer holds as one
+special token (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]) is written `<[id]>`, the
+token itself, which no text lexeme can produce. NOTE: where a grammar forces bytes (the
+call's opening), llguidance allows only the tokenizer's canonical tokens for them.
 """
 
 from __future__ import annotations
@@ -71,24 +75,43 @@ class ToolCallFormat(abc.ABC):
         """Calls in this format's syntax (what the model would have written)."""
 
     @abc.abstractmethod
-    def grammar(self, call_schema: dict, parallel: bool) -> str:
-        """llguidance Lark grammar of one (or, if parallel, several) calls, each a JSON
-        object matching `call_schema` (serving/http/tool_calling.call_schema)."""
+    def body_rules(self, call_schema: dict, parallel: bool) -> str:
+        """Lark rule `body` (and its helpers): what follows `start` in a call section, one
+        (or, if parallel, several) calls, each a JSON object matching `call_schema`
+        (engine/chat/setup.py `call_schema`). It may refer to rule `section` (the tag again,
+        then a body)."""
 
-    def lazy_grammar(self, call_schema: dict, parallel: bool) -> str | None:
-        """tool_choice=auto: free text until the model writes `start` (the trigger), then
-        calls exactly as in `grammar`; None when the format has no trigger tag."""
-        calls = self.grammar(call_schema, parallel)
-        if self.bare_json_start or not calls.startswith(f'start: "{self.start}'):
-            return None
-        tag = self.start.replace("[", "\\[").replace("]", "\\]").replace("/", "\\/")
-        # the text lexeme cannot hold the tag; LEAD is text that ends at the first tag
-        start = calls.replace(f'start: "{self.start}', 'start: TEXT | LEAD "', 1)
+    def grammar(self, call_schema: dict, parallel: bool, tag_token: int | None = None) -> str:
+        """llguidance Lark grammar of a forced call section (tool_choice required / named).
+        `tag_token`: the id of `start` where the tokenizer holds it as one special token
+        (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]); the grammar then asks for that
+        token, which text can never spell."""
+        start = "body" if self.bare_json_start else "section"
+        return f"start: {start}\n" + self._section_rules(call_schema, parallel, tag_token)
+
+    def lazy_grammar(self, call_schema: dict, parallel: bool, tag_token: int | None = None) -> str:
+        """tool_choice=auto: free text until the model opens a call section (its trigger:
+        `start`, and for a bare-JSON format an output that begins with '{'), then calls
+        exactly as in `grammar`. The free text is one lexeme that cannot hold the trigger,
+        so it is never constrained otherwise; a trigger that is a special token is outside
+        every text lexeme already (llguidance's struct-tag construction)."""
+        rules = self._section_rules(call_schema, parallel, tag_token)
+        not_bare = " & ~/(?s:\\s*\\{.*)/" if self.bare_json_start else ""
+        bare = " | WS? body" if self.bare_json_start else ""
+        ws = "WS: /\\s+/\n" if self.bare_json_start else ""
+        if tag_token is not None:
+            return f"start: TEXT | TEXT? section{bare}\n{rules}{ws}TEXT: /(?s:.*)/{not_bare}\n"
+        tag = re.escape(self.start).replace("/", "\\/")
+        # LEAD is text that ends at the first tag
         return (
-            start.replace('LEAD "" ', "LEAD ", 1)
-            + f"TEXT: /(?s:.*)/ & ~/(?s:.*{tag}.*)/\n"
-            + f"LEAD: /(?s:.*{tag})/ & ~/(?s:.*{tag}.+)/\n"
+            f"start: TEXT | LEAD body{bare}\n{rules}{ws}"
+            f"TEXT: /(?s:.*)/ & ~/(?s:.*{tag}.*)/{not_bare}\n"
+            f"LEAD: /(?s:.*{tag})/ & ~/(?s:.*{tag}.+)/{not_bare}\n"
         )
+
+    def _section_rules(self, call_schema: dict, parallel: bool, tag_token: int | None) -> str:
+        tag = json.dumps(self.start) if tag_token is None else f"<[{tag_token}]>"
+        return f"section: {tag} body\n" + self.body_rules(call_schema, parallel)
 
     def call_object(self, name: str, args: dict) -> dict:
         return {"name": name, self.args_key: args}
@@ -153,13 +176,9 @@ class HermesFormat(ToolCallFormat):
             f"{self.start}\n{dumps(self.call_object(n, a))}\n{self.end}" for n, a in calls
         )
 
-    def grammar(self, call_schema, parallel):
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return (
-            f'start: "{self.start}\\n" obj "\\n{self.end}"{repeat}\n'
-            f'call: "{self.start}\\n" obj "\\n{self.end}"\n'
-            f"obj: {_json_rule(call_schema)}\n"
-        )
+    def body_rules(self, call_schema, parallel):
+        repeat = ' ("\\n" section)?' if parallel else ""
+        return f'body: "\\n" obj "\\n{self.end}"{repeat}\nobj: {_json_rule(call_schema)}\n'
 
 
 class Llama3JsonFormat(ToolCallFormat):
@@ -179,9 +198,9 @@ class Llama3JsonFormat(ToolCallFormat):
     def render(self, calls):
         return "; ".join(dumps(self.call_object(n, a)) for n, a in calls)
 
-    def grammar(self, call_schema, parallel):
+    def body_rules(self, call_schema, parallel):
         repeat = ' ("; " obj)*' if parallel else ""
-        return f"start: obj{repeat}\nobj: {_json_rule(call_schema)}\n"
+        return f"body: obj{repeat}\nobj: {_json_rule(call_schema)}\n"
 
 
 class MistralFormat(ToolCallFormat):
@@ -202,11 +221,11 @@ class MistralFormat(ToolCallFormat):
     def render(self, calls):
         return self.start + dumps([self.call_object(n, a) for n, a in calls])
 
-    def grammar(self, call_schema, parallel):
+    def body_rules(self, call_schema, parallel):
         array = {"type": "array", "items": call_schema, "minItems": 1}
         if not parallel:
             array["maxItems"] = 1
-        return f'start: "{self.start}" calls\ncalls: {_json_rule(array)}\n'
+        return f"body: {_json_rule(array)}\n"
 
 
 def _args_call(part: str):
