@@ -219,12 +219,12 @@ TENANTS = {
 }
 
 
-def _complete(client, prompt: str, session: str | None = None, key: str | None = None):
+def _complete(client, prompt: str, session=None, key=None, model: str = "tiny"):
     headers = {"x-session-id": session} if session else {}
     if key:
         headers["authorization"] = f"Bearer {key}"
     raw = client.completions.with_raw_response.create(
-        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_headers=headers
+        model=model, prompt=prompt, max_tokens=4, temperature=0, extra_headers=headers
     )
     return raw.parse(), raw.headers[REPLICA_HEADER]
 
@@ -414,3 +414,66 @@ def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
     assert 1 <= len(served) <= 2 and len(served) + len(refused) == 6, replies
     for reply in refused:
         assert reply.headers["Retry-After"] == "2" and REPLICA_HEADER not in reply.headers
+
+
+def _replica_names(app: str) -> set[str]:
+    """The live engine replicas of `app` (their unique ids, as REPLICA_HEADER names them)."""
+    prefix = f"SERVE_REPLICA::{app}#pagedjax#"  # Serve's actor name (ReplicaID.to_full_id_str)
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"].removeprefix(prefix) for a in actors if a["name"].startswith(prefix)}
+
+
+def test_killed_replica_ends_its_streams_with_an_error_and_serve_replaces_it(serve_port):
+    """2 mock replicas (200 tokens: 10 s a stream), streams on both; one replica's actor is
+    killed mid-stream: its streams end with an error event the openai SDK raises (never a
+    hang), the other replica's streams finish whole, new requests are served by a live
+    replica, Serve starts a replacement, and the survivor ends with no page used."""
+    import openai
+
+    server_args = ["--mock_step_time_s=0.05", "--capacity_probe=false", "--log_level=warning"]
+    args = dict(model="mock", num_replicas=2, num_cpus=0.5, server_args=server_args)
+    health = dict(health_check_period_s=1, health_check_timeout_s=5)
+    serve.run(build_app({**args, **health}), name="killed", route_prefix="/")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="x")
+    client = client.with_options(max_retries=0, timeout=120)
+    body = dict(model="mock", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    try:
+        streams: list = []
+        while len({s.response.headers[REPLICA_HEADER] for s in streams}) < 2:
+            assert len(streams) < 12, "every stream went to one replica"
+            streams.append(client.completions.create(prompt=f"{len(streams)}:", **body))
+        victim = streams[0].response.headers[REPLICA_HEADER]
+        assert _replica_names("killed") >= {victim}
+
+        def read(stream) -> tuple[str, Exception | None]:
+            text = []
+            try:
+                for chunk in stream:
+                    text.append(chunk.choices[0].text if chunk.choices else "")
+            except openai.APIError as e:
+                return "".join(text), e
+            return "".join(text), None
+
+        with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+            next(iter(streams[0]))  # the victim's stream has begun
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::killed#pagedjax#{victim}", namespace="serve"))
+            reads = [pool.submit(read, s) for s in streams]
+            after = [_complete(client, f"after the kill {i}", model="mock") for i in range(4)]
+            results = [f.result(timeout=300) for f in reads]  # only guards against a hang
+        for stream, (text, error) in zip(streams, results):
+            if stream.response.headers[REPLICA_HEADER] == victim:
+                assert error is not None and len(text) < 200, (len(text), error)
+                assert "replica serving this stream died" in str(error), error
+            else:
+                assert error is None and len(text) == 200, (len(text), error)
+        assert all(replica != victim for _, replica in after), after
+        end = time.monotonic() + 300  # only guards against a hang
+        while len(names := _replica_names("killed")) < 2 or victim in names:
+            assert time.monotonic() < end, names
+            time.sleep(0.5)
+        (survivor,) = {s.response.headers[REPLICA_HEADER] for s in streams} - {victim}
+        while (s := _engine_stats("killed", 2)[survivor])["kv_pages_used"] or s["num_running"]:
+            assert time.monotonic() < end, s  # stats refresh every 0.1 s: a leak stays
+            time.sleep(0.5)
+    finally:
+        serve.delete("killed")

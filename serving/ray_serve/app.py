@@ -29,6 +29,7 @@ Arguments of the application builder (`applications[].args` in the Serve config)
   max_ongoing_requests, max_queued_requests, retry_after_s   Serve's per-replica cap and
                 queue bound (defaults: the replica's capacity + headroom, 64, 1 s: see
                 autoscale.py, so the replica's admission, not Serve, decides what to shed)
+  health_check_period_s, health_check_timeout_s             Serve's replica health check
   ingress_replicas, ingress_max_ongoing_requests             the ingress deployment
 
 A replica is ready (Serve routes to it) only once its warm-up has ended; a failed warm-up
