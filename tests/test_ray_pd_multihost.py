@@ -3,12 +3,13 @@
 its own: address="local") and shuts down. Tiny model, greedy, through Serve's HTTP proxy
 with the official `openai` SDK:
 
-- P/D: 1 prefill + 1 decode replica, the router as the ingress: 8 concurrent completions
-  (plain and streamed) equal one EngineCore, carry the versions, and every one moved its
+- P/D: 1 prefill + 1 decode replica, the P/D ingress making llm-d's two calls: 8 concurrent
+  completions (plain and streamed) equal one EngineCore, carry the versions, and every one moved its
   K/V (the replicas' engine stats: exports on the prefill side, imports on the decode side);
 - P/D: a request cancelled by its HTTP client while its K/V is in transfer (the prefill
   replica's stream held after its header, tests/ray_slow_transfer.py) is never imported,
-  and both replicas end with no page used and nothing running;
+  the decode replica cancels its pull (it never completes), and both replicas end with no
+  page used and nothing running;
 - multi-host: 2 processes (the replica and one follower actor in its placement group) x 2
   forced host CPU devices, mesh model:4 across both: greedy completions equal one device.
 """
@@ -27,7 +28,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from serving.router.cluster import free_port  # noqa: E402
+from serving.testing import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(
@@ -178,7 +179,6 @@ def pd_app(ray_serve):
         "tiny",
         server_args=SERVER_ARGS,
         actor_options={"num_cpus": 1},
-        router_num_cpus=0.5,
         worker=serve.deployment(name="pd-worker")(SlowTransferWorker),
     )
     serve.run(app, name="pd", route_prefix="/pd")
@@ -211,6 +211,7 @@ def test_pd_cancel_during_transfer_frees_pages_on_both_sides(ray_serve, pd_app, 
     _, _, identity = reference
     prefill, decode = pd_app["prefill"], pd_app["decode"]
     exports, imports = stats(prefill)["kv_exports"], stats(decode)["kv_imports"]
+    pulls = stats(decode)["kv_pulls"]
     prefill.hold.remote(True).result(timeout_s=30)
 
     async def cancel_during_transfer():
@@ -229,6 +230,9 @@ def test_pd_cancel_during_transfer_frees_pages_on_both_sides(ray_serve, pd_app, 
         asyncio.run(cancel_during_transfer())
     finally:
         prefill.hold.remote(False).result(timeout_s=30)
+    held = prefill.held_transfers.remote().result(timeout_s=30)
+    ended = prefill.ended_held_transfers.remote
+    wait_until(lambda: ended().result(timeout_s=30) == held, 60, "the held transfer's end")
     for role, handle in (("prefill", prefill), ("decode", decode)):
         wait_until(
             lambda h=handle: (s := stats(h))["kv_pages_used"] == 0 and s["num_running"] == 0,
@@ -237,3 +241,4 @@ def test_pd_cancel_during_transfer_frees_pages_on_both_sides(ray_serve, pd_app, 
         )
     assert stats(prefill)["kv_exports"] == exports + 1  # the transfer had begun ...
     assert stats(decode)["kv_imports"] == imports  # ... and never reached the decode engine
+    assert stats(decode)["kv_pulls"] == pulls  # the decode replica cancelled its pull

@@ -181,9 +181,51 @@ def _backpressure(e: BackPressureError) -> Response:
     return JSONResponse(body, status_code=e.status_code, headers=headers)
 
 
+async def answer(handle: DeploymentHandle, call: HttpCall) -> Response:
+    """`call` through `handle` (its `relay`, streamed), the replica's answer as the response:
+    Serve's backpressure as 429 + Retry-After, a replica that died before answering tried
+    once more (503 after a second death), a client that leaves cancels the call."""
+    for attempt in range(2):
+        stream = handle.remote(call)
+        try:
+            start = await stream.__anext__()
+            break
+        except BackPressureError as e:
+            return _backpressure(e)
+        except StopAsyncIteration:
+            return JSONResponse({"error": {"message": "empty reply from replica"}}, 502)
+        except REPLICA_GONE as e:
+            if attempt:
+                return _unavailable(e)
+        except asyncio.CancelledError:
+            stream.cancel()  # the client left before the answer began
+            raise
+    assert isinstance(start, ResponseStart), start
+    headers = {k: v for k, v in start.headers if k.lower() not in _HOP_HEADERS}
+    kind = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+    sse = kind.startswith("text/event-stream")
+    return StreamingResponse(_chunks(stream, sse), status_code=start.status, headers=headers)
+
+
+async def collect(handle: DeploymentHandle, call: HttpCall) -> tuple[int, dict, bytes]:
+    """`call`'s whole answer (status, headers, body), or a Response that ends the request
+    (Serve's backpressure, no live replica)."""
+    reply = await answer(handle, call)
+    if not isinstance(reply, StreamingResponse):
+        return reply.status_code, dict(reply.headers), reply.body
+    body = b"".join([chunk async for chunk in reply.body_iterator])
+    return reply.status_code, dict(reply.headers), body
+
+
+def incoming(request: Request, path: str, body: bytes, **key_options) -> HttpCall:
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+    return call_of(request.method, "/" + path, request.url.query, headers, body, **key_options)
+
+
 # NOTE: the helpers above are defined before the class: serve.ingress serializes the class
 # when it is decorated, with the module globals that exist at that point.
 api = FastAPI(title="pagedjax on Ray Serve")
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 
 
 @serve.deployment(name="ingress")
@@ -200,31 +242,7 @@ class PagedJaxIngress:
         self.engine = engine.options(method_name="relay", stream=True)
         self.key_options = dict(block_bytes=block_bytes, block_tokens=block_tokens)
 
-    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    @api.api_route("/{path:path}", methods=METHODS)
     async def relay(self, path: str, request: Request) -> Response:
-        body = await request.body()
-        call = call_of(
-            request.method,
-            "/" + path,
-            request.url.query,
-            [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS],
-            body,
-            **self.key_options,
-        )
-        for attempt in range(2):  # a replica that died before answering: once more
-            stream = self.engine.remote(call)
-            try:
-                start = await stream.__anext__()
-                break
-            except BackPressureError as e:
-                return _backpressure(e)
-            except StopAsyncIteration:
-                return JSONResponse({"error": {"message": "empty reply from replica"}}, 502)
-            except REPLICA_GONE as e:
-                if attempt:
-                    return _unavailable(e)
-        assert isinstance(start, ResponseStart), start
-        headers = {k: v for k, v in start.headers if k.lower() not in _HOP_HEADERS}
-        kind = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
-        sse = kind.startswith("text/event-stream")
-        return StreamingResponse(_chunks(stream, sse), status_code=start.status, headers=headers)
+        call = incoming(request, path, await request.body(), **self.key_options)
+        return await answer(self.engine, call)
