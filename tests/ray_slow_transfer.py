@@ -1,5 +1,5 @@
 """A P/D worker (serving/ray_serve/disagg.py) whose K/V stream can pause after its header,
-so tests/test_ray_pd_multihost.py can cancel a request while its K/V is in transfer.
+so tests/test_ray_routing.py can cancel a request while its K/V is in transfer.
 
 Imported by the Ray replicas (the test puts tests/ on their PYTHONPATH). `hold(True)`:
 every KVTransfer.Prefill stream of this replica waits HOLD_S after its header (counted

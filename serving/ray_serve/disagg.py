@@ -27,7 +27,7 @@ no router of our own (Ray Serve LLM's P/D proxy makes the same two calls). A cal
 refused (429 + Retry-After from the prefill replica's admission, 400 for a bad body) is the
 client's answer as it is. A client that goes away cancels the ingress's handle calls; the
 decode replica then cancels its pull (nothing imported) and the prefill replica freed its
-pages when it exported them (tests/test_ray_serve.py).
+pages when it exported them (tests/test_ray_routing.py).
 
 Costs: the prefill replica computes the prompt for call 1 and again for the pull, the second
 time from its prefix cache (only the last partial page and the first token recomputed:
