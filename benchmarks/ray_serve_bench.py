@@ -1,7 +1,8 @@
 r"""What Ray Serve costs and what prefix routing buys (serving/ray_serve/), on this machine.
 
     python -m benchmarks.ray_serve_bench [--model=tiny] [--requests=40] [--concurrency=4]
-        [--replicas=3] [--prefixes=20] [--per_prefix=5] [--skip_prefix]
+        [--replicas=3] [--prefixes=20] [--per_prefix=5] [--skip_prefix] [--skip_latency]
+        [--ceiling_requests=400] [--ceiling_concurrency=32]
 
 1. Latency added per request: the same completions (`--requests`, `--concurrency` at once,
    `--max_tokens` each) sent straight to one engine (`python -m serving.server --http_port`,
@@ -12,6 +13,13 @@ r"""What Ray Serve costs and what prefix routing buys (serving/ray_serve/), on t
    with Serve's default router (power of two choices), on fresh replicas each; hit rate =
    prefix tokens served from the replicas' caches (their engine stats) / the prefix tokens a
    single engine would have served (every request after its prefix's first).
+
+3. Throughput ceiling of the ingress (`--ceiling_requests` > 0): the mock engine (no model,
+   no step time), 1-token completions, `--ceiling_concurrency` at once with one pooled
+   httpx client, straight to one server's HTTP API and through Serve (proxy -> ingress -> 1
+   replica, same flags): completed requests per second of each (429s counted apart). The
+   engine does next to nothing, so each figure is the HTTP path's own ceiling on the cores
+   it shares with the client.
 
 Everything shares this machine's cores (the client, Ray's proxy, the ingress, the replicas):
 the added latency is Serve's CPU cost plus scheduling noise under that sharing, not network
@@ -55,7 +63,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("replicas", 3, "replicas for the prefix hit-rate run")
     flags.DEFINE_integer("prefixes", 20, "distinct system prompts")
     flags.DEFINE_integer("per_prefix", 5, "requests per system prompt")
-    flags.DEFINE_bool("skip_prefix", False, "measure the latency only")
+    flags.DEFINE_bool("skip_prefix", False, "skip the prefix hit-rate runs")
+    flags.DEFINE_bool("skip_latency", False, "skip the added-latency runs")
+    flags.DEFINE_integer("ceiling_requests", 0, "requests per path for the throughput ceiling")
+    flags.DEFINE_integer("ceiling_concurrency", 32, "requests in flight (throughput ceiling)")
 
 
 def free_port() -> int:
@@ -113,6 +124,57 @@ def wait_http(base_url: str, proc=None, timeout_s: float = 900.0) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(base_url)
+
+
+CEILING_ARGS = ["--max_num_seqs=64", "--capacity_probe=false", "--log_level=warning"]
+
+
+def throughput(base_url: str, requests: int, concurrency: int) -> dict:
+    """Completed 1-token completions per second, `concurrency` at once (mock engine)."""
+    import httpx
+
+    body = {"model": "mock", "prompt": "abc", "max_tokens": 1}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    with httpx.Client(limits=limits, timeout=120) as client:
+        client.post(f"{base_url}/completions", json=body)  # untimed: connections
+
+        def one(_):
+            return client.post(f"{base_url}/completions", json=body).status_code
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            codes = list(pool.map(one, range(requests)))
+        wall_s = time.perf_counter() - t0
+    ok = codes.count(200)
+    return {"req_per_s": ok / wall_s, "ok": ok, "shed_429": codes.count(429), "wall_s": wall_s}
+
+
+def direct_ceiling() -> dict:
+    port = free_port()
+    argv = [sys.executable, "-m", "serving.server", "--model=mock", "--port=0"]
+    argv += [f"--http_port={port}", "--metrics_port=-1", *CEILING_ARGS]
+    proc = subprocess.Popen(argv, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        wait_http(base, proc)
+        return throughput(base, F.ceiling_requests, F.ceiling_concurrency)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def serve_ceiling(port: int) -> dict:
+    from ray import serve
+
+    from serving.ray_serve import build_app
+
+    args = dict(model="mock", num_replicas=1, server_args=CEILING_ARGS, num_cpus=0.5)
+    serve.run(build_app(args), name="ceiling", route_prefix="/")
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        return throughput(base, F.ceiling_requests, F.ceiling_concurrency)
+    finally:
+        serve.delete("ceiling")
 
 
 def direct_latency(prompts: list[str]) -> dict:
@@ -209,7 +271,10 @@ def main(argv) -> None:
         raise app.UsageError("--model: the prefix run counts bytes as tokens (tiny only)")
     prompts = [f"question {i}: what is {i} plus {i}?" for i in range(F.requests)]
     out = {"load_before": loadavg()}
-    out["direct"] = direct_latency(prompts)
+    if not F.skip_latency:
+        out["direct"] = direct_latency(prompts)
+    if F.ceiling_requests:
+        out["ceiling_direct"] = direct_ceiling()
     port = free_port()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])
@@ -217,9 +282,14 @@ def main(argv) -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        out["serve"] = serve_latency(port, prompts)
-        out["added_p50_ms"] = out["serve"]["p50_ms"] - out["direct"]["p50_ms"]
-        out["added_p99_ms"] = out["serve"]["p99_ms"] - out["direct"]["p99_ms"]
+        if not F.skip_latency:
+            out["serve"] = serve_latency(port, prompts)
+            out["added_p50_ms"] = out["serve"]["p50_ms"] - out["direct"]["p50_ms"]
+            out["added_p99_ms"] = out["serve"]["p99_ms"] - out["direct"]["p99_ms"]
+        if F.ceiling_requests:
+            out["ceiling_serve"] = serve_ceiling(port)
+            ratio = out["ceiling_serve"]["req_per_s"] / out["ceiling_direct"]["req_per_s"]
+            out["ceiling_serve_over_direct"] = ratio
         if not F.skip_prefix:
             out["prefix_affinity"] = prefix_hit_rate(port, "prefix")
             out["prefix_default"] = prefix_hit_rate(port, "default")

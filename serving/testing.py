@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,6 +12,32 @@ from serving.engine_host.mock_engine import MockEngine
 from serving.frontend.admission import AdmissionConfig
 from serving.frontend.tenants import TenantRegistry
 from serving.server import PagedJaxServer, ServerConfig
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (another process may take it before you bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float) -> None:
+    """Until the gRPC health check of `address` says SERVING (warm-up over)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < end:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING within {timeout_s}s")
 
 
 @contextlib.contextmanager

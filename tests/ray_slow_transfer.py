@@ -1,5 +1,5 @@
 """A P/D worker (serving/ray_serve/disagg.py) whose K/V stream can pause after its header,
-so tests/test_ray_pd_multihost.py can cancel a request while its K/V is in transfer.
+so tests/test_ray_routing.py can cancel a request while its K/V is in transfer.
 
 Imported by the Ray replicas (the test puts tests/ on their PYTHONPATH). `hold(True)`:
 every KVTransfer.Prefill stream of this replica waits HOLD_S after its header (counted
@@ -19,7 +19,7 @@ HOLD_S = 5.0
 class SlowTransferWorker(PDWorker):
     def __init__(self, *args, **kwargs):
         self.holding = threading.Event()
-        self.held = 0
+        self.held = self.ended = 0
         send_chunks = service.payload_chunks
 
         def chunks(payload, prefill_s, *rest, **kw):
@@ -28,6 +28,7 @@ class SlowTransferWorker(PDWorker):
             if self.holding.is_set():
                 self.held += 1
                 time.sleep(HOLD_S)
+                self.ended += 1  # the pages go now (if the puller is still there)
             yield from stream
 
         service.payload_chunks = chunks  # this replica's process only
@@ -41,3 +42,6 @@ class SlowTransferWorker(PDWorker):
 
     def held_transfers(self) -> int:
         return self.held
+
+    def ended_held_transfers(self) -> int:
+        return self.ended

@@ -5,8 +5,7 @@ for readiness the way a user, the cluster launcher and Kubernetes do.
 
 - the plain server with its default model (SmolLM2) and the HTTP API: /ready, then one chat
   answer through the official `openai` SDK (the one SmolLM2 start of this file);
-- the cluster launcher (a prefill worker, a decode worker and the router) on the tiny model:
-  the router's health SERVING, then one Generate through it;
+- a prefill and a decode worker with warm-up on: tests/test_kv_transport_two_process.py;
 - a warm-up that fails: the server exits 1 with the one-line cause instead of listening
   forever (in-process with the mock engine, and through `serving.server`'s main)."""
 
@@ -25,11 +24,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from serving.client import GenerateClient
 from serving.engine_host.mock_engine import MockEngine
 from serving.frontend.admission import AdmissionConfig
-from serving.router.cluster import free_port, wait_serving
 from serving.server import PagedJaxServer, ServerConfig
+from serving.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900  # only guards against a hang: warm-up on a loaded 2-core machine
@@ -114,37 +112,6 @@ def test_readme_server_with_defaults_becomes_ready_and_answers_a_chat(tmp_path):
         )
         assert "Paris" in reply.choices[0].message.content, reply
         assert reply.usage.completion_tokens >= 1
-    finally:
-        code = _stop(proc)
-    assert code == 0, log.read_text()[-3000:]
-
-
-@pytest.mark.subprocess
-def test_cluster_launcher_roles_and_router_become_serving_and_answer(tmp_path):
-    port = free_port()
-    log = tmp_path / "cluster.log"
-    proc = _spawn(
-        [
-            "serving.router.cluster",
-            "--prefill=1",
-            "--decode=1",
-            f"--port={port}",
-            "--worker_args=--model=tiny --warmup_max_shapes=2",  # warm-up on, two shapes each
-            f"--logs_dir={tmp_path}",
-        ],
-        log,
-    )
-    try:
-        _wait_for_line(proc, log, f"routing on {port}")
-        wait_serving(f"127.0.0.1:{port}", 60)
-        with GenerateClient(f"127.0.0.1:{port}") as client:
-            res = client.generate("hello world", max_tokens=5, temperature=0.0, timeout_s=300)
-        assert res.ok, res
-        assert res.completion_tokens == 5
-        worker_logs = {p.name: p.read_text() for p in tmp_path.glob("*-*.log")}
-        assert {"prefill-0.log", "decode-1.log"} <= set(worker_logs)
-        for name, text in worker_logs.items():
-            assert "warm-up failed" not in text, (name, text[-3000:])
     finally:
         code = _stop(proc)
     assert code == 0, log.read_text()[-3000:]

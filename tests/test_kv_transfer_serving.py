@@ -231,35 +231,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_router_retries_a_pair_whose_prefill_worker_died_once_elsewhere(workers, tiny_model):
-    """A prefill worker that dies is taken out of routing; the request it would have
-    computed (the decode worker's pull failed before any output) goes once to another
-    prefill worker with the same decode worker, and its tokens are the engine's."""
-    from serving.router.server import Router
-
-    ps, ds = workers
-    ref = engine(tiny_model)
-    with running_server(
-        engine(tiny_model), admission=ADMISSION, role="prefill", capacity_probe=False
-    ) as (dying, _):
-        addresses = [f"127.0.0.1:{s.port}" for s in (dying, ps, ds)]
-        router = Router(addresses, health_interval_s=60).start()  # no re-check in the test
-        try:
-            client = router.service.client
-            prompt = next(
-                p
-                for p in (f"prompt {i}" for i in range(200))
-                if client.pick(build_request(p)).prefill == addresses[0]
-            )
-            dying.grpc_server.stop(0)
-            with GenerateClient(f"127.0.0.1:{router.port}") as c:
-                res = c.generate(prompt, max_tokens=6, temperature=0.0)
-            assert res.ok, (res.code, res.details)
-            assert res.token_ids == direct(ref, ref.tokenizer.encode(prompt), 6)
-            assert client.counters["retried"] == 1
-            assert not router.pool.is_routable(addresses[0])
-            assert router.pool.is_routable(addresses[1]) and router.pool.is_routable(addresses[2])
-        finally:
-            router.stop(0)

@@ -138,33 +138,3 @@ def test_runtime_load_and_unload_over_http(lora_engine, tiny_model, tmp_path):
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 404, r.text
         assert httpx.post(unload, json={"lora_name": "a2"}, timeout=60).status_code == 404
-
-
-@pytest.mark.compile
-def test_router_http_forwards_an_adapter_named_via_model(lora_engine):
-    """The router (serving/router/http_front.py) learns the replica's adapters from WorkerInfo:
-    /v1/models lists them and an HTTP `model` naming one reaches the replica as `adapter`."""
-    from serving.router.server import Router
-
-    ids = lora_engine.tokenizer.encode(PROMPT)
-    _, want_text = _direct(lora_engine, ids, "a1")
-    _, base_text = _direct(lora_engine, ids, None)
-    ref = lora_engine.adapters.loaded["a1"]
-    with running_server(lora_engine, admission=AdmissionConfig(max_model_len=128)) as (w, _):
-        router = Router(
-            [f"127.0.0.1:{w.port}"], http_port=0, tokenizer=lora_engine.tokenizer
-        ).start()
-        try:
-            base = f"http://127.0.0.1:{router.http_port}"
-            listed = {m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]}
-            assert "a1" in listed and lora_engine.identity.name in listed
-            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "model": "a1"}
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want_text != base_text
-            versions = r.json()["pagedjax"]["versions"]
-            assert versions["adapter"] == "a1" and versions["adapter_hash"] == ref.content_hash
-            r = httpx.post(f"{base}/v1/completions", json={**body, "model": "nope"}, timeout=60)
-            assert r.status_code == 404, r.text  # neither the base model nor an adapter
-        finally:
-            router.stop(0)

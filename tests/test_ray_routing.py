@@ -1,4 +1,5 @@
-"""Routing, autoscaling and overload of pagedjax on Ray Serve (serving/ray_serve/).
+"""Routing, autoscaling, overload, failures, P/D and multi-host of pagedjax on Ray Serve
+(serving/ray_serve/).
 
 Without a cluster (the policies as plain objects):
 - the RoutingKey: prompts sharing a system prompt share their leading block keys; the model
@@ -16,10 +17,17 @@ the official `openai` SDK:
   router on the same workload and fresh replicas hits less (the control);
 - mock-engine replicas under a burst: the replica sheds with 429 + Retry-After, each shed
   answer comes back before any admitted request finishes (nothing waited in front of the
-  replica), and Serve autoscaling raises the deployment from 1 replica to 2."""
+  replica), and Serve autoscaling raises the deployment from 1 replica to 2;
+- a replica killed mid-stream: its streams end with an error event, the rest go on;
+- prefill/decode pools and a multi-host replica (the P/D ingress, K/V moved, cancel during
+  transfer; 2 processes x 2 devices == one device).
+One cluster for all of them (each cluster start and its Serve controller cost ~15 s here,
+and two clusters at once on two lanes competed for the same 2 cores)."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -174,6 +182,10 @@ FAST_METRICS = {
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.2",
     # a worker process starting on a loaded 2-core machine can take over Ray's 60 s default
     "RAY_worker_register_timeout_seconds": "600",
+    # NOTE: Ray's memory monitor kills workers when the NODE passes 95% memory, whoever uses
+    # it: on a machine shared with other runs it killed this cluster's controller and P/D
+    # router (2026-12-05) while the test itself used ~3 GB. Off for this cluster only.
+    "RAY_memory_monitor_refresh_ms": "0",
 }
 
 
@@ -182,12 +194,19 @@ def serve_port():
     """A local Ray cluster with Serve's proxy on a free port; shut down after the module."""
     saved = dict(os.environ)
     os.environ.update(FAST_METRICS, JAX_PLATFORMS="cpu")
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(paths)  # the replicas import this repository
+    # the replicas import this repository, and tests/ (ray_slow_transfer)
+    paths = [str(ROOT), str(ROOT / "tests")]
+    paths += filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     os.environ.pop("RAY_ADDRESS", None)
     port = free_port()
     try:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",  # never a cluster another test or shell started
+            num_cpus=8,  # logical: the replicas' reservations, not this machine's cores
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
     finally:
@@ -219,12 +238,12 @@ TENANTS = {
 }
 
 
-def _complete(client, prompt: str, session: str | None = None, key: str | None = None):
+def _complete(client, prompt: str, session=None, key=None, model: str = "tiny"):
     headers = {"x-session-id": session} if session else {}
     if key:
         headers["authorization"] = f"Bearer {key}"
     raw = client.completions.with_raw_response.create(
-        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_headers=headers
+        model=model, prompt=prompt, max_tokens=4, temperature=0, extra_headers=headers
     )
     return raw.parse(), raw.headers[REPLICA_HEADER]
 
@@ -414,3 +433,248 @@ def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
     assert 1 <= len(served) <= 2 and len(served) + len(refused) == 6, replies
     for reply in refused:
         assert reply.headers["Retry-After"] == "2" and REPLICA_HEADER not in reply.headers
+
+
+def _replica_names(app: str) -> set[str]:
+    """The live engine replicas of `app` (their unique ids, as REPLICA_HEADER names them)."""
+    prefix = f"SERVE_REPLICA::{app}#pagedjax#"  # Serve's actor name (ReplicaID.to_full_id_str)
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"].removeprefix(prefix) for a in actors if a["name"].startswith(prefix)}
+
+
+def test_killed_replica_ends_its_streams_with_an_error_and_serve_replaces_it(serve_port):
+    """2 mock replicas (200 tokens: 10 s a stream), streams on both; one replica's actor is
+    killed mid-stream: its streams end with an error event the openai SDK raises (never a
+    hang), the other replica's streams finish whole, new requests are served by a live
+    replica, Serve starts a replacement, and the survivor ends with no page used."""
+    import openai
+
+    server_args = ["--mock_step_time_s=0.05", "--capacity_probe=false", "--log_level=warning"]
+    args = dict(model="mock", num_replicas=2, num_cpus=0.5, server_args=server_args)
+    health = dict(health_check_period_s=1, health_check_timeout_s=5)
+    serve.run(build_app({**args, **health}), name="killed", route_prefix="/")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="x")
+    client = client.with_options(max_retries=0, timeout=120)
+    body = dict(model="mock", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    try:
+        streams: list = []
+        while len({s.response.headers[REPLICA_HEADER] for s in streams}) < 2:
+            assert len(streams) < 12, "every stream went to one replica"
+            streams.append(client.completions.create(prompt=f"{len(streams)}:", **body))
+        victim = streams[0].response.headers[REPLICA_HEADER]
+        assert _replica_names("killed") >= {victim}
+
+        def read(stream) -> tuple[str, Exception | None]:
+            text = []
+            try:
+                for chunk in stream:
+                    text.append(chunk.choices[0].text if chunk.choices else "")
+            except openai.APIError as e:
+                return "".join(text), e
+            return "".join(text), None
+
+        with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+            next(iter(streams[0]))  # the victim's stream has begun
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::killed#pagedjax#{victim}", namespace="serve"))
+            reads = [pool.submit(read, s) for s in streams]
+            after = [_complete(client, f"after the kill {i}", model="mock") for i in range(4)]
+            results = [f.result(timeout=300) for f in reads]  # only guards against a hang
+        for stream, (text, error) in zip(streams, results):
+            if stream.response.headers[REPLICA_HEADER] == victim:
+                assert error is not None and len(text) < 200, (len(text), error)
+                assert "replica serving this stream died" in str(error), error
+            else:
+                assert error is None and len(text) == 200, (len(text), error)
+        assert all(replica != victim for _, replica in after), after
+        end = time.monotonic() + 300  # only guards against a hang
+        while len(names := _replica_names("killed")) < 2 or victim in names:
+            assert time.monotonic() < end, names
+            time.sleep(0.5)
+        (survivor,) = {s.response.headers[REPLICA_HEADER] for s in streams} - {victim}
+        while (s := _engine_stats("killed", 2)[survivor])["kv_pages_used"] or s["num_running"]:
+            assert time.monotonic() < end, s  # stats refresh every 0.1 s: a leak stays
+            time.sleep(0.5)
+    finally:
+        serve.delete("killed")
+
+
+# ---- prefill / decode pools and multi-host (serving/ray_serve/disagg.py, multihost.py) -----
+ENGINE = dict(
+    page_size=4,
+    num_pages=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    prefill_chunk_size=32,
+    max_model_len=128,
+)
+SERVER_ARGS = [
+    *(f"--{k}={v}" for k, v in ENGINE.items()),
+    "--warmup_max_shapes=0",  # compiled on first use: the replicas start sooner
+    "--capacity_probe=false",
+    "--log_level=warning",
+]
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a b c", "tiny"]
+MAX_TOKENS = [12, 5, 9, 3]
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s  # only guards against a hang
+    while not (value := predicate()):
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Texts, token counts and identity of one EngineCore on one device."""
+    from configs.engine_config import EngineConfig
+    from engine.api_types import EngineRequest
+    from engine.core import EngineCore
+    from engine.sampling.params import SamplingParams
+    from models.registry import tiny_tokenizer
+
+    core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
+    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+        sp = SamplingParams(temperature=0.0, max_tokens=m)
+        core.add_request(EngineRequest(f"r{i}", core.tokenizer.encode(p), sp))
+    ids = collections.defaultdict(list)
+    while core.has_unfinished():
+        for out in core.step():
+            ids[out.request_id] += out.new_token_ids
+    tokenizer = tiny_tokenizer()
+    texts = [tokenizer.decode(ids[f"r{i}"], skip_special_tokens=True) for i in range(4)]
+    return texts, [len(ids[f"r{i}"]) for i in range(4)], core.identity
+
+
+@pytest.fixture(scope="module")
+def ray_serve(serve_port):
+    return f"http://127.0.0.1:{serve_port}"
+
+
+def completions(base_url: str, identity, texts, lengths) -> None:
+    """8 greedy completions at once (plain and streamed): each equals the engine's."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+
+    def complete(i: int, stream: bool):
+        kwargs = dict(model=identity.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i])
+        if stream:
+            chunks = client.completions.create(**kwargs, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices), None
+        full = client.completions.create(**kwargs, temperature=0)
+        return full.choices[0].text, full
+
+    jobs = [(i, stream) for stream in (False, True) for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: complete(*job), jobs))
+    for (i, _), (text, full) in zip(jobs, results):
+        # NOTE: the server's incremental detokenizer holds back a trailing partial UTF-8
+        # character that a one-shot decode shows as U+FFFD
+        assert text == texts[i].rstrip("\ufffd"), (PROMPTS[i], text, texts[i])
+        if full is not None:
+            assert full.usage.completion_tokens == lengths[i]
+            assert full.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
+
+
+# ---- multi-host ---------------------------------------------------------------------------------
+@pytest.mark.subprocess
+def test_multihost_replica_over_two_ray_processes_equals_one_device(ray_serve, reference):
+    from serving.ray_serve.multihost import build_multihost_app
+
+    texts, lengths, identity = reference
+    xla = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    app = build_multihost_app(
+        {
+            "model": "tiny",
+            "num_hosts": 2,
+            "server_args": [*SERVER_ARGS, "--mesh=model:4"],
+            "env": {"XLA_FLAGS": xla.strip()},
+        }
+    )
+    serve.run(app, name="multihost", route_prefix="/multihost")
+    try:
+        handle = serve.get_deployment_handle("pagedjax-multihost", app_name="multihost")
+        topology = handle.topology.remote().result(timeout_s=60)
+        assert topology["process_count"] == 2 and topology["device_count"] == 4, topology
+        assert topology["mesh"]["model"] == 4 and topology["mesh"]["processes"] == [0, 1]
+        completions(f"{ray_serve}/multihost", identity, texts, lengths)
+    finally:
+        serve.delete("multihost")
+
+
+# ---- prefill / decode ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pd_app(ray_serve):
+    from ray_slow_transfer import SlowTransferWorker
+
+    from serving.ray_serve.disagg import pd_application
+
+    app = pd_application(
+        "tiny",
+        server_args=SERVER_ARGS,
+        actor_options={"num_cpus": 1},
+        worker=serve.deployment(name="pd-worker")(SlowTransferWorker),
+    )
+    serve.run(app, name="pd", route_prefix="/pd")
+    try:
+        yield {
+            role: serve.get_deployment_handle(role, app_name="pd") for role in ("prefill", "decode")
+        }
+    finally:
+        serve.delete("pd")
+
+
+def stats(handle) -> dict:
+    return handle.stats.remote().result(timeout_s=30)
+
+
+@pytest.mark.subprocess
+def test_pd_pools_on_serve_equal_one_engine_and_move_kv(ray_serve, pd_app, reference):
+    texts, lengths, identity = reference
+    completions(f"{ray_serve}/pd", identity, texts, lengths)
+    # every request took the pair: one export on the prefill replica, one import on the
+    # decode replica (the loop's stats refresh every 0.1 s)
+    wait_until(lambda: stats(pd_app["prefill"])["kv_exports"] == 8, 30, "8 exports")
+    wait_until(lambda: stats(pd_app["decode"])["kv_imports"] == 8, 30, "8 imports")
+
+
+@pytest.mark.subprocess
+def test_pd_cancel_during_transfer_frees_pages_on_both_sides(ray_serve, pd_app, reference):
+    import httpx
+
+    _, _, identity = reference
+    prefill, decode = pd_app["prefill"], pd_app["decode"]
+    exports, imports = stats(prefill)["kv_exports"], stats(decode)["kv_imports"]
+    pulls = stats(decode)["kv_pulls"]
+    prefill.hold.remote(True).result(timeout_s=30)
+
+    async def cancel_during_transfer():
+        body = dict(model=identity.name, prompt="cancel me mid-transfer", max_tokens=50)
+        async with httpx.AsyncClient(timeout=120) as client:
+            call = asyncio.ensure_future(
+                client.post(f"{ray_serve}/pd/v1/completions", json={**body, "stream": True})
+            )
+            held = prefill.held_transfers.remote
+            while not await asyncio.to_thread(lambda: held().result(timeout_s=30)):
+                assert not call.done(), call.result()
+                await asyncio.sleep(0.1)
+            call.cancel()  # the client goes away while the K/V is held in transfer
+
+    try:
+        asyncio.run(cancel_during_transfer())
+    finally:
+        prefill.hold.remote(False).result(timeout_s=30)
+    held = prefill.held_transfers.remote().result(timeout_s=30)
+    ended = prefill.ended_held_transfers.remote
+    wait_until(lambda: ended().result(timeout_s=30) == held, 60, "the held transfer's end")
+    for role, handle in (("prefill", prefill), ("decode", decode)):
+        wait_until(
+            lambda h=handle: (s := stats(h))["kv_pages_used"] == 0 and s["num_running"] == 0,
+            60,
+            f"the {role} replica's pages freed",
+        )
+    assert stats(prefill)["kv_exports"] == exports + 1  # the transfer had begun ...
+    assert stats(decode)["kv_imports"] == imports  # ... and never reached the decode engine
+    assert stats(decode)["kv_pulls"] == pulls  # the decode replica cancelled its pull

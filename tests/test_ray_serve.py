@@ -25,7 +25,7 @@ import yaml
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from serving.router.cluster import free_port  # noqa: E402
+from serving.testing import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(

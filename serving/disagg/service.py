@@ -168,15 +168,15 @@ class KVTransferService(kv_grpc.KVTransferServicer):
             engine.unstage(inner.request_id)
 
     def _pull(self, request: kv_pb.DecodeRequest, context):
-        stub = kv_grpc.KVTransferStub(self._channel(request.kv_source))
         key = dict(context.invocation_metadata()).get(API_KEY)
-        metadata = ((API_KEY, key),) if key else ()
-        if self.jax is not None:  # the prefill side falls back to gRPC bytes without one
-            metadata += ((kv_transfer_jax.TRANSPORT_METADATA, "jax"),)
-        call = stub.Prefill(request.request, timeout=time_left_s(context), metadata=metadata)
-        context.add_callback(call.cancel)
         try:
-            payload, stats = receive_payload(call, self.jax, time_left_s(context))
+            return self.pull(
+                request.kv_source,
+                request.request,
+                key,
+                time_left_s(context),
+                on_call=lambda call: context.add_callback(call.cancel),
+            )
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
@@ -186,6 +186,29 @@ class KVTransferService(kv_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         except kv_transfer_jax.JaxPullError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {request.kv_source}: {e}")
+
+    def pull(
+        self,
+        kv_source: str,
+        request: pb.GenerateRequest,
+        api_key: str | None,
+        timeout_s: float | None,
+        on_call=None,
+    ):
+        """`request`'s prompt K/V from the prefill worker at `kv_source` (its KVTransfer.Prefill),
+        device to device when both sides run the jax transport; counted in WorkerInfo's
+        stats. The Decode RPC and llm-d's kv_transfer_params (serving/gateway/
+        http_kv_transfer.py, also what the P/D pools on Ray Serve use) both pull here.
+        `on_call(call)`: the started gRPC call (the caller may cancel it). Raises
+        grpc.RpcError, KVChecksumError, KVWireError, JaxPullError."""
+        stub = kv_grpc.KVTransferStub(self._channel(kv_source))
+        metadata = ((API_KEY, api_key),) if api_key else ()
+        if self.jax is not None:  # the prefill side falls back to gRPC bytes without one
+            metadata += ((kv_transfer_jax.TRANSPORT_METADATA, "jax"),)
+        call = stub.Prefill(request, timeout=timeout_s, metadata=metadata)
+        if on_call is not None:
+            on_call(call)
+        payload, stats = receive_payload(call, self.jax, timeout_s)
         with self._lock:
             self.totals["kv_pulls"] += 1
             self.totals["kv_pull_bytes"] += stats.num_bytes
@@ -193,8 +216,8 @@ class KVTransferService(kv_grpc.KVTransferServicer):
             self.totals["kv_jax_pulls"] += int(payload.on_device)
         log.info(
             "kv pull %s from %s: %d bytes in %.2f ms (%.3f GB/s), prefill %.1f ms",
-            request.request.request_id,
-            request.kv_source,
+            request.request_id,
+            kv_source,
             stats.num_bytes,
             1e3 * stats.transfer_s,
             stats.gb_per_s,

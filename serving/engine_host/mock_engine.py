@@ -84,8 +84,6 @@ class ByteTokenizer:
 
     eos_token_ids = (EOS_TOKEN_ID,)
     vocab_size = VOCAB_SIZE
-    # the router's HTTP front checks its tokenizer against the workers'
-    # (serving/router/http_front.py)
     sha256 = MockIdentity.tokenizer_hash
     chat_template_sha256 = MockIdentity.chat_template_hash
 

@@ -63,8 +63,6 @@ _FINISH = {
     "cancelled": ("cancelled", "engine", grpc.StatusCode.CANCELLED),
     "failed": ("failed", "engine_step", grpc.StatusCode.INTERNAL),
     "rejected": ("rejected", "engine", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    # -- router (serving/router/routed_engine.py): no worker could take the request
-    "unavailable": ("failed", "no_route", grpc.StatusCode.UNAVAILABLE),
 }
 
 

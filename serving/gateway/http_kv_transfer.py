@@ -19,6 +19,11 @@ the prompt for call 1 and again for the pull; the second run is served from its 
 for every full page (only the last partial page and the first token are recomputed). A
 prefill pod that evicted those pages in between recomputes them: slower, same tokens.
 
+The pull is the KVTransfer service's (serving/disagg/service.py `pull`): over the jax transport
+when both pods run `--kv_transport=jax`, counted in WorkerInfo's kv_pulls / kv_jax_pulls. A
+client that goes away during the pull cancels it (`cancel_pulls`, called by the HTTP API):
+nothing is staged or imported, and the prefill side freed its pages at the export.
+
 Statuses: kv_transfer_params that is not an object of the known fields, or asks for both
 directions, or for streaming or n > 1 with do_remote_decode, is 400; a server whose role or
 engine cannot move K/V is 409 (FAILED_PRECONDITION); a prefill pod that cannot be reached is
@@ -37,9 +42,9 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.kv_transfer.transfer import KVChecksumError, KVTransferMismatchError, check_compatible
 from serving.client import build_request
-from serving.disagg.wire import KVWireError, receive_payload
+from serving.disagg.jax_transfer import JaxPullError
+from serving.disagg.wire import KVWireError
 from serving.frontend.generation import GenerateCall, Refusal
-from serving.proto import kv_transfer_pb2_grpc as kv_grpc
 
 FLAGS = ("do_remote_decode", "do_remote_prefill")
 KNOWN = {
@@ -89,8 +94,9 @@ class KvTransferParams:
     def __init__(self, server, advertise_host: str | None = None):
         self.server = server
         self.host = advertise_host or os.environ.get("POD_IP") or socket.gethostname()
-        self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self._pulls: dict[str, grpc.Future] = {}  # request id -> its pull's gRPC call
+        self._cancelled: set[str] = set()  # request ids whose client went away
 
     def _require(self, role: str) -> None:
         """FAILED_PRECONDITION unless this server serves `role`'s side of a transfer."""
@@ -154,31 +160,60 @@ class KvTransferParams:
         req = build_request(
             token_ids=ids, max_tokens=1, request_id=request_id, stream=False, **sampling
         )
-        stub = kv_grpc.KVTransferStub(self._channel(target))
-        metadata = ((API_KEY, api_key),) if api_key else ()
+        service = self.server.kv_service  # serving/disagg/service.py, on every server
+
+        def started(call) -> None:
+            with self._lock:
+                self._pulls[request_id] = call
+                gone = request_id in self._cancelled
+            if gone:
+                call.cancel()
+
         try:
-            call = stub.Prefill(req, timeout=PULL_TIMEOUT_S, metadata=metadata)
-            payload, _stats = receive_payload(call, None, PULL_TIMEOUT_S)
+            payload, _stats = service.pull(target, req, api_key, PULL_TIMEOUT_S, on_call=started)
             engine = self.server.loop.engine
             check_compatible(payload.meta, engine.core)
         except grpc.RpcError as e:
+            self._raise_if_cancelled(request_id)
             code = e.code()
             if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
                 code = grpc.StatusCode.UNAVAILABLE
             raise Refusal(code, "kv_pull_failed", f"prefill pod {target}: {e.details()}") from e
+        except JaxPullError as e:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "kv_pull_failed", f"{target}: {e}") from e
         except (KVChecksumError, KVWireError) as e:
             raise Refusal(grpc.StatusCode.DATA_LOSS, "kv_pull_corrupt", str(e)) from e
         except KVTransferMismatchError as e:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "kv_mismatch", str(e)) from e
+        finally:
+            with self._lock:
+                self._pulls.pop(request_id, None)
+        self._raise_if_cancelled(request_id)  # gone while the pull ended: nothing staged
         engine.stage(request_id, payload)
 
-    def _channel(self, target: str) -> grpc.Channel:
+    def _raise_if_cancelled(self, request_id: str) -> None:
         with self._lock:
-            if target not in self._channels:
-                self._channels[target] = grpc.insecure_channel(target)
-            return self._channels[target]
+            gone = request_id in self._cancelled
+        if gone:
+            raise Refusal(
+                grpc.StatusCode.CANCELLED, "cancelled", "the client went away during the K/V pull"
+            )
+
+    def cancel_pulls(self, request_ids) -> None:
+        """The client went away: cancel these requests' pulls (running or still to start)."""
+        with self._lock:
+            for request_id in request_ids:
+                self._cancelled.add(request_id)
+                call = self._pulls.get(request_id)
+                if call is not None:
+                    call.cancel()
+
+    def forget(self, request_ids) -> None:
+        """These requests' submission ended: their cancellation marks are not needed."""
+        with self._lock:
+            self._cancelled.difference_update(request_ids)
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
+            for call in self._pulls.values():
+                call.cancel()

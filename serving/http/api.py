@@ -143,7 +143,7 @@ class HttpApi:
             kv = self._kv_transfer_params(body)
             if kv is not None and kv.get("do_remote_prefill"):
                 calls = [self.kv_transfer.with_remote_prefill(c, kv, body) for c in calls]
-                choices = await asyncio.to_thread(self._submit_pulling, calls, arrival_s)
+                choices = await self._pull_and_submit(request, calls, arrival_s)
             else:
                 choices = self._submit_all(calls, arrival_s)
         except Refusal as e:
@@ -239,6 +239,28 @@ class HttpApi:
         if kv is not None and kv.get("do_remote_decode"):
             self.kv_transfer.check_prefill()
         return kv
+
+    async def _pull_and_submit(self, request, calls: list[GenerateCall], arrival_s: float):
+        """_submit_pulling on a thread; a client that goes away meanwhile cancels the pulls
+        (nothing is imported; the prefill pod freed its pages when it exported them)."""
+        ids = [c.request_id for c in calls]
+        pulling = asyncio.ensure_future(asyncio.to_thread(self._submit_pulling, calls, arrival_s))
+        pulling.add_done_callback(lambda _: self.kv_transfer.forget(ids))
+        try:
+            while not pulling.done():
+                await asyncio.wait({pulling}, timeout=_POLL_S)
+                if not pulling.done() and await request.is_disconnected():
+                    self.kv_transfer.cancel_pulls(ids)
+            return pulling.result()
+        except asyncio.CancelledError:
+            self.kv_transfer.cancel_pulls(ids)
+            pulling.add_done_callback(self._cancel_late)
+            raise
+
+    def _cancel_late(self, pulling: asyncio.Future) -> None:
+        """Choices admitted after their client went away (the pull had just ended)."""
+        if not pulling.cancelled() and pulling.exception() is None:
+            self._cancel_unfinished(pulling.result())
 
     def _submit_pulling(self, calls: list[GenerateCall], arrival_s: float) -> list:
         """_submit_all off the event loop (each admission pulls K/V from the prefill pod);

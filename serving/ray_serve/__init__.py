@@ -12,13 +12,13 @@
                   prefix of our block hashes, least load; spills when the home is busy
     autoscale.py  the replicas' load / KV-usage signals, the Serve autoscaling policy over
                   them, and the Serve caps that leave shedding (429) to the replica
-    disagg.py     prefill and decode pools as two deployments, a registry of their gRPC
-                  addresses, the router (serving/router's RouterHttp) as the ingress that
-                  pairs them; K/V moves by serving/disagg's transport between the replicas
+    disagg.py     prefill and decode pools as two deployments and the P/D ingress that
+                  pairs them with llm-d's two calls (kv_transfer_params); K/V moves by
+                  serving/disagg's transport between the replicas Serve picked
     multihost.py  one replica over a placement group of N processes: jax.distributed with
                   the coordinator on the replica's node, followers as Ray actors
 
-May import: serving (server assembly, flags, frontend, http, disagg, router, engine_host),
+May import: serving (server assembly, flags, frontend, http, disagg, engine_host),
 engine, ray, fastapi. Nothing in engine/ or the rest of serving/ imports this package: Ray is
 an optional extra.
 """

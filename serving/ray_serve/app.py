@@ -29,6 +29,7 @@ Arguments of the application builder (`applications[].args` in the Serve config)
   max_ongoing_requests, max_queued_requests, retry_after_s   Serve's per-replica cap and
                 queue bound (defaults: the replica's capacity + headroom, 64, 1 s: see
                 autoscale.py, so the replica's admission, not Serve, decides what to shed)
+  health_check_period_s, health_check_timeout_s             Serve's replica health check
   ingress_replicas, ingress_max_ongoing_requests             the ingress deployment
 
 A replica is ready (Serve routes to it) only once its warm-up has ended; a failed warm-up
@@ -137,9 +138,11 @@ class EngineReplica:
         return replica_signals(self.server)
 
     def stats(self) -> dict:
-        """The engine's counters (pages, cache hits, preemptions) for tests and operators,
-        and this replica's name (`replica`)."""
-        return {**(self.server.loop.last_stats or self.server.engine.stats()), "replica": self.name}
+        """The engine's counters (pages, cache hits, preemptions, K/V exports and imports),
+        its K/V pulls (kv_pulls, kv_jax_pulls) and this replica's name (`replica`)."""
+        engine = self.server.loop.last_stats or self.server.engine.stats()
+        kv_pulls = dict(self.server.kv_service.totals)  # K/V pulled from prefill replicas
+        return {**engine, **kv_pulls, "replica": self.name}
 
     def __del__(self):
         server = getattr(self, "server", None)
@@ -163,7 +166,7 @@ def build_app(args: dict[str, Any]) -> Application:
     if "resources" in args:
         actor["resources"] = dict(args.pop("resources"))
     options: dict[str, Any] = {"ray_actor_options": actor, **deployment_options(args, argv)}
-    options["request_router_config"] = _router_config(
+    options["request_router_config"] = router_config(
         args.pop("router", "prefix"), args.pop("router_kwargs", None)
     )
     ready_timeout_s = float(args.pop("ready_timeout_s", DEFAULT_READY_TIMEOUT_S))
@@ -181,7 +184,7 @@ def build_app(args: dict[str, Any]) -> Application:
     return PagedJaxIngress.options(**ingress_options).bind(engine, **key_options)
 
 
-def _router_config(router: str, router_kwargs: dict | None) -> RequestRouterConfig:
+def router_config(router: str, router_kwargs: dict | None) -> RequestRouterConfig:
     if router == "prefix":
         return RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,

@@ -95,10 +95,14 @@ def replica_capacity(argv: list[str]) -> int:
     return int(inflight) + int(values["max_queue_requests"])
 
 
+HEALTH_CHECK_OPTIONS = ("health_check_period_s", "health_check_timeout_s")
+
+
 def deployment_options(args: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     """The engine deployment's scaling and queueing options from build_app's args (popped):
     `num_replicas` (int, or "auto"), `autoscaling_config` (Serve's keys; ours by default),
-    `max_ongoing_requests`, `max_queued_requests`, `retry_after_s`."""
+    `max_ongoing_requests`, `max_queued_requests`, `retry_after_s`, `health_check_period_s`,
+    `health_check_timeout_s`."""
     options: dict[str, Any] = {}
     num_replicas = args.pop("num_replicas", 1)
     if num_replicas == "auto" or "autoscaling_config" in args:
@@ -121,4 +125,7 @@ def deployment_options(args: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     options["max_queued_requests"] = int(args.pop("max_queued_requests", DEFAULT_MAX_QUEUED))
     retry_after_s = float(args.pop("retry_after_s", DEFAULT_RETRY_AFTER_S))
     options["backpressure_config"] = {"status_code": 429, "retry_after_s": retry_after_s}
+    for name in HEALTH_CHECK_OPTIONS:  # Serve's own (defaults: every 10 s, 30 s to answer)
+        if name in args:
+            options[name] = float(args.pop(name))
     return options

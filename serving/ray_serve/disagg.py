@@ -1,37 +1,38 @@
 """Prefill/decode pools on Ray Serve: two worker deployments, the K/V moving by our own
-transport between the replicas Ray placed, the pairing done by the ingress deployment.
+transport between the replicas Serve picked, the pairing done by the ingress deployment.
 
     serve run serving.ray_serve:build_pd_app model=tiny prefill_replicas=1 decode_replicas=2
 
-    application "pd" (one Serve application, four deployments):
-      pd-registry   1 replica, no CPU: the live workers' (role, gRPC address), kept by
-                    their heartbeats (an entry not renewed for REGISTRY_TTL_S is gone)
-      prefill       N PDWorker replicas: a PagedJaxServer with --role=prefill (the
-                    KVTransfer service, serving/disagg/service.py), its gRPC port bound to
-                    the node's IP; it joins the registry once warm and every HEARTBEAT_S
-      decode        M PDWorker replicas, --role=decode, the same
-      router        the ingress: serving/router's RouterHttp (the OpenAI HTTP API over a
-                    RoutedEngine) whose WorkerPool resolves "ray:prefill" / "ray:decode"
-                    through the registry instead of DNS; its FastAPI app is what Serve's
-                    proxy calls
+    application (three deployments):
+      prefill     N PDWorker replicas: a PagedJaxServer with --role=prefill, its gRPC
+                  KVTransfer service on the node's IP; request router PrefixAffinityRouter
+                  (the prefix cache lives where the prompt is computed)
+      decode      M PDWorker replicas, --role=decode; Serve's default router (power of two
+                  choices: the less loaded of two)
+      pd-ingress  the HTTP ingress (no CPU): a generation becomes llm-d's two calls
+                  (serving/gateway/http_kv_transfer.py), each through a Serve handle
 
-    HTTP client -> Serve proxy -> router replica -> RouterClient.pick: prefill by the
-      prompt's prefix ring (bounded load), decode least loaded -> KVTransfer.Decode on the
-      decode replica -> it pulls from the prefill replica (KVTransfer.Prefill: gRPC bytes,
-      or jax.experimental.transfer with --kv_transport=jax) -> imports the pages, decodes,
-      streams back through the router
+    client -> Serve proxy -> pd-ingress
+      1. prefill.relay(body with max_tokens 1, stream false, kv_transfer_params
+         {do_remote_decode: true}) -> 200 whose kv_transfer_params name the replica that
+         answered (remote_host = its node IP, remote_port = its gRPC port)
+      2. decode.relay(the client's body + those kv_transfer_params): the decode replica
+         pulls the prompt's K/V (KVTransfer.Prefill: gRPC bytes, or device to device with
+         --kv_transport=jax in server_args), imports it and answers, streamed back as it is
+    any other call (/v1/models, /tokenize, ...): a decode replica.
 
-Why a registry and not Serve's handles: a DeploymentHandle sends one call to a replica Serve
-picks; the pairing needs the addresses of particular replicas (the prefill replica whose
-prefix cache holds the prompt, the decode replica that pulls from it), and Serve exposes no
-public list of a deployment's replicas. Replicas report themselves instead, so a replica
-Serve restarts (or adds) joins the pool with its new address, and a dead one leaves it
-after REGISTRY_TTL_S (the router's health checks mark it down sooner).
+Why this shape: the answer of call 1 carries the address of the prefill replica Serve chose,
+so Serve's own handles and request routers pick both replicas; no registry of addresses and
+no router of our own (Ray Serve LLM's P/D proxy makes the same two calls). A call 1 that is
+refused (429 + Retry-After from the prefill replica's admission, 400 for a bad body) is the
+client's answer as it is. A client that goes away cancels the ingress's handle calls; the
+decode replica then cancels its pull (nothing imported) and the prefill replica freed its
+pages when it exported them (tests/test_ray_routing.py).
 
-Why not Ray's object store for the K/V: the transport is the one the gRPC workers use
-(serving/disagg/), with its checksums, deadlines and cancellation; a cancel at the HTTP
-client reaches the decode replica's Decode call, which cancels its pull, so pages are freed
-on both sides (tests/test_ray_disagg.py). Ray's object store was not measured against it.
+Costs: the prefill replica computes the prompt for call 1 and again for the pull, the second
+time from its prefix cache (only the last partial page and the first token recomputed:
+`--prefix_caching`, on by default); `n` > 1 is refused with kv_transfer_params (400). Ray's
+object store is not used for the K/V.
 
 Arguments of `build_pd_app` (`applications[].args`):
   model                         every worker's --model (default smollm2-135m)
@@ -39,169 +40,116 @@ Arguments of `build_pd_app` (`applications[].args`):
   server_args                   more serving.server flags for every worker (list or string)
   prefill_args, decode_args     flags for one pool only (e.g. --max_num_seqs)
   num_cpus, num_gpus, resources Ray resources of one worker replica
-  router_num_cpus               of the router replica (default 1)
-  tokenizer                     the router's (default: model; it must hash like the workers')
-  policy                        affinity | round_robin (serving/router/client.py)
+  router, router_kwargs, block_bytes, block_tokens   the prefill pool's routing (as build_app)
 """
 
-from __future__ import annotations
-
-import asyncio
-import logging
+# NOTE: no `from __future__ import annotations`: Serve's class ingress rebuilds the route's
+# signature, and FastAPI then reads a string annotation `Request` as a query parameter.
+import dataclasses
+import json
 import shlex
-import threading
-import time
 from typing import Any
 
 import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
 from serving import flags as shared
-from serving.frontend.admission import AdmissionConfig
-from serving.ray_serve.app import DEFAULT_READY_TIMEOUT_S, EngineReplica
+from serving.ray_serve.app import DEFAULT_READY_TIMEOUT_S, EngineReplica, router_config
+from serving.ray_serve.autoscale import deployment_options
+from serving.ray_serve.ingress import METHODS, HttpCall, answer, collect, incoming
+from serving.ray_serve.router import DEFAULT_BLOCK_BYTES, DEFAULT_BLOCK_TOKENS
 
-log = logging.getLogger("pagedjax.ray")
 ROLES = ("prefill", "decode")
-HEARTBEAT_S = 1.0
-REGISTRY_TTL_S = 5.0
-SPEC_PREFIX = "ray:"  # a WorkerPool spec "ray:prefill": that pool's registered addresses
 
 
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
 
 
-@serve.deployment(name="pd-registry", num_replicas=1, ray_actor_options={"num_cpus": 0})
-class PDRegistry:
-    """The live workers: address -> (role, last heartbeat, time.monotonic())."""
-
-    def __init__(self):
-        self.seen: dict[str, tuple[str, float]] = {}
-
-    def heartbeat(self, role: str, address: str) -> None:
-        self.seen[address] = (role, time.monotonic())
-
-    def addresses(self, role: str) -> list[str]:
-        now = time.monotonic()
-        return sorted(
-            a for a, (r, t) in self.seen.items() if r == role and now - t < REGISTRY_TTL_S
-        )
-
-
 class PDWorker(EngineReplica):
-    """An engine replica with a role: its gRPC server (the KVTransfer service included) on
-    the node's IP, reported to the registry while it lives. Not an HTTP ingress (the router
-    is the application's one)."""
+    """An engine replica with a role: its gRPC server (the KVTransfer service) on the node's
+    IP, which its call-1 answers name as `remote_host` (not an HTTP ingress itself)."""
 
-    def __init__(
-        self, argv: list[str], role: str, registry, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
-    ):
+    def __init__(self, argv: list[str], role: str, ready_timeout_s=DEFAULT_READY_TIMEOUT_S):
         if role not in ROLES:
             raise shared.UsageError("role", role, f"one of {ROLES}")
         node_ip = ray.util.get_node_ip_address()
         super().__init__([*argv, f"--role={role}", f"--host={node_ip}"], ready_timeout_s)
-        self.role, self.registry = role, registry
+        self.role = role
+        self.http_api.kv_transfer.host = node_ip  # kv_transfer_params' remote_host
         self.address = host_port(node_ip, self.server.port)
-        self._stopped = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="pd-heartbeat", daemon=True)
-        self._heartbeat.start()
-
-    def _beat(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                self.registry.heartbeat.remote(self.role, self.address).result(
-                    timeout_s=REGISTRY_TTL_S
-                )
-            except Exception as e:  # noqa: BLE001 - the registry restarts: beat again
-                log.warning("%s worker %s: heartbeat failed: %r", self.role, self.address, e)
-            self._stopped.wait(HEARTBEAT_S)
 
     def grpc_target(self) -> str:
-        """The address the router and the other pool reach this worker on."""
+        """The address the other pool reaches this worker's KVTransfer service on."""
         return self.address
-
-    def __del__(self):
-        stopped = getattr(self, "_stopped", None)
-        if stopped is not None:
-            stopped.set()
-        super().__del__()
 
 
 PDWorkerDeployment = serve.deployment(name="pd-worker")(PDWorker)
 
 
-@serve.deployment(name="router")
-@serve.ingress()
-class PDRouter:
-    """The ingress: the router's OpenAI HTTP API over the registered prefill/decode pairs."""
+def prefill_call(call: HttpCall) -> HttpCall | None:
+    """Call 1 of a generation (None: not a generation, or the client set kv_transfer_params
+    itself): the body with max_tokens 1, not streamed, asking for a remote decode."""
+    if call.key is None or call.method != "POST":
+        return None
+    body = json.loads(call.body)  # call_of made a key: the body is a JSON object
+    if "kv_transfer_params" in body:
+        return None
+    body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    for name in ("stream_options", "min_tokens"):
+        body.pop(name, None)
+    return dataclasses.replace(call, body=json.dumps(body).encode())
 
-    async def __init__(
+
+def decode_call(call: HttpCall, params: dict) -> HttpCall:
+    body = {**json.loads(call.body), "kv_transfer_params": params}
+    return dataclasses.replace(call, body=json.dumps(body).encode(), key=None)
+
+
+# NOTE: the helpers above are defined before the class: serve.ingress serializes the class
+# when it is decorated, with the module globals that exist at that point.
+pd_api = FastAPI(title="pagedjax prefill/decode on Ray Serve")
+
+
+@serve.deployment(name="pd-ingress", ray_actor_options={"num_cpus": 0})
+@serve.ingress(pd_api)
+class PDIngress:
+    """A generation as call 1 to a prefill replica and call 2 to a decode replica."""
+
+    def __init__(
         self,
-        registry,
-        prefill,
-        decode,
-        tokenizer: str,
-        policy: str = "affinity",
-        start_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-        interval_s: float = 0.5,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ):
-        self.registry = registry
-        self.pools = {"prefill": prefill, "decode": decode}  # handles (operators, tests)
-        self._known: dict[str, list[str]] = {}
-        # NOTE: off the replica's event loop: the start waits for the registry's answers
-        # (handle calls) and for a worker to answer
-        await asyncio.to_thread(self._start, tokenizer, policy, start_timeout_s, interval_s)
+        self.prefill = prefill.options(method_name="relay", stream=True)
+        self.decode = decode.options(method_name="relay", stream=True)
+        self.key_options = dict(block_bytes=block_bytes, block_tokens=block_tokens)
 
-    def _start(self, tokenizer: str, policy: str, start_timeout_s: float, interval_s: float):
-        from serving.router.client import RouterClient
-        from serving.router.http_front import RouterHttp, load_tokenizer
-        from serving.router.workers import WorkerPool
-
-        specs = [SPEC_PREFIX + role for role in ROLES]
-        self.pool = WorkerPool(specs, interval_s=interval_s, resolver=self._resolve).start()
-        client = RouterClient(self.pool, policy)
-        # NOTE: RouterHttp also serves its API on a loopback ephemeral port (a side door
-        # for debugging); Serve's proxy calls the same FastAPI app in this replica.
-        self.http = RouterHttp(
-            client,
-            load_tokenizer(tokenizer),
-            host="127.0.0.1",
-            port=0,
-            start_timeout_s=start_timeout_s,
-        ).start()
-        # ready (Serve routes to it) once a prefill + decode pair is routable, not once the
-        # first worker answered: a request in between would be refused as no_route (503)
-        end = time.monotonic() + start_timeout_s
-        while not client.has_route():
-            if time.monotonic() > end:
-                raise RuntimeError(f"no prefill + decode pair within {start_timeout_s}s")
-            time.sleep(interval_s)
-        shared.progress(f"pd router ready: {self.pool.snapshot()}")
-
-    def _resolve(self, spec: str) -> list[str]:
-        """A spec's addresses from the registry (the last answer while it does not reply)."""
-        role = spec.removeprefix(SPEC_PREFIX)
-        try:
-            self._known[role] = self.registry.addresses.remote(role).result(timeout_s=2.0)
-        except Exception as e:  # noqa: BLE001 - keep routing to the workers known
-            log.warning("registry unreachable (%r): keeping %s", e, self._known.get(role))
-        return self._known.get(role, [])
-
-    def __serve_build_asgi_app__(self):
-        return self.http.api.app
-
-    def workers(self) -> list[dict]:
-        """The router's view of its workers (role, health, in flight)."""
-        return self.pool.snapshot()
-
-    def __del__(self):
-        http = getattr(self, "http", None)
-        if http is not None:
-            http.stop(0)
-        pool = getattr(self, "pool", None)
-        if pool is not None:
-            pool.stop()
+    @pd_api.api_route("/{path:path}", methods=METHODS)
+    async def relay(self, path: str, request: Request) -> Response:
+        call = incoming(request, path, await request.body(), **self.key_options)
+        first = prefill_call(call)
+        if first is None:
+            return await answer(self.decode, call)
+        reply = await collect(self.prefill, first)
+        if isinstance(reply, Response):
+            return reply
+        status, headers, body = reply
+        if status != 200:  # the prefill replica refused: its answer is the client's
+            return Response(body, status_code=status, headers=headers)
+        params = json.loads(body).get("kv_transfer_params")
+        if not isinstance(params, dict):
+            error = {"message": "the prefill replica's answer has no kv_transfer_params"}
+            return JSONResponse({"error": error}, status_code=502)
+        return await answer(self.decode, decode_call(call, params))
 
 
 def _flags(value: list[str] | str | None) -> list[str]:
@@ -223,37 +171,30 @@ def pd_application(
     prefill_args: list[str] | str | None = None,
     decode_args: list[str] | str | None = None,
     actor_options: dict | None = None,
-    router_num_cpus: float = 1.0,
-    tokenizer: str | None = None,
-    policy: str = "affinity",
+    router: str = "prefix",
+    router_kwargs: dict | None = None,
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     worker=PDWorkerDeployment,
+    **key_options,
 ) -> Application:
     """The P/D application graph. `worker`: the worker deployment (a subclass of PDWorker
     deployed by the tests to slow the transfer down)."""
     common = _flags(server_args)
-    registry = PDRegistry.bind()
     pools = {}
     for role, replicas, extra in (
         ("prefill", prefill_replicas, prefill_args),
         ("decode", decode_replicas, decode_args),
     ):
-        if int(replicas) < 1:
-            raise shared.UsageError(f"{role}_replicas", replicas, ">= 1")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise shared.UsageError(f"{role}_replicas", replicas, "an int >= 1")
         argv = worker_argv(model, [*common, *_flags(extra)])
+        options = deployment_options({"num_replicas": replicas}, argv)
+        if role == "prefill":
+            options["request_router_config"] = router_config(router, router_kwargs)
         pools[role] = worker.options(
-            name=role,
-            num_replicas=int(replicas),
-            ray_actor_options=dict(actor_options or {"num_cpus": 1.0}),
-        ).bind(argv, role, registry, ready_timeout_s)
-    # NOTE: the router's own admission sheds, not Serve's small default of 5 in flight
-    ongoing = AdmissionConfig().max_queue_requests + 64
-    router = PDRouter.options(
-        ray_actor_options={"num_cpus": float(router_num_cpus)}, max_ongoing_requests=ongoing
-    )
-    return router.bind(
-        registry, pools["prefill"], pools["decode"], tokenizer or model, policy, ready_timeout_s
-    )
+            name=role, ray_actor_options=dict(actor_options or {"num_cpus": 1.0}), **options
+        ).bind(argv, role, ready_timeout_s)
+    return PDIngress.bind(pools["prefill"], pools["decode"], **key_options)
 
 
 def build_pd_app(args: dict[str, Any]) -> Application:
@@ -270,10 +211,11 @@ def build_pd_app(args: dict[str, Any]) -> Application:
         "server_args",
         "prefill_args",
         "decode_args",
-        "router_num_cpus",
-        "tokenizer",
-        "policy",
+        "router",
+        "router_kwargs",
         "ready_timeout_s",
+        "block_bytes",
+        "block_tokens",
     )
     kwargs = {k: args.pop(k) for k in known if k in args}
     model = args.pop("model", shared.DEFAULT_MODEL)

@@ -17,6 +17,15 @@ streams reach the client as the server wrote them, and a client that goes away c
 handle call, which the replica's app sees as a disconnect (it cancels the request). Serve's
 own queue bound (max_queued_requests) answers 429 + Retry-After here.
 
+A replica that dies (its actor killed, its node lost):
+  before its answer began   the call is sent once more (Serve's router has dropped the dead
+                            replica, so another one takes it); nothing of it reached the client.
+                            A second death is 503 + Retry-After, `code: replica_unavailable`
+  mid-stream                the stream ends with an OpenAI error event (`data: {"error": ...}`,
+                            `code: replica_died`), which the openai SDK raises as an APIError;
+                            a non-SSE body is cut short (its client sees a broken response)
+Never a hang: Ray fails the handle's stream as soon as it learns the actor is gone.
+
 May import: ray.serve, fastapi/starlette, serving.ray_serve.router.
 """
 
@@ -32,6 +41,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -43,6 +53,8 @@ from serving.ray_serve.router import (
 )
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+REPLICA_GONE = (ActorDiedError, ActorUnavailableError)
+RETRY_AFTER_S = 1  # after a replica died: Serve starts another
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
@@ -130,15 +142,33 @@ def _scope(call: HttpCall) -> dict:
     }
 
 
-async def _chunks(stream) -> AsyncIterator[bytes]:
+def _error(message: str, type_: str, code: str) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+async def _chunks(stream, sse: bool) -> AsyncIterator[bytes]:
     done = False
     try:
         async for chunk in stream:
             yield chunk
         done = True
+    except REPLICA_GONE as e:
+        done = True  # nothing left to cancel
+        if not sse:
+            raise
+        why = f"the replica serving this stream died: {type(e).__name__}"
+        event = _error(why, "server_error", "replica_died")
+        yield f"data: {json.dumps(event)}\n\n".encode()
     finally:
         if not done:
             stream.cancel()  # the client left mid-stream: the replica's app sees a disconnect
+
+
+def _unavailable(e: Exception) -> Response:
+    why = f"no live replica answered: {type(e).__name__}"
+    headers = {"Retry-After": str(RETRY_AFTER_S), "retry-after-ms": str(RETRY_AFTER_S * 1000)}
+    body = _error(why, "server_error", "replica_unavailable")
+    return JSONResponse(body, status_code=503, headers=headers)
 
 
 def _backpressure(e: BackPressureError) -> Response:
@@ -151,9 +181,51 @@ def _backpressure(e: BackPressureError) -> Response:
     return JSONResponse(body, status_code=e.status_code, headers=headers)
 
 
+async def answer(handle: DeploymentHandle, call: HttpCall) -> Response:
+    """`call` through `handle` (its `relay`, streamed), the replica's answer as the response:
+    Serve's backpressure as 429 + Retry-After, a replica that died before answering tried
+    once more (503 after a second death), a client that leaves cancels the call."""
+    for attempt in range(2):
+        stream = handle.remote(call)
+        try:
+            start = await stream.__anext__()
+            break
+        except BackPressureError as e:
+            return _backpressure(e)
+        except StopAsyncIteration:
+            return JSONResponse({"error": {"message": "empty reply from replica"}}, 502)
+        except REPLICA_GONE as e:
+            if attempt:
+                return _unavailable(e)
+        except asyncio.CancelledError:
+            stream.cancel()  # the client left before the answer began
+            raise
+    assert isinstance(start, ResponseStart), start
+    headers = {k: v for k, v in start.headers if k.lower() not in _HOP_HEADERS}
+    kind = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+    sse = kind.startswith("text/event-stream")
+    return StreamingResponse(_chunks(stream, sse), status_code=start.status, headers=headers)
+
+
+async def collect(handle: DeploymentHandle, call: HttpCall) -> tuple[int, dict, bytes]:
+    """`call`'s whole answer (status, headers, body), or a Response that ends the request
+    (Serve's backpressure, no live replica)."""
+    reply = await answer(handle, call)
+    if not isinstance(reply, StreamingResponse):
+        return reply.status_code, dict(reply.headers), reply.body
+    body = b"".join([chunk async for chunk in reply.body_iterator])
+    return reply.status_code, dict(reply.headers), body
+
+
+def incoming(request: Request, path: str, body: bytes, **key_options) -> HttpCall:
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+    return call_of(request.method, "/" + path, request.url.query, headers, body, **key_options)
+
+
 # NOTE: the helpers above are defined before the class: serve.ingress serializes the class
 # when it is decorated, with the module globals that exist at that point.
 api = FastAPI(title="pagedjax on Ray Serve")
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 
 
 @serve.deployment(name="ingress")
@@ -170,24 +242,7 @@ class PagedJaxIngress:
         self.engine = engine.options(method_name="relay", stream=True)
         self.key_options = dict(block_bytes=block_bytes, block_tokens=block_tokens)
 
-    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    @api.api_route("/{path:path}", methods=METHODS)
     async def relay(self, path: str, request: Request) -> Response:
-        body = await request.body()
-        call = call_of(
-            request.method,
-            "/" + path,
-            request.url.query,
-            [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS],
-            body,
-            **self.key_options,
-        )
-        stream = self.engine.remote(call)
-        try:
-            start = await stream.__anext__()
-        except BackPressureError as e:
-            return _backpressure(e)
-        except StopAsyncIteration:
-            return JSONResponse({"error": {"message": "empty reply from replica"}}, 502)
-        assert isinstance(start, ResponseStart), start
-        headers = {k: v for k, v in start.headers if k.lower() not in _HOP_HEADERS}
-        return StreamingResponse(_chunks(stream), status_code=start.status, headers=headers)
+        call = incoming(request, path, await request.body(), **self.key_options)
+        return await answer(self.engine, call)
