@@ -21,7 +21,6 @@ of its own, as deployed, it does not (the cause of that abort was not found)."""
 
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import pytest
 from serving.proto import kv_transfer_pb2 as kv_pb
 from serving.proto import kv_transfer_pb2_grpc as kv_grpc
 from serving.testing import free_port, wait_serving
+from tests.served_reference import greedy_reference
 
 pytestmark = pytest.mark.subprocess
 
@@ -64,21 +64,7 @@ START_TIMEOUT_S = 900  # only guards against a hang: warm-up on a loaded 2-core 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Greedy texts and token counts of one EngineCore."""
-    from configs.engine_config import EngineConfig
-    from engine.api_types import EngineRequest
-    from engine.core import EngineCore
-    from engine.sampling.params import SamplingParams
-
-    core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
-    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
-        sp = SamplingParams(temperature=0.0, max_tokens=m)
-        core.add_request(EngineRequest(f"r{i}", core.tokenizer.encode(p), sp))
-    ids = collections.defaultdict(list)
-    while core.has_unfinished():
-        for out in core.step():
-            ids[out.request_id] += out.new_token_ids
-    texts = [core.tokenizer.decode(ids[f"r{i}"], skip_special_tokens=True) for i in range(4)]
-    return texts, [len(ids[f"r{i}"]) for i in range(4)], core.identity
+    return greedy_reference(tiny_model, ENGINE, PROMPTS, MAX_TOKENS)
 
 
 class Worker:

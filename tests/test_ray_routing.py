@@ -27,12 +27,10 @@ and two clusters at once on two lanes competed for the same 2 cores)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import json
 import os
-import socket
 import time
 import types
 from pathlib import Path
@@ -51,14 +49,10 @@ from serving.ray_serve import autoscale  # noqa: E402
 from serving.ray_serve.app import REPLICA_HEADER, build_app  # noqa: E402
 from serving.ray_serve.ingress import HttpCall  # noqa: E402
 from serving.ray_serve.router import PrefixAffinityRouter, RoutingKey, routing_key  # noqa: E402
+from serving.testing import free_port  # noqa: E402
+from tests.served_reference import check_completions, greedy_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SYSTEM = "You are a helpful assistant for the team. Answer in one short line."  # 68 bytes
@@ -528,23 +522,7 @@ def wait_until(predicate, timeout_s: float, what: str):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Texts, token counts and identity of one EngineCore on one device."""
-    from configs.engine_config import EngineConfig
-    from engine.api_types import EngineRequest
-    from engine.core import EngineCore
-    from engine.sampling.params import SamplingParams
-    from models.registry import tiny_tokenizer
-
-    core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
-    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
-        sp = SamplingParams(temperature=0.0, max_tokens=m)
-        core.add_request(EngineRequest(f"r{i}", core.tokenizer.encode(p), sp))
-    ids = collections.defaultdict(list)
-    while core.has_unfinished():
-        for out in core.step():
-            ids[out.request_id] += out.new_token_ids
-    tokenizer = tiny_tokenizer()
-    texts = [tokenizer.decode(ids[f"r{i}"], skip_special_tokens=True) for i in range(4)]
-    return texts, [len(ids[f"r{i}"]) for i in range(4)], core.identity
+    return greedy_reference(tiny_model, ENGINE, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -557,25 +535,7 @@ def completions(base_url: str, identity, texts, lengths) -> None:
     import openai
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
-
-    def complete(i: int, stream: bool):
-        kwargs = dict(model=identity.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i])
-        if stream:
-            chunks = client.completions.create(**kwargs, temperature=0, stream=True)
-            return "".join(c.choices[0].text for c in chunks if c.choices), None
-        full = client.completions.create(**kwargs, temperature=0)
-        return full.choices[0].text, full
-
-    jobs = [(i, stream) for stream in (False, True) for i in range(4)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda job: complete(*job), jobs))
-    for (i, _), (text, full) in zip(jobs, results):
-        # NOTE: the server's incremental detokenizer holds back a trailing partial UTF-8
-        # character that a one-shot decode shows as U+FFFD
-        assert text == texts[i].rstrip("\ufffd"), (PROMPTS[i], text, texts[i])
-        if full is not None:
-            assert full.usage.completion_tokens == lengths[i]
-            assert full.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
+    check_completions(client, PROMPTS, MAX_TOKENS, texts, lengths, identity)
 
 
 # ---- multi-host ---------------------------------------------------------------------------------

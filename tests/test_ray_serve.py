@@ -10,8 +10,6 @@ Driven by the official `openai` SDK through Serve's HTTP proxy and the app's ing
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import os
 import signal
 import subprocess
@@ -26,6 +24,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from serving.testing import free_port  # noqa: E402
+from tests.served_reference import check_completions, greedy_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(
@@ -48,51 +47,12 @@ MAX_TOKENS = [12, 5, 9, 3]
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from configs.engine_config import EngineConfig
-    from engine.api_types import EngineRequest
-    from engine.core import EngineCore
-    from engine.sampling.params import SamplingParams
-    from models.registry import tiny_tokenizer
-
-    core = EngineCore(tiny_model, EngineConfig(model="tiny", **ENGINE))
-    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
-        sp = SamplingParams(temperature=0.0, max_tokens=m)
-        core.add_request(EngineRequest(f"r{i}", core.tokenizer.encode(p), sp))
-    ids = collections.defaultdict(list)
-    while core.has_unfinished():
-        for out in core.step():
-            ids[out.request_id] += out.new_token_ids
-    tokenizer = tiny_tokenizer()
-    texts = [tokenizer.decode(ids[f"r{i}"], skip_special_tokens=True) for i in range(4)]
-    return texts, [len(ids[f"r{i}"]) for i in range(4)], core.identity
+    return greedy_reference(tiny_model, ENGINE, PROMPTS, MAX_TOKENS)
 
 
 def _replica_states() -> dict:
     app = serve.status().applications.get("pagedjax")
     return dict(app.deployments["pagedjax"].replica_states) if app else {}
-
-
-def check_completions(client, texts, lengths, identity) -> None:
-    """8 greedy completions at once (both replicas serve): each equals the engine's."""
-
-    def complete(i: int, stream: bool):
-        kwargs = dict(model=identity.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i])
-        if stream:
-            chunks = client.completions.create(**kwargs, temperature=0, stream=True)
-            return "".join(c.choices[0].text for c in chunks if c.choices), None
-        full = client.completions.create(**kwargs, temperature=0)
-        return full.choices[0].text, full
-
-    jobs = [(i, stream) for stream in (False, True) for i in range(4)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda job: complete(*job), jobs))
-    for (i, _), (text, full) in zip(jobs, results):
-        # NOTE: a reply that ends inside a UTF-8 character: the server's incremental
-        # detokenizer holds the partial bytes back, a one-shot decode shows U+FFFD for them.
-        assert text == texts[i].rstrip("\ufffd"), (PROMPTS[i], text, texts[i])
-        if full is not None:
-            assert full.usage.completion_tokens == lengths[i]
-            assert full.model_extra["pagedjax"]["versions"]["revision"] == identity.revision
 
 
 @pytest.mark.subprocess
@@ -137,7 +97,7 @@ def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path,
                 time.sleep(1)
         finally:
             ray.shutdown()
-        check_completions(client, texts, lengths, identity)
+        check_completions(client, PROMPTS, MAX_TOKENS, texts, lengths, identity)
     finally:
         proc.send_signal(signal.SIGINT)  # `serve run` tears the app and its Ray cluster down
         try:
