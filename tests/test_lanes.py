@@ -26,6 +26,19 @@ def test_plan_covers_every_file_once_longest_first():
     assert all(s < 100.0 + 60.0 for s in sizes[1:])  # packed up to about group_s
 
 
+def test_files_that_must_not_overlap_share_one_group_in_order():
+    durations = {"test_a.py": 300.0, "test_r.py": 200.0, "test_s.py": 50.0, "test_d.py": 10.0}
+    files = [f"tests/{n}" for n in ("test_a.py", "test_d.py", "test_r.py", "test_s.py")]
+    together = (("test_r.py", "test_s.py"), ("test_x.py", "test_d.py"))
+    groups = plan_groups(files, durations, group_s=100.0, together=together)
+    assert groups[0] == ["tests/test_a.py"]
+    assert groups[1] == ["tests/test_r.py", "tests/test_s.py"]  # 250 s as one, in order
+    assert sorted(f for g in groups for f in g) == sorted(files)  # a set member absent: fine
+    from tests.lanes import TOGETHER
+
+    assert ("test_ray_routing.py", "test_ray_serve.py") in TOGETHER
+
+
 def test_file_times_sums_cases_per_module(tmp_path):
     report = tmp_path / "junit.xml"
     report.write_text(

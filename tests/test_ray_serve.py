@@ -10,6 +10,7 @@ Driven by the official `openai` SDK through Serve's HTTP proxy and the app's ing
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -50,9 +51,53 @@ def reference(tiny_model):
     return greedy_reference(tiny_model, ENGINE, PROMPTS, MAX_TOKENS)
 
 
-def _replica_states() -> dict:
-    app = serve.status().applications.get("pagedjax")
-    return dict(app.deployments["pagedjax"].replica_states) if app else {}
+def _cluster_driver_env(proc: subprocess.Popen, env: dict) -> tuple[str, dict]:
+    """The GCS address of the Ray cluster `proc` (`serve run`) started, read from its raylet's
+    command line, and `env` with the cluster's authentication mode (from the raylet's
+    environment: Ray turns token auth on by default for a cluster it starts, and a driver
+    given an explicit address sends no token unless told). NOTE: not
+    `ray.init(address="auto")`: with no `ray start` it attaches to any cluster on the machine,
+    and on the other lane tests/test_ray_routing.py may run one (a run of 2026-12-06 read that
+    cluster's Serve status as it shut down: ActorDiedError)."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            cmdline, child_env = child.cmdline(), child.environ()
+        except psutil.Error:  # exited meanwhile
+            continue
+        for arg in cmdline:
+            if arg.startswith("--gcs-address="):
+                driver_env = dict(env)
+                if "RAY_AUTH_MODE" in child_env:
+                    driver_env["RAY_AUTH_MODE"] = child_env["RAY_AUTH_MODE"]
+                return arg.split("=", 1)[1], driver_env
+    raise AssertionError("no raylet under `serve run`: its cluster is not up")
+
+
+# Serve's own view of the replicas, read by a driver of its own: a fresh process, since this
+# one may have run another cluster already (tests/test_ray_routing.py, in the same pytest
+# process under tests/lanes.py) and a second ray.init here found no Serve application.
+REPLICA_STATES = """
+import json, sys
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False)
+app = serve.status().applications.get("pagedjax")
+print(json.dumps(dict(app.deployments["pagedjax"].replica_states) if app else {}))
+"""
+
+
+def _replica_states(address: str, env: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", REPLICA_STATES, address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.subprocess
@@ -90,13 +135,10 @@ def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path,
                 time.sleep(1)  # the proxy is up before the application is deployed
         texts, lengths, identity = reference
         assert reply.choices[0].text == texts[0].rstrip("\ufffd")
-        ray.init(address="auto", log_to_driver=False)  # Serve's own view of the replicas
-        try:
-            while (states := _replica_states()).get("RUNNING") != 2:
-                assert time.monotonic() < end, states
-                time.sleep(1)
-        finally:
-            ray.shutdown()
+        address, driver_env = _cluster_driver_env(proc, env)
+        while (states := _replica_states(address, driver_env)).get("RUNNING") != 2:
+            assert time.monotonic() < end, states
+            time.sleep(1)
         check_completions(client, PROMPTS, MAX_TOKENS, texts, lengths, identity)
     finally:
         proc.send_signal(signal.SIGINT)  # `serve run` tears the app and its Ray cluster down
