@@ -4,6 +4,7 @@ compilation cache named to every process of a run."""
 
 from tests.lanes import (
     CACHE_ENV,
+    TOGETHER,
     UNKNOWN_FILE_S,
     case_times,
     file_times,
@@ -34,8 +35,6 @@ def test_files_that_must_not_overlap_share_one_group_in_order():
     assert groups[0] == ["tests/test_a.py"]
     assert groups[1] == ["tests/test_r.py", "tests/test_s.py"]  # 250 s as one, in order
     assert sorted(f for g in groups for f in g) == sorted(files)  # a set member absent: fine
-    from tests.lanes import TOGETHER
-
     assert ("test_ray_routing.py", "test_ray_serve.py") in TOGETHER
 
 

@@ -75,26 +75,32 @@ def _cluster_driver_env(proc: subprocess.Popen, env: dict) -> tuple[str, dict]:
     raise AssertionError("no raylet under `serve run`: its cluster is not up")
 
 
-# Serve's own view of the replicas, read by a driver of its own: a fresh process, since this
-# one may have run another cluster already (tests/test_ray_routing.py, in the same pytest
-# process under tests/lanes.py) and a second ray.init here found no Serve application.
-REPLICA_STATES = """
-import json, sys
+# Serve's own view of the replicas, read by one driver of its own that waits until both run:
+# a fresh process, since this one may have run another cluster already
+# (tests/test_ray_routing.py, in the same pytest process under tests/lanes.py) and a second
+# ray.init here found no Serve application.
+WAIT_FOR_REPLICAS = """
+import json, sys, time
 import ray
 from ray import serve
 ray.init(address=sys.argv[1], log_to_driver=False)
-app = serve.status().applications.get("pagedjax")
-print(json.dumps(dict(app.deployments["pagedjax"].replica_states) if app else {}))
+end, states = time.monotonic() + float(sys.argv[2]), {}
+while states.get("RUNNING") != 2 and time.monotonic() < end:
+    time.sleep(0 if not states else 1)
+    app = serve.status().applications.get("pagedjax")
+    states = dict(app.deployments["pagedjax"].replica_states) if app else {"none": 0}
+print(json.dumps(states))
 """
 
 
-def _replica_states(address: str, env: dict) -> dict:
+def _wait_for_replicas(address: str, env: dict, timeout_s: float) -> dict:
+    """Serve's replica states once both replicas run (or at `timeout_s`)."""
     out = subprocess.run(
-        [sys.executable, "-c", REPLICA_STATES, address],
+        [sys.executable, "-c", WAIT_FOR_REPLICAS, address, str(timeout_s)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s + 120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -136,9 +142,8 @@ def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path,
         texts, lengths, identity = reference
         assert reply.choices[0].text == texts[0].rstrip("\ufffd")
         address, driver_env = _cluster_driver_env(proc, env)
-        while (states := _replica_states(address, driver_env)).get("RUNNING") != 2:
-            assert time.monotonic() < end, states
-            time.sleep(1)
+        states = _wait_for_replicas(address, driver_env, max(1.0, end - time.monotonic()))
+        assert states.get("RUNNING") == 2, states
         check_completions(client, PROMPTS, MAX_TOKENS, texts, lengths, identity)
     finally:
         proc.send_signal(signal.SIGINT)  # `serve run` tears the app and its Ray cluster down
