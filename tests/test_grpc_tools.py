@@ -27,7 +27,14 @@ WEATHER = {
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC"]}}}
+# Both schemas bound their call (no free properties, short strings): at T=1 a random model's
+# call then always closes within max_tokens, whatever trajectory the CPU's float order picks.
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "enum": ["UTC"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
 TOOLS = [
     {
         "type": "function",
@@ -286,21 +293,25 @@ def test_forced_calls_on_the_tiny_model_stream_name_first(tiny_model):
         sdk = openai.OpenAI(
             base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x", max_retries=0
         )
-        for choice, parallel in ((named, False), ("required", True)):
+        # NOTE: one call each (parallel_tool_calls=False): how many parallel calls a random
+        # model makes at T=1 is unbounded (~7% of seeds ran past 1000 tokens); the parallel
+        # stream is covered above on the scripted engine (TWO_CALLS).
+        for choice in (named, "required"):
             ask = dict(
                 model="tiny",
                 messages=_ask("Weather in Paris?"),
                 tools=TOOLS,
                 tool_choice=choice,
-                parallel_tool_calls=parallel,
+                parallel_tool_calls=False,
                 temperature=1.0,
                 seed=3,
-                max_tokens=1000 if parallel else 200,  # a call is ~100 byte tokens
+                max_tokens=200,  # a call is ~110 byte tokens
             )
             full = sdk.chat.completions.create(**ask).choices[0]
             assert full.finish_reason == "tool_calls", full.message
             want = [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
-            answers[parallel] = want
+            assert len(want) == 1, want  # parallel_tool_calls=False: exactly one call
+            answers[choice == "required"] = want
             calls, pieces, content = _sdk_stream(sdk, **ask)
             assert (calls, content) == (want, full.message.content or "")
             assert all(n > 1 for n in pieces), pieces  # fragments, not the call at once

@@ -129,6 +129,24 @@ def test_prefix_router_returns_home_keeps_sessions_and_spills_when_busy():
     assert dict(router.decisions) == {"new": 2, "home": 4, "spill": 1}
 
 
+def test_a_burst_of_new_prefixes_chosen_before_any_is_sent_spreads():
+    """Serve may choose for several requests before it reports any as routed (CI's run of the
+    affinity test sent all 4 new prefixes of a wave to one replica): a new prefix is placed
+    when it is chosen, so the next choice sees it; a request for a prefix chosen meanwhile
+    follows it home, and the replica Serve finally reports moves the placement."""
+    router, (a, b, c) = _router()
+    keys = [
+        routing_key({"model": "m", "prompt": f"S{i}: " + SYSTEM}, {}, block_bytes=16)
+        for i in range(6)
+    ]
+    firsts = [_choose(router, [a, b, c], k)[0] for k in keys]
+    assert firsts == [[a], [b], [c], [a], [b], [c]]
+    assert _choose(router, [a, b, c], keys[1])[0] == [b]  # chosen, not yet sent: home
+    router.on_request_routed(_pending(keys[1]), c.replica_id, None)  # Serve sent it to c
+    assert _choose(router, [a, b, c], keys[1])[0] == [c]
+    assert dict(router.decisions) == {"new": 6, "home": 2}
+
+
 def test_autoscaling_policy_reads_replica_load_and_kv_usage():
     policy = autoscale.PagedJaxAutoscalingPolicy(kv_usage_target=0.9)
     config = AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=2)

@@ -25,7 +25,8 @@ replica of the first rank that accepts, then the next rank):
      queue-length cache, updated on every send) are within `imbalance_threshold` of the
      least-loaded candidate's and below its `max_ongoing_requests`; otherwise, and for a new
      prefix, the least-loaded replica takes it (ties: the one that was sent the fewest
-     prefixes, so new prefixes spread).
+     prefixes, so new prefixes spread). A new prefix is learned when it is chosen, not only
+     once Serve has sent it: a burst of new prefixes chosen before any is sent spreads too.
 
 The index lives in the router's process (each ingress replica has its own router; keys are
 Python hashes, meaningful only there): with several ingress replicas each learns the
@@ -153,6 +154,7 @@ class PrefixAffinityRouter(RequestRouter):
         home = self.home_of(key, candidate_replicas)
         if home is None:
             self.decisions["new"] += 1
+            self.learn(key, ranked[0].replica_id)  # now: concurrent choices see it
             return [[ranked[0]], ranked[1:]]
         least = load[ranked[0].replica_id]
         busy = load[home.replica_id] >= home.max_ongoing_requests
@@ -183,8 +185,13 @@ class PrefixAffinityRouter(RequestRouter):
     # ---- learning ----------------------------------------------------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         key = key_of(pending_request)
-        if key is None:
-            return
+        if key is not None:
+            self.learn(key, replica_id)
+
+    def learn(self, key: RoutingKey, replica_id: ReplicaID) -> None:
+        """Place `key`'s blocks (and session) on `replica_id`. A new prefix is placed when it
+        is chosen, before Serve sends it, so that requests chosen meanwhile (a burst of new
+        prefixes) see the placement and spread; `on_request_routed` confirms or moves it."""
         if key.block_keys and self.owner.get(key.block_keys[0]) != replica_id:
             self.prefixes_sent[replica_id] += 1
         for block_key in key.block_keys:
