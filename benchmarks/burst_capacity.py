@@ -94,7 +94,9 @@ def calibration_dir(root: str) -> str:
     from engine.runner import compilation_cache
 
     xla = os.path.join(root, "xla")
-    os.symlink(compilation_cache.default_dir(), xla)
+    shared = compilation_cache.default_dir()
+    os.makedirs(shared, exist_ok=True)  # a fresh machine has none yet: no dangling link
+    os.symlink(shared, xla)
     return xla
 
 

@@ -100,7 +100,7 @@ bench() {  # name port model tokenizer
 
 # ---- 3. pagedjax, default flags (SKIP_OURS=1: vLLM only) -------------------------------------
 if [ -z "${SKIP_OURS:-}" ]; then
-(cd "$REPO" && PYTHONPATH="$REPO" "$PY" -m serving.server --port=0 --metrics_port=-1 \
+(cd "$REPO" && PYTHONPATH="$REPO" exec "$PY" -m serving.server --port=0 --metrics_port=-1 \
    --http_port="$OURS_PORT" --host=127.0.0.1 > "$OUT/ours.log" 2>&1) &
 OURS=$!
 trap 'kill $OURS 2>/dev/null || true; [ -n "${VLLM:-}" ] && kill $VLLM 2>/dev/null || true' EXIT

@@ -44,6 +44,7 @@ from serving.frontend.capacity_model import probe
 from serving.frontend.engine_loop import EngineLoop
 from serving.frontend.generation import Generator, ServiceLimits
 from serving.frontend.metrics import ServerMetrics, start_metrics_http
+from serving.frontend.prefix_shadow import PrefixShadow
 from serving.frontend.request_state import RequestLedger, SlowConsumerPolicy
 from serving.frontend.shutdown import install_signal_handlers
 from serving.frontend.tenants import TenantLimiter, TenantRegistry
@@ -143,6 +144,10 @@ class PagedJaxServer:
             path = capacity_calibration.calibration_path(config.capacity_calibration_dir, key)
             self._calibration = capacity_calibration.CalibrationStore(path, key)
         self.waiting = WaitingQueue(admission)
+        if stats.get("prefix_cache_enabled") and stats.get("page_size"):
+            self.waiting.prefix_shadow = PrefixShadow(
+                int(stats["page_size"]), int(stats.get("kv_pages_total") or 1)
+            )
         if config.capacity_probe and warmup is None:
             self.waiting.capacity = self._seed_capacity(engine, max_inflight)
         self.limiter = TenantLimiter()
@@ -903,7 +908,14 @@ def main(argv) -> None:
     if FLAGS.model != "mock":
         from engine.runner.compilation_cache import enable as enable_compilation_cache
 
-        cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)  # before compiling
+        try:
+            cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)  # before compiling
+        except OSError as e:  # e.g. a file, or a link to a missing directory, in its place
+            raise shared.UsageError(
+                "compilation_cache_dir",
+                FLAGS.compilation_cache_dir,
+                f"cannot be used as a directory ({e.strerror}: {e.filename})",
+            ) from None
     elif FLAGS.compilation_cache_dir not in (None, "", "none"):  # the mock: calibration only
         cache_dir = FLAGS.compilation_cache_dir
     options = engine_options_from_flags()

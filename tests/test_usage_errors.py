@@ -110,6 +110,17 @@ def test_server_flags_and_busy_ports(busy_port):
     assert_usage_error(run([*SERVER, "--tenants_config=/nope.json"]), "no such file")
 
 
+def test_server_refuses_a_compilation_cache_it_cannot_create(tmp_path):
+    """A link to a missing directory (what benchmarks/burst_capacity.py made on a fresh
+    machine) was a FileExistsError traceback; now one line naming the flag."""
+    link = tmp_path / "xla"
+    link.symlink_to(tmp_path / "missing")
+    assert_usage_error(
+        run([*SERVER, f"--compilation_cache_dir={link}"]),
+        f"--compilation_cache_dir={link}: cannot be used as a directory",
+    )
+
+
 def test_client_flags_and_dead_target():
     assert_usage_error(run([*CLIENT, "--max_tokens=-5"]), "--max_tokens=-5: must be >= 1")
     assert_usage_error(run([*CLIENT, "--target=nohost"]), "--target=nohost: expected HOST:PORT")

@@ -9,6 +9,7 @@
     breaker.py         circuit breaker over engine steps
     capacity_model.py  the capacity model behind admission's estimates
     capacity_calibration.py  its measured error (margin) and its file beside the XLA cache
+    prefix_shadow.py   the prompt share admission expects the prefix cache to serve
     metrics.py         Prometheus metrics in a per-server registry
     shutdown.py        graceful drain on SIGTERM
 

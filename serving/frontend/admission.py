@@ -47,6 +47,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from serving.frontend.capacity_calibration import PredictionTracker
 from serving.frontend.capacity_model import CapacityModel, Estimate
+from serving.frontend.prefix_shadow import PrefixShadow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +199,13 @@ class QueuedRequest:
     prompt_tokens: int = 0  # for the capacity model (0: unknown, num_tokens counts as prompt)
     max_tokens: int = 0
     estimate: Estimate | None = None  # set by offer when a capacity model judged it
+    cached_tokens: int = 0  # of its prompt, expected from the prefix cache (prefix_shadow.py)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens it is expected to compute (the capacity model times prefill per
+        computed token)."""
+        return max(1, (self.prompt_tokens or self.num_tokens) - self.cached_tokens)
 
 
 @dataclasses.dataclass
@@ -251,6 +259,9 @@ class WaitingQueue:
         # Engine slots a higher class may take from a lower one by preemption (the engine
         # loop's priority_overflow): such a slot does not hold it back.
         self.preemptible_slots = 0
+        # Expected prefix-cache hits of arriving prompts (set by the server with a capacity
+        # model and the engine's prefix cache on; the caller looks up and admits keys).
+        self.prefix_shadow: PrefixShadow | None = None
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
         self._prompt_sum = 0
@@ -303,7 +314,7 @@ class WaitingQueue:
                     item.max_tokens,
                     item.priority,
                 )
-                stall_s = self.capacity.prefill_s(item.prompt_tokens or item.num_tokens)
+                stall_s = self.capacity.prefill_s(item.prefill_tokens)
                 growth = self._batch_growth(prediction, stall_s)
                 self._check_admitted_stay_in_time(item, now, growth)
             item.seq = next(self._counter)
@@ -316,7 +327,7 @@ class WaitingQueue:
                 self._displace_lower(item, now, est)
             self._items[item.request_id] = item
             self._tokens += item.num_tokens
-            self._prompt_sum += item.prompt_tokens
+            self._prompt_sum += item.prefill_tokens
             self._max_tokens_sum += item.max_tokens
 
     def margin(self) -> float:
@@ -473,7 +484,7 @@ class WaitingQueue:
         )
         ahead = in_engine + len(queued)
         n = max(1, len(queued))
-        prompt_sum = sum(q.prompt_tokens for q in queued)
+        prompt_sum = sum(q.prefill_tokens for q in queued)
         prefill_ahead = self.unprefilled_engine_tokens
         if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
             prefill_ahead += prompt_sum
@@ -486,9 +497,9 @@ class WaitingQueue:
         return self.capacity.estimate(
             prefill_tokens_ahead=prefill_ahead,
             ahead=ahead,
-            prompt_tokens=item.prompt_tokens or item.num_tokens,
+            prompt_tokens=item.prefill_tokens,
             max_tokens=item.max_tokens,
-            mean_prompt_tokens=prompt_sum / n if queued else item.prompt_tokens,
+            mean_prompt_tokens=prompt_sum / n if queued else item.prefill_tokens,
             mean_max_tokens=expected(mean_max_tokens),
             drain_per_s=None if rates is None else rates[0],
             engine_remaining_tokens=remaining,
@@ -548,7 +559,7 @@ class WaitingQueue:
         timed out)."""
         self.num_in_engine += 1
         self.engine_progress = [*self.engine_progress, (item.max_tokens, 0, item.priority)]
-        self.unprefilled_engine_tokens += item.prompt_tokens
+        self.unprefilled_engine_tokens += item.prefill_tokens
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         with self._lock:
@@ -582,7 +593,7 @@ class WaitingQueue:
     def _take(self, item: QueuedRequest) -> None:
         del self._items[item.request_id]
         self._tokens -= item.num_tokens
-        self._prompt_sum -= item.prompt_tokens
+        self._prompt_sum -= item.prefill_tokens
         self._max_tokens_sum -= item.max_tokens
 
     def _retry_ms(self, rates, excess_requests: int, excess_tokens: int) -> int:

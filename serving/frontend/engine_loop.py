@@ -388,7 +388,8 @@ class EngineLoop:
         for request_id in self._in_engine:
             r = self._lookup(request_id)
             if r is not None and not r.token_times_s:
-                total += len(r.engine_request.prompt_token_ids)
+                prompt = len(r.engine_request.prompt_token_ids)
+                total += max(1, prompt - r.expected_cached_tokens)
         return total
 
     def _progress(self) -> list[tuple[int, int, int]]:

@@ -354,7 +354,12 @@ class Generator:
 
     def _enqueue(self, r: ActiveRequest, priority: int) -> None:
         self.loop.register(r)
-        num_tokens = len(r.engine_request.prompt_token_ids) + r.engine_request.sampling.max_tokens
+        er = r.engine_request
+        num_tokens = len(er.prompt_token_ids) + er.sampling.max_tokens
+        shadow, keys = self.waiting.prefix_shadow, ()
+        if shadow is not None:  # the prompt's share the prefix cache is expected to serve
+            keys = shadow.keys(er.prompt_token_ids, (er.tenant, er.adapter))
+            r.expected_cached_tokens = shadow.expected_cached(keys, len(er.prompt_token_ids))
         item = QueuedRequest(
             r.request_id,
             num_tokens,
@@ -363,9 +368,12 @@ class Generator:
             r.engine_request.deadline_s,
             prompt_tokens=len(r.engine_request.prompt_token_ids),
             max_tokens=r.engine_request.sampling.max_tokens,
+            cached_tokens=r.expected_cached_tokens,
         )
         try:
             self.waiting.offer(item)
+            if shadow is not None:
+                shadow.admit(keys)
         except Rejected as e:
             self.loop.unregister(r.request_id)
             self.limiter.release(r.tenant, r.reservation, 0, refund_all=True)
