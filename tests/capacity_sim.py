@@ -133,6 +133,7 @@ def run(
     if shadow:
         q.prefix_shadow = PrefixShadow(engine.sched_config.page_size, engine.sched_config.num_pages)
     expected_cached: dict[str, int] = {}
+    prefix_keys: dict[str, list[int]] = {}
     if tracker is not None:
         q.tracker = tracker
     results = {f"r{i}": Result(a, False) for i, a in enumerate(arrivals)}
@@ -146,8 +147,10 @@ def run(
             keys: list[int] = []
             if q.prefix_shadow is not None:  # as serving/frontend/generation.py
                 keys = q.prefix_shadow.keys(_request(rid, a).prompt_token_ids, (a.tenant,))
-            cached = 0 if not keys else q.prefix_shadow.expected_cached(keys, a.prompt_tokens)
-            expected_cached[rid] = cached
+            cached = 0
+            if keys and q.credits_cache_hits():
+                cached = q.prefix_shadow.expected_cached(keys, a.prompt_tokens)
+            expected_cached[rid], prefix_keys[rid] = cached, keys
             item = QueuedRequest(
                 rid,
                 a.prompt_tokens + a.max_tokens,
@@ -161,8 +164,6 @@ def run(
             try:
                 q.offer(item)
                 res.admitted = True
-                if q.prefix_shadow is not None:
-                    q.prefix_shadow.admit(keys)
             except Rejected as e:
                 res.reason = e.reason
         for item, why in q.expire():
@@ -205,6 +206,8 @@ def run(
             if tokens[rid] == 0 and out.new_token_ids:
                 computed = results[rid].arrival.prompt_tokens - out.num_cached_tokens
                 firsts.append((in_engine[rid], clock.t, computed))
+                if q.prefix_shadow is not None:  # as EngineLoop._observe_prefill
+                    q.prefix_shadow.prefilled(prefix_keys[rid])
             tokens[rid] += len(out.new_token_ids)
             if out.finished:
                 res = results[rid]

@@ -72,12 +72,8 @@ def _capacity(max_inflight, arrival, n_max=300) -> int:
     return lo
 
 
-@pytest.mark.parametrize(
-    "max_inflight,prompt,max_tokens,shared",
-    [(32, 40, 64, 0), (64, 40, 64, 0), (64, 400, 64, 360)],
-    ids=["32", "64", "64-one-chat"],
-)
-def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, shared, tmp_path):
+@pytest.mark.parametrize("max_inflight,prompt,max_tokens", [(32, 40, 64), (64, 40, 64)])
+def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, tmp_path):
     """300 requests at once, 15 s deadline (issue 34: "admitted requests all finish in
     time, and the count admitted is within 10% of the known capacity"), three times: cold
     (start-up probe, the configured prior margin), warm (the margin is the measured p90 of
@@ -85,10 +81,8 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, shared,
     loaded, nothing probed). The old prior of 1.2 admits 0.78-0.80 of capacity cold and
     fails here. NOTE: when a wave's prompts overflow the step's token budget (16 x 200
     tokens in 2048) the model does not see the stagger: the warm burst admitted 37 of a
-    capacity of 42 (12% under), all in time. "one-chat": 300 calls of one chat whose first
-    360 of 400 tokens the prefix cache serves (SmolLM2's burst: 32 of 41): admission
-    expects those hits (serving/frontend/prefix_shadow.py)."""
-    arrival = sim.Arrival(0.0, prompt, max_tokens, None, 15.0, shared_prefix=shared)
+    capacity of 42 (12% under), all in time."""
+    arrival = sim.Arrival(0.0, prompt, max_tokens, None, 15.0)
     capacity = _capacity(max_inflight, arrival)
     burst = [arrival] * 300
     model, tracker = sim.calibrated_model(max_inflight), PredictionTracker(min_samples=8)
@@ -96,17 +90,12 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, shared,
     cold_admitted = [r for r in cold if r.admitted]
     assert all(r.in_time for r in cold_admitted)
     assert abs(len(cold_admitted) - capacity) <= 0.1 * capacity, (len(cold_admitted), capacity)
-    if shared:  # the control: charged its whole prompt, the cold burst gets 0.65 of capacity
-        blind = sim.run(burst, max_inflight, sim.calibrated_model(max_inflight), shadow=False)
-        assert sum(r.admitted for r in blind) < 0.9 * capacity
     assert {r.reason for r in cold if not r.admitted} == {"deadline"}
     warm = sim.run(burst, max_inflight, model, NO_LIMITS, tracker)
     warm_admitted = [r for r in warm if r.admitted]
     assert all(r.in_time for r in warm_admitted)
     assert abs(len(warm_admitted) - capacity) <= 0.1 * capacity, (len(warm_admitted), capacity)
-    # not worse than cold, unless cold was at capacity (one-chat: 98 of 98 at the prior margin
-    # 1.05, 93 warm at the measured 1.09)
-    assert len(warm_admitted) >= min(len(cold_admitted), 0.9 * capacity)
+    assert len(warm_admitted) >= len(cold_admitted)
     # a restart: the calibration saved and loaded into a fresh model and queue
     path = str(tmp_path / "capacity.json")
     calib.save(path, "k", model, tracker)
@@ -120,6 +109,39 @@ def test_a_burst_is_served_at_capacity(max_inflight, prompt, max_tokens, shared,
         len(restarted_admitted),
         capacity,
     )
+
+
+def test_a_burst_of_one_chat_after_its_traffic_is_served_at_capacity():
+    """300 calls of one chat at once after a trickle of it (its pages in the prefix cache,
+    the prefill rate measured on traffic), 360 of each call's 400 tokens cached: admission
+    charges each only its uncached share (serving/frontend/prefix_shadow.py), all finish in
+    time and the count is within 10% of the known capacity. The control, charged whole
+    prompts (no shadow), admits 0.63 of it: SmolLM2's warm burst of one chat (32 of 41
+    tokens cached) was served at 0.66."""
+    chat = dict(prompt_tokens=400, max_tokens=64, shared_prefix=360)
+    trickle = [sim.Arrival(float(t), **chat) for t in range(20)]  # one a second, no deadline
+
+    def arrivals(k):
+        return trickle + [sim.Arrival(30.0, deadline_s=15.0, **chat)] * k
+
+    lo, hi = 0, 300  # the known capacity: the most burst calls that all finish in time
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        if all(r.in_time for r in sim.run(arrivals(k), 64, None, NO_LIMITS)[len(trickle) :]):
+            lo = k
+        else:
+            hi = k - 1
+    capacity = lo
+    for shadow in (True, False):
+        model, tracker = sim.calibrated_model(64), PredictionTracker(min_samples=8)
+        results = sim.run(arrivals(300), 64, model, NO_LIMITS, tracker, shadow=shadow)
+        assert model.measured_on_traffic
+        admitted = [r for r in results[len(trickle) :] if r.admitted]
+        assert all(r.in_time for r in admitted)
+        if shadow:
+            assert abs(len(admitted) - capacity) <= 0.1 * capacity, (len(admitted), capacity)
+        else:
+            assert len(admitted) < 0.9 * capacity, (len(admitted), capacity)
 
 
 def test_calibration_survives_a_restart(tmp_path):
@@ -166,8 +188,11 @@ def test_margin_is_the_measured_quantile():
     q.tracker = PredictionTracker(min_samples=10)
     assert q.margin() == 1.2  # nothing measured yet: the configured margin
     for i in range(10):
-        q.tracker.observe(1.0, 0.9 + 0.01 * i)  # ratios 0.90 ... 0.99
-    assert q.margin() == pytest.approx(np.quantile([0.9 + 0.01 * i for i in range(10)], 0.9))
+        q.tracker.observe(1.0, 1.0 + 0.01 * i)  # ratios 1.00 ... 1.09
+    assert q.margin() == pytest.approx(np.quantile([1.0 + 0.01 * i for i in range(10)], 0.9))
+    for _ in range(100):
+        q.tracker.observe(1.0, 0.7)  # a pessimistic model: never scaled below itself
+    assert q.margin() == 1.0
     for _ in range(100):
         q.tracker.observe(1.0, 10.0)
     assert q.margin() == 2.0  # bounded

@@ -359,7 +359,7 @@ def test_a_popped_request_counts_as_in_the_engine_before_the_feed_ends():
 
 def test_prefix_shadow_expects_the_pages_earlier_prompts_brought():
     """Admission's view of the prefix cache (serving/frontend/prefix_shadow.py): a prompt
-    expects the leading full pages an admitted prompt of the same tenant brought, never its
+    expects the leading full pages a prefilled prompt of the same tenant brought, never its
     last token's page, and forgets the least recently admitted pages past its bound."""
     from serving.frontend.prefix_shadow import PrefixShadow
 
@@ -367,12 +367,12 @@ def test_prefix_shadow_expects_the_pages_earlier_prompts_brought():
     chat = list(range(100, 112))  # 3 full pages
     first = shadow.keys(chat + [1, 2], ("a", None))
     assert shadow.expected_cached(first, 14) == 0  # nothing admitted yet
-    shadow.admit(first)
+    shadow.prefilled(first)
     again = shadow.keys(chat + [3, 4, 5], ("a", None))
     assert shadow.expected_cached(again, 15) == 12  # the chat's 3 pages
     assert shadow.expected_cached(shadow.keys(chat, ("a", None)), 12) == 8  # last page computed
     assert shadow.expected_cached(shadow.keys(chat + [3], ("b", None)), 13) == 0  # tenant apart
     assert shadow.expected_cached(shadow.keys([7] + chat, ("a", None)), 13) == 0  # not a prefix
-    shadow.admit(shadow.keys(list(range(200, 216)), ("a", None)))  # 4 newer pages
+    shadow.prefilled(shadow.keys(list(range(200, 216)), ("a", None)))  # 4 newer pages
     assert len(shadow) == 6
     assert shadow.expected_cached(again, 15) == 8  # the chat's tail page went first

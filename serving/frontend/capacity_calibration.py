@@ -141,6 +141,7 @@ def load(path: str, key: str, max_inflight: int) -> tuple[CapacityModel, list[fl
             float(state["prefill_tokens_per_s"]),
             max_inflight,
             length_fraction=float(state.get("length_fraction", 1.0)),
+            prefill_steps_seen=int(state.get("prefill_steps_seen", 0)),
             # NOTE: without them (a file of an earlier version) every size weighs 1, and a
             # size seen in 3 stray steps pooled as much as one seen in thousands: the
             # restarted mock server shed a burst's fourth wave (0.75 of capacity)

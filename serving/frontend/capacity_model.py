@@ -53,6 +53,8 @@ from engine.sampling.params import SamplingParams
 
 log = logging.getLogger("pagedjax.serving")
 
+MIN_TRAFFIC_PREFILL_STEPS = 10  # see CapacityModel.measured_on_traffic
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
@@ -77,6 +79,7 @@ class CapacityModel:
         smoothing: float = 0.1,
         length_fraction: float = 1.0,
         steps_seen: dict[int, int] | None = None,
+        prefill_steps_seen: int = 0,
     ):
         assert step_s_by_concurrency and prefill_tokens_per_s > 0, (
             step_s_by_concurrency,
@@ -89,6 +92,9 @@ class CapacityModel:
         # steps observed per size (the isotonic weights; kept across restarts)
         self._seen = {c: max(1, int((steps_seen or {}).get(c, 1))) for c in self._step_s}
         self._prefill_tokens_per_s = prefill_tokens_per_s
+        # Real steps whose prefill refreshed the rate (the probe's counts none; kept across
+        # restarts): see `measured_on_traffic`.
+        self._prefill_steps_seen = prefill_steps_seen
         # Mean tokens a request produces / its max_tokens (chat replies end at EOS well
         # before max_tokens): what the requests ahead are expected to hold a slot for.
         self._length_fraction = length_fraction
@@ -172,6 +178,7 @@ class CapacityModel:
                     old = 1.0 / self._prefill_tokens_per_s
                     per_token = self._bounded(old, extra_s / prefill_tokens)
                     self._prefill_tokens_per_s = 1.0 / per_token
+                    self._prefill_steps_seen += 1
             step_s -= prefill_tokens / self._prefill_tokens_per_s
             if step_s <= 0:
                 return
@@ -191,6 +198,17 @@ class CapacityModel:
             self._step_s[bucket] = self._bounded(old, step_s)
             self._seen[bucket] = self._seen.get(bucket, 0) + 1
             self._envelope = None
+
+    @property
+    def measured_on_traffic(self) -> bool:
+        """The prefill rate has been refreshed by real steps (MIN_TRAFFIC_PREFILL_STEPS), not
+        only by the start-up probe. NOTE: admission credits expected prefix-cache hits only
+        then (serving/frontend/prefix_shadow.py). The probe times 96-token uncached prompts;
+        a cached chat's 9-token tails cost ~3x more per token (each prompt row carries its
+        own overhead), and a cold SmolLM2 burst credited at the probe's rate ran 20% past
+        deadline."""
+        with self._lock:
+            return self._prefill_steps_seen >= MIN_TRAFFIC_PREFILL_STEPS
 
     @property
     def length_fraction(self) -> float:
@@ -278,6 +296,7 @@ class CapacityModel:
                 "step_s_by_concurrency": dict(sorted(self._step_s.items())),
                 "prefill_tokens_per_s": self._prefill_tokens_per_s,
                 "length_fraction": self._length_fraction,
+                "prefill_steps_seen": self._prefill_steps_seen,
                 "steps_seen": dict(sorted(self._seen.items())),
             }
 

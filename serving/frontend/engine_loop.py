@@ -406,6 +406,8 @@ class EngineLoop:
         """Prompt tokens computed for a request whose first token came this step (the
         step's prefill when the engine does not count its tokens)."""
         self._first_tokens += len(r.engine_request.prompt_token_ids) - out.num_cached_tokens
+        if r.prefix_keys and self.waiting.prefix_shadow is not None:  # its pages are cached now
+            self.waiting.prefix_shadow.prefilled(r.prefix_keys)
 
     def _fail_step(self, exc: Exception) -> None:
         """Fail the requests of the failed step: those named by the engine's exception

@@ -356,10 +356,12 @@ class Generator:
         self.loop.register(r)
         er = r.engine_request
         num_tokens = len(er.prompt_token_ids) + er.sampling.max_tokens
-        shadow, keys = self.waiting.prefix_shadow, ()
+        shadow = self.waiting.prefix_shadow
         if shadow is not None:  # the prompt's share the prefix cache is expected to serve
-            keys = shadow.keys(er.prompt_token_ids, (er.tenant, er.adapter))
-            r.expected_cached_tokens = shadow.expected_cached(keys, len(er.prompt_token_ids))
+            r.prefix_keys = shadow.keys(er.prompt_token_ids, (er.tenant, er.adapter))
+            if self.waiting.credits_cache_hits():
+                prompt = len(er.prompt_token_ids)
+                r.expected_cached_tokens = shadow.expected_cached(r.prefix_keys, prompt)
         item = QueuedRequest(
             r.request_id,
             num_tokens,
@@ -372,8 +374,6 @@ class Generator:
         )
         try:
             self.waiting.offer(item)
-            if shadow is not None:
-                shadow.admit(keys)
         except Rejected as e:
             self.loop.unregister(r.request_id)
             self.limiter.release(r.tenant, r.reservation, 0, refund_all=True)

@@ -4,16 +4,25 @@ The capacity model times prefill per computed token (a step's prompt tokens less
 hits), so a prompt must be charged for its uncached share only. That share is known in the
 engine only once the request is scheduled; admission judges it earlier, on a handler thread,
 often in a burst whose requests all arrive before the first reaches the engine. This shadow
-answers from the prompts admission let in: the chained keys of each admitted prompt's full
-pages (the engine's own hashing, engine.sched.page_pool.chain_page_keys) in an LRU bounded
-by the engine's page count. A request whose leading pages an earlier admitted request
-already brought is expected to hit them: the earlier one prefills first (FIFO within a
-class), so by the time this one prefills they are cached.
+answers from the prompts the engine has prefilled: the chained keys of each prefilled
+prompt's full pages (the engine's own hashing, engine.sched.page_pool.chain_page_keys),
+recorded by the engine thread at the request's first token, in an LRU bounded by the
+engine's page count. An arriving request whose leading pages are there is expected to hit
+them.
 
-Approximate by design: pages the engine evicted under pressure, or a request cancelled
-before its prefill, still count here (optimistic, by at most what the margin measures), and
-two requests offered at the same moment may both miss (pessimistic, safe). Keys are Python
-hashes: meaningful only in this process.
+NOTE: pages are recorded at the first token, not at admission: requests of a burst that
+arrive together are prefilled in the same steps and none hits what the others bring (the
+engine caches a page once computed); credited at admission, a virtual-time burst of one chat
+admitted 123 calls for a capacity of 98 and 59 ran late.
+
+Approximate by design: pages the engine evicted under pressure still count here (optimistic,
+by at most what the margin measures); requests of a burst that would hit pages its earlier
+waves bring are charged whole (pessimistic, safe). Keys are Python hashes: meaningful only
+in this process.
+
+Admission credits the expected hits only once the capacity model's prefill rate was measured
+on real traffic (WaitingQueue.credits_cache_hits, CapacityModel.measured_on_traffic); the
+shadow learns admitted prompts from the start.
 
 NOTE: charged whole, 300 calls of one chat (32 of their 41 tokens served from the cache)
 were predicted 2.3x late, the measured margin sat at its 0.8 floor, and a warm SmolLM2 burst
@@ -32,7 +41,7 @@ from engine.sched.page_pool import chain_page_keys
 
 
 class PrefixShadow:
-    """Thread-safe LRU of page keys of admitted prompts."""
+    """Thread-safe LRU of page keys of prefilled prompts."""
 
     def __init__(self, page_size: int, max_pages: int):
         if page_size < 1 or max_pages < 1:
@@ -58,8 +67,8 @@ class PrefixShadow:
         limit = max(0, (num_prompt_tokens - 1) // self.page_size)
         return min(matched, limit) * self.page_size
 
-    def admit(self, keys: Sequence[int]) -> None:
-        """An admitted prompt's pages: the most recently used, the oldest past `max_pages`
+    def prefilled(self, keys: Sequence[int]) -> None:
+        """A prefilled prompt's pages: the most recently used, the oldest past `max_pages`
         forgotten. Its leading page counts as the most recent (a chain is matched from its
         start: the tail goes first, as the engine's cache evicts a sequence's last pages
         first)."""

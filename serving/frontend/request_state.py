@@ -120,6 +120,7 @@ class ActiveRequest:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     expected_cached_tokens: int = 0  # what admission expected the prefix cache to serve
+    prefix_keys: list[int] = dataclasses.field(default_factory=list)  # its pages' (shadow)
     spec_drafted_tokens: int = 0  # speculative decoding, from the final output's metrics
     spec_accepted_tokens: int = 0
     engine_queue_s: float | None = None
