@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -224,7 +225,14 @@ class PagedJaxServer:
         self.kv_service = kv_transfer_service.install(
             self, config.role, config.kv_transport, config.host, config.kv_jax_checksum
         )
+        # NOTE: grpc's HealthServicer answers SERVING for "" until told otherwise; between
+        # the gRPC server's start and the first _set_health a client saw SERVING while the
+        # server still warmed up (a test's wait passed and its first call was refused
+        # warming_up). The lock keeps a stale NOT_SERVING from landing after warm-up's SERVING.
         self.health = health.HealthServicer()
+        self._health_lock = threading.Lock()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
@@ -333,15 +341,16 @@ class PagedJaxServer:
         self._set_health(self.breaker.state)
 
     def _set_health(self, breaker_state: str) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.NOT_SERVING
-            if breaker_state == "open"
-            or not self.generator.ready.is_set()
-            or self.generator.draining
-            else health_pb2.HealthCheckResponse.SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        with self._health_lock:
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if breaker_state == "open"
+                or not self.generator.ready.is_set()
+                or self.generator.draining
+                else health_pb2.HealthCheckResponse.SERVING
+            )
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, status)
 
     def reload(self, engine, timeout_s: float | None = None) -> bool:
         """Serve from `engine` (e.g. a new revision of the model) without failing a request:

@@ -21,13 +21,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
 from serving.engine_host.mock_engine import MockEngine
 from serving.frontend.admission import AdmissionConfig
 from serving.server import PagedJaxServer, ServerConfig
-from serving.testing import free_port
+from serving.testing import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900  # only guards against a hang: warm-up on a loaded 2-core machine
@@ -131,6 +132,35 @@ def test_a_failed_warm_up_is_fatal_not_a_server_that_never_becomes_ready():
         assert server.fatal_error == "warm-up failed: RuntimeError: planted warm-up failure"
         assert not server.generator.ready.is_set()
     finally:
+        server.stop(0)
+
+
+def test_health_says_not_serving_until_warm_up_ends():
+    """grpc's HealthServicer starts at SERVING: a client that polled health in the moment
+    between the gRPC server's start and its first health update saw SERVING while the
+    server warmed up (make test, 2026-12-06: the first call after the wait was refused
+    warming_up). Checked from construction on, through the real health service."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    release = threading.Event()
+
+    def warmup(stop=None):
+        release.wait(30)
+
+    cfg = ServerConfig(host="127.0.0.1", port=0, admission=AdmissionConfig())
+    server = PagedJaxServer(MockEngine(step_time_s=0.001), cfg, warmup=warmup)
+    ask = health_pb2.HealthCheckRequest(service="")
+    assert server.health.Check(ask, None).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert stub.Check(ask, timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            release.set()
+            wait_serving(f"127.0.0.1:{server.port}", 30)
+            assert server.generator.ready.is_set()
+    finally:
+        release.set()
         server.stop(0)
 
 
