@@ -182,11 +182,11 @@ def run(
             engine.add_request(_request(item.request_id, results[item.request_id].arrival))
             in_engine[item.request_id], tokens[item.request_id] = clock.t, 0
         q.num_in_engine = len(in_engine)
-        q.unprefilled_engine_tokens = sum(  # as EngineLoop._unprefilled_tokens
-            max(1, results[r].arrival.prompt_tokens - expected_cached[r])
-            for r in in_engine
-            if tokens[r] == 0
+        unprefilled = [r for r in in_engine if tokens[r] == 0]  # as EngineLoop._unprefilled
+        q.unprefilled_engine_tokens = sum(
+            max(1, results[r].arrival.prompt_tokens - expected_cached[r]) for r in unprefilled
         )
+        q.unprefilled_engine_prompts = len(unprefilled)
         q.engine_progress = [
             (results[r].arrival.max_tokens, tokens[r], results[r].arrival.priority)
             for r in in_engine
@@ -222,7 +222,7 @@ def run(
             prefill = prefill_tokens_of_step(
                 outputs, processed, engine.num_tokens_processed, sum(n for _, _, n in firsts)
             )
-            model.observe_step(concurrency, clock.t - start, prefill)
+            model.observe_step(concurrency, clock.t - start, prefill, len(firsts))
     return list(results.values())
 
 

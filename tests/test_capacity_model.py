@@ -20,8 +20,12 @@ def test_step_time_interpolates_and_refreshes():
     assert model.step_s(8) == pytest.approx(0.05, rel=1e-3)
     assert model.prefill_s(500) == pytest.approx(0.5)
     for _ in range(200):
-        model.observe_prefill(400, 0.1)  # prefill is faster than the seed said
-    assert model.prefill_s(500) == pytest.approx(500 / 4000, rel=1e-3)
+        model.observe_prefill(512, 0.128)  # long prompts prefill faster than the seed said
+    assert model.prefill_s(512) == pytest.approx(512 / 4000, rel=1e-3)
+    assert model.prefill_s(96) == pytest.approx(96 / 1000)  # the seed's length keeps its rate
+    # in between: interpolated in log2 of the tokens per prompt
+    assert model.prefill_tokens_per_s(221.7) == pytest.approx(2500, rel=1e-2)
+    assert model.prefill_s(2 * 512, 2) == pytest.approx(2 * 512 / 4000, rel=1e-3)
 
 
 def test_one_compiling_step_does_not_poison_the_model():
@@ -30,8 +34,8 @@ def test_one_compiling_step_does_not_poison_the_model():
     model = CapacityModel({1: 0.2}, prefill_tokens_per_s=100.0, max_inflight=8)
     model.observe_step(1, 20.0)
     assert model.step_s(1) == pytest.approx(0.22)
-    model.observe_prefill(40, 15.0)  # a first token after a 15 s compile
-    assert model.prefill_s(100) == pytest.approx(1.1)
+    model.observe_prefill(32, 15.0)  # a first token after a 15 s compile
+    assert model.prefill_s(32) == pytest.approx(0.32 * 1.1)
     # a first observation of a size starts from the sizes around it and is clamped too
     model.observe_step(4, 30.0)
     assert model.step_s(4) == pytest.approx(0.22 + 0.1 * (2 * 0.22 - 0.22))
@@ -187,3 +191,20 @@ def test_burst_through_the_server_mostly_finishes_or_is_shed():
         }
         shed = [r for r in results if r.code == "RESOURCE_EXHAUSTED"]
         assert shed and all(r.retry_after_ms for r in shed)
+
+
+def test_short_tails_do_not_slow_whole_prompts():
+    """Prefill is timed per computed token at each length of computed tokens a prompt: a
+    cached chat's 9-token tails (~3x the per-token cost of 96-token prompts on SmolLM2: each
+    prompt row costs too) leave the probe's 96-token rate as it was; a 41-token prompt falls
+    in between (log2 interpolation). With one rate for all lengths the tails' rate charged a
+    restarted server's whole prompts ~3x too slow (benchmarks/RESULTS.md)."""
+    model = CapacityModel({64: 0.1}, prefill_tokens_per_s=900.0, max_inflight=64)
+    for _ in range(100):  # 64 tails of 9 tokens in a step: 0.1 s decode + 1.8 s of prefill
+        model.observe_step(64, 0.1 + 64 * 9 / 300.0, prefill_tokens=64 * 9, prefill_rows=64)
+    tails = model.prefill_tokens_per_s(8)
+    assert tails < 450.0  # learned (shared with the decode estimate: not exactly 300)
+    assert model.prefill_s(96) == pytest.approx(96 / 900.0)  # untouched
+    whole = model.prefill_s(64 * 41, 64)
+    assert 64 * 41 / 900.0 < whole < 64 * 41 / 300.0
+    assert model.snapshot()["prefill_rate_by_len"][8] == tails

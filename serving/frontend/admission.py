@@ -258,6 +258,7 @@ class WaitingQueue:
         self.cfg, self.clock, self.capacity = cfg, clock, capacity
         self.num_in_engine = 0  # set by the engine thread
         self.unprefilled_engine_tokens = 0  # prompts in the engine without a first token
+        self.unprefilled_engine_prompts = 0  # ... and how many prompts those are
         # (max_tokens, tokens produced, priority) of each request in the engine (set by the
         # engine thread)
         self.engine_progress: list[tuple[int, int, int]] = []
@@ -501,8 +502,10 @@ class WaitingQueue:
         n = max(1, len(queued))
         prompt_sum = sum(q.prefill_tokens for q in queued)
         prefill_ahead = self.unprefilled_engine_tokens
+        prompts_ahead = self.unprefilled_engine_prompts
         if ahead < self.capacity.max_inflight:  # the queued ones start before or with it
             prefill_ahead += prompt_sum
+            prompts_ahead += len(queued)
         mean_max_tokens = sum(q.max_tokens for q in queued) / n if queued else item.max_tokens
         # Those ahead hold their slots for the tokens they are expected to produce (the
         # measured fraction of max_tokens), not their max_tokens: replies end at EOS.
@@ -511,6 +514,7 @@ class WaitingQueue:
         remaining += [round(expected(mean_max_tokens))] * (in_engine - len(remaining))
         return self.capacity.estimate(
             prefill_tokens_ahead=prefill_ahead,
+            prefill_prompts_ahead=prompts_ahead,
             ahead=ahead,
             prompt_tokens=item.prefill_tokens,
             max_tokens=item.max_tokens,
@@ -575,6 +579,7 @@ class WaitingQueue:
         self.num_in_engine += 1
         self.engine_progress = [*self.engine_progress, (item.max_tokens, 0, item.priority)]
         self.unprefilled_engine_tokens += item.prefill_tokens
+        self.unprefilled_engine_prompts += 1
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         with self._lock:

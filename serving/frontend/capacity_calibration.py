@@ -107,7 +107,7 @@ def save(path: str, key: str, model: CapacityModel, tracker: PredictionTracker) 
         **model.snapshot(),
         "ratios": tracker.ratios(),
     }
-    for field in ("step_s_by_concurrency", "steps_seen"):
+    for field in ("step_s_by_concurrency", "steps_seen", "prefill_rate_by_len"):
         state[field] = {str(c): v for c, v in state[field].items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".capacity-", suffix=".tmp")
@@ -142,6 +142,10 @@ def load(path: str, key: str, max_inflight: int) -> tuple[CapacityModel, list[fl
             max_inflight,
             length_fraction=float(state.get("length_fraction", 1.0)),
             prefill_steps_seen=int(state.get("prefill_steps_seen", 0)),
+            prefill_rate_by_len={
+                int(n): float(r) for n, r in state.get("prefill_rate_by_len", {}).items()
+            }
+            or None,
             # NOTE: without them (a file of an earlier version) every size weighs 1, and a
             # size seen in 3 stray steps pooled as much as one seen in thousands: the
             # restarted mock server shed a burst's fourth wave (0.75 of capacity)

@@ -7,7 +7,8 @@ synthetic requests are prefilled (timed: prefill tokens/s) and then decoded for 
 in the engine. Each size runs twice and the second run is measured (the first may compile a shape
 or fill a cache: a seed of 3 prefill tokens/s from a compiling first pass shed every call of
 a SmolLM2 burst). Refresh (`observe_step`, engine thread): every real step's wall time goes into an
-exponential average for its concurrency.
+exponential average for its concurrency, its prefill part into one for its computed tokens
+per prompt (prefill tokens/s by that length: short cached tails cost more per token).
 
 Estimate for an arriving request (`estimate`), with c = max_inflight slots:
 
@@ -40,6 +41,7 @@ import bisect
 import dataclasses
 import heapq
 import logging
+import math
 import random
 import threading
 import time
@@ -54,6 +56,7 @@ from engine.sampling.params import SamplingParams
 log = logging.getLogger("pagedjax.serving")
 
 MIN_TRAFFIC_PREFILL_STEPS = 10  # see CapacityModel.measured_on_traffic
+PROBE_PROMPT_TOKENS = 96  # the start-up probe's prompts (`probe`); its rate's length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,7 @@ class CapacityModel:
         length_fraction: float = 1.0,
         steps_seen: dict[int, int] | None = None,
         prefill_steps_seen: int = 0,
+        prefill_rate_by_len: dict[int, float] | None = None,
     ):
         assert step_s_by_concurrency and prefill_tokens_per_s > 0, (
             step_s_by_concurrency,
@@ -91,7 +95,17 @@ class CapacityModel:
         self._envelope: list[tuple[int, float]] | None = None  # _points, cached
         # steps observed per size (the isotonic weights; kept across restarts)
         self._seen = {c: max(1, int((steps_seen or {}).get(c, 1))) for c in self._step_s}
-        self._prefill_tokens_per_s = prefill_tokens_per_s
+        # Prefill tokens/s by the computed tokens per prompt row in a step (a power of two):
+        # each row carries its own cost, so a step of short tails (cached chats: 9 computed
+        # tokens a row) computes fewer tokens a second than one of long prompts. Interpolated
+        # in log2 of the length, flat beyond the lengths seen. Seeded at the probe's prompt
+        # length. NOTE: one rate for all lengths, learned on a cached chat's tails, charged
+        # a restarted server's first wave of whole 41-token prompts ~3x too slow, and its
+        # first burst was served at 0.55 of a warm one's (benchmarks/RESULTS.md).
+        self._prefill_rate = dict(
+            prefill_rate_by_len or {PROBE_PROMPT_TOKENS: prefill_tokens_per_s}
+        )
+        assert all(r > 0 for r in self._prefill_rate.values()), self._prefill_rate
         # Real steps whose prefill refreshed the rate (the probe's counts none; kept across
         # restarts): see `measured_on_traffic`.
         self._prefill_steps_seen = prefill_steps_seen
@@ -149,19 +163,45 @@ class CapacityModel:
         (c0, s0), (c1, s1) = points[i - 1], points[i]
         return s0 + (s1 - s0) * (concurrency - c0) / (c1 - c0)
 
-    def prefill_s(self, num_tokens: int) -> float:
+    def prefill_s(self, num_tokens: int, num_prompts: int = 1) -> float:
+        """Seconds to prefill `num_tokens` computed prompt tokens of `num_prompts` prompts."""
+        if num_tokens <= 0:
+            return 0.0
         with self._lock:
-            return num_tokens / self._prefill_tokens_per_s
+            return num_tokens / self._rate_at(num_tokens / max(1, num_prompts))
+
+    def prefill_tokens_per_s(self, tokens_per_prompt: float = 0.0) -> float:
+        """The prefill rate at `tokens_per_prompt` computed tokens a prompt (0: the probe's
+        prompt length)."""
+        with self._lock:
+            return self._rate_at(tokens_per_prompt or PROBE_PROMPT_TOKENS)
+
+    def _rate_at(self, tokens_per_prompt: float) -> float:
+        x = math.log2(max(1.0, tokens_per_prompt))
+        points = sorted((math.log2(n), r) for n, r in self._prefill_rate.items())
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in zip(points, points[1:], strict=False):
+            if x <= x1:
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
+
+    @staticmethod
+    def _length_bucket(tokens_per_prompt: float) -> int:
+        return 1 << max(0, round(math.log2(max(1.0, tokens_per_prompt))))
 
     def service_s(self, prompt_tokens: int, max_tokens: int, concurrency: int) -> float:
         return self.prefill_s(prompt_tokens) + max_tokens * self.step_s(concurrency)
 
-    def observe_step(self, concurrency: int, step_s: float, prefill_tokens: int = 0) -> None:
+    def observe_step(
+        self, concurrency: int, step_s: float, prefill_tokens: int = 0, prefill_rows: int = 0
+    ) -> None:
         """A real step's wall time, at `concurrency` requests in the engine, `prefill_tokens`
-        of them prompt tokens (those of the requests that got their first token in it).
-        The step is split: decode time at `concurrency` + prefill_tokens x seconds per
-        prompt token; what exceeds the decode estimate is the prefill's (an estimate of the
-        per-token cost), the rest the decode's. One observation counts at most `max_jump` x
+        of them prompt tokens computed for `prefill_rows` prompts (those whose first token
+        came in it; 0: one prompt's chunk). The step is split: decode time at `concurrency`
+        + prefill_tokens x seconds per prompt token at that many tokens a prompt; what
+        exceeds the decode estimate is the prefill's (an estimate of the per-token cost at
+        that length), the rest the decode's. One observation counts at most `max_jump` x
         the current estimate (see `_bounded`).
 
         NOTE: filing prefill-heavy steps whole under their batch size made the decode step
@@ -173,13 +213,15 @@ class CapacityModel:
         if prefill_tokens > 0:
             decode_s = self.step_s(concurrency)
             extra_s = step_s - decode_s
-            if extra_s > 0:
-                with self._lock:
-                    old = 1.0 / self._prefill_tokens_per_s
+            length = self._length_bucket(prefill_tokens / max(1, prefill_rows))
+            with self._lock:
+                if extra_s > 0:
+                    old = 1.0 / self._rate_at(length)  # a new length starts from its neighbours
                     per_token = self._bounded(old, extra_s / prefill_tokens)
-                    self._prefill_tokens_per_s = 1.0 / per_token
+                    self._prefill_rate[length] = 1.0 / per_token
                     self._prefill_steps_seen += 1
-            step_s -= prefill_tokens / self._prefill_tokens_per_s
+                rate = self._rate_at(length)
+            step_s -= prefill_tokens / rate
             if step_s <= 0:
                 return
         # Filed under its exact batch size, interpolated between sizes seen. NOTE: sizes
@@ -235,10 +277,11 @@ class CapacityModel:
         as steps are)."""
         if num_tokens < 1 or seconds <= 0:
             return
+        length = self._length_bucket(num_tokens)
         with self._lock:
-            old_s_per_token = 1.0 / self._prefill_tokens_per_s
+            old_s_per_token = 1.0 / self._rate_at(length)
             s_per_token = self._bounded(old_s_per_token, seconds / num_tokens)
-            self._prefill_tokens_per_s = 1.0 / s_per_token
+            self._prefill_rate[length] = 1.0 / s_per_token
 
     def _bounded(self, old: float, observed: float) -> float:
         """The exponential average's next value, with one observation clamped to
@@ -259,9 +302,11 @@ class CapacityModel:
         drain_per_s: float | None = None,
         prefill_tokens_ahead: int = 0,
         engine_remaining_tokens: Sequence[int] | None = None,
+        prefill_prompts_ahead: int = 0,
     ) -> Estimate:
         """`prefill_tokens_ahead`: prompt tokens of requests that will prefill before this
-        one gets its first token (they share the engine's prefill budget).
+        one gets its first token (they share the engine's prefill budget), of
+        `prefill_prompts_ahead` prompts.
         `engine_remaining_tokens`: tokens each request in the engine may still generate;
         given, the wait is `slot_wait_s` (slots freed as those finish, then the queued ones
         ahead each holding one for a mean service time), else the uniform drain."""
@@ -287,14 +332,16 @@ class CapacityModel:
                 drain_per_s = c / max(mean_service_s, 1e-9)
             wait_s = (ahead - c + 1) / drain_per_s
         step_s = self.step_s(round(concurrency))
-        service_s = self.prefill_s(prompt_tokens + prefill_tokens_ahead) + max_tokens * step_s
+        prefill_s = self.prefill_s(prompt_tokens + prefill_tokens_ahead, 1 + prefill_prompts_ahead)
+        service_s = prefill_s + max_tokens * step_s
         return Estimate(wait_s, service_s, step_s, concurrency)
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 "step_s_by_concurrency": dict(sorted(self._step_s.items())),
-                "prefill_tokens_per_s": self._prefill_tokens_per_s,
+                "prefill_tokens_per_s": self._rate_at(PROBE_PROMPT_TOKENS),
+                "prefill_rate_by_len": dict(sorted(self._prefill_rate.items())),
                 "length_fraction": self._length_fraction,
                 "prefill_steps_seen": self._prefill_steps_seen,
                 "steps_seen": dict(sorted(self._seen.items())),
@@ -365,7 +412,7 @@ def probe(
     max_inflight: int,
     *,
     sizes: tuple[int, ...] | None = None,
-    prompt_tokens: int = 96,
+    prompt_tokens: int = PROBE_PROMPT_TOKENS,
     decode_steps: int = 3,
     token_id: int = 65,
     clock: Callable[[], float] = time.perf_counter,
@@ -387,7 +434,8 @@ def probe(
         )
         step_s[b] = decode_s
         prefill_rates.append(prefill_rate)
-    model = CapacityModel(step_s, float(np.median(prefill_rates)), max_inflight)
+    rate = float(np.median(prefill_rates))
+    model = CapacityModel(step_s, rate, max_inflight, prefill_rate_by_len={prompt_tokens: rate})
     log.info("capacity model seeded: %s", model.snapshot())
     return model
 

@@ -109,7 +109,9 @@ class EngineLoop:
         self._swap: tuple[object, threading.Event] | None = None  # (new engine, done)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # run_on_engine_thread
         self._first_tokens = 0  # prompt tokens of this step's first tokens
+        self._first_token_prompts = 0  # ... of how many prompts
         self._last_prefill_tokens = 0  # prompt tokens the last step computed
+        self._last_prefill_prompts = 0  # ... of how many prompts (0: a chunk of one)
         self._last_step: tuple[int, float] | None = None  # (concurrency, start) of the last
         self.on_swap = None  # called on the engine thread with the new engine
         self.on_iteration = None  # called on the engine thread after each iteration (KV events)
@@ -225,7 +227,9 @@ class EngineLoop:
         if self._swap is None:
             self._feed()
         self.waiting.num_in_engine = len(self._in_engine)
-        self.waiting.unprefilled_engine_tokens = self._unprefilled_tokens()
+        self.waiting.unprefilled_engine_tokens, self.waiting.unprefilled_engine_prompts = (
+            self._unprefilled()
+        )
         self.waiting.engine_progress = self._progress()
         self.waiting.drain.set_saturated(
             time.monotonic(), len(self._in_engine) >= self.max_inflight
@@ -355,7 +359,7 @@ class EngineLoop:
         if self.tracer is not None:
             self.tracer.step(start, time.monotonic(), info, len(outputs))
         failed = False
-        self._first_tokens = 0
+        self._first_tokens = self._first_token_prompts = 0
         for out in outputs:
             failed |= out.finish_reason == "failed"
             self._route(out)
@@ -365,6 +369,7 @@ class EngineLoop:
             getattr(self.engine, "num_tokens_processed", None),
             self._first_tokens,
         )
+        self._last_prefill_prompts = self._first_token_prompts
         if failed:
             self.breaker.record_failure()
         else:
@@ -379,18 +384,23 @@ class EngineLoop:
             prev_concurrency, prev_start = previous
             if start - prev_start < 10.0:  # not across an idle spell
                 self.waiting.capacity.observe_step(
-                    prev_concurrency, start - prev_start, self._last_prefill_tokens
+                    prev_concurrency,
+                    start - prev_start,
+                    self._last_prefill_tokens,
+                    self._last_prefill_prompts,
                 )
 
-    def _unprefilled_tokens(self) -> int:
-        """Prompt tokens of the requests in the engine that have no first token yet."""
-        total = 0
+    def _unprefilled(self) -> tuple[int, int]:
+        """Prompt tokens (less their expected cache hits) of the requests in the engine that
+        have no first token yet, and how many requests those are."""
+        total = count = 0
         for request_id in self._in_engine:
             r = self._lookup(request_id)
             if r is not None and not r.token_times_s:
                 prompt = len(r.engine_request.prompt_token_ids)
                 total += max(1, prompt - r.expected_cached_tokens)
-        return total
+                count += 1
+        return total, count
 
     def _progress(self) -> list[tuple[int, int, int]]:
         """(max_tokens, tokens produced, priority) of each request in the engine."""
@@ -406,6 +416,7 @@ class EngineLoop:
         """Prompt tokens computed for a request whose first token came this step (the
         step's prefill when the engine does not count its tokens)."""
         self._first_tokens += len(r.engine_request.prompt_token_ids) - out.num_cached_tokens
+        self._first_token_prompts += 1
         if r.prefix_keys and self.waiting.prefix_shadow is not None:  # its pages are cached now
             self.waiting.prefix_shadow.prefilled(r.prefix_keys)
 
