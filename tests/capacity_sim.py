@@ -144,12 +144,8 @@ def run(
         while pending and pending[0][1].arrival.t <= clock.t:
             rid, res = pending.pop(0)
             a = res.arrival
-            keys: list[int] = []
-            if q.prefix_shadow is not None:  # as serving/frontend/generation.py
-                keys = q.prefix_shadow.keys(_request(rid, a).prompt_token_ids, (a.tenant,))
-            cached = 0
-            if keys and q.credits_cache_hits():
-                cached = q.prefix_shadow.expected_cached(keys, a.prompt_tokens)
+            # as serving/frontend/generation.py
+            keys, cached = q.expected_cached(_request(rid, a).prompt_token_ids, (a.tenant,))
             expected_cached[rid], prefix_keys[rid] = cached, keys
             item = QueuedRequest(
                 rid,
@@ -206,7 +202,7 @@ def run(
             if tokens[rid] == 0 and out.new_token_ids:
                 computed = results[rid].arrival.prompt_tokens - out.num_cached_tokens
                 firsts.append((in_engine[rid], clock.t, computed))
-                if q.prefix_shadow is not None:  # as EngineLoop._observe_prefill
+                if prefix_keys[rid]:  # as EngineLoop._observe_prefill
                     q.prefix_shadow.prefilled(prefix_keys[rid])
             tokens[rid] += len(out.new_token_ids)
             if out.finished:

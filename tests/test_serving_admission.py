@@ -360,13 +360,13 @@ def test_a_popped_request_counts_as_in_the_engine_before_the_feed_ends():
 def test_prefix_shadow_expects_the_pages_earlier_prompts_brought():
     """Admission's view of the prefix cache (serving/frontend/prefix_shadow.py): a prompt
     expects the leading full pages a prefilled prompt of the same tenant brought, never its
-    last token's page, and forgets the least recently admitted pages past its bound."""
+    last token's page, and forgets the least recently prefilled pages past its bound."""
     from serving.frontend.prefix_shadow import PrefixShadow
 
     shadow = PrefixShadow(page_size=4, max_pages=6)
     chat = list(range(100, 112))  # 3 full pages
     first = shadow.keys(chat + [1, 2], ("a", None))
-    assert shadow.expected_cached(first, 14) == 0  # nothing admitted yet
+    assert shadow.expected_cached(first, 14) == 0  # nothing prefilled yet
     shadow.prefilled(first)
     again = shadow.keys(chat + [3, 4, 5], ("a", None))
     assert shadow.expected_cached(again, 15) == 12  # the chat's 3 pages

@@ -265,8 +265,9 @@ class WaitingQueue:
         # Engine slots a higher class may take from a lower one by preemption (the engine
         # loop's priority_overflow): such a slot does not hold it back.
         self.preemptible_slots = 0
-        # Expected prefix-cache hits of arriving prompts (set by the server with a capacity
-        # model and the engine's prefix cache on; the caller looks up and admits keys).
+        # Expected prefix-cache hits of arriving prompts (set by the server when the engine's
+        # prefix cache is on): `expected_cached` looks a prompt up, the engine thread records
+        # its pages at its first token.
         self.prefix_shadow: PrefixShadow | None = None
         self._items: dict[str, QueuedRequest] = {}
         self._tokens = 0
@@ -336,15 +337,16 @@ class WaitingQueue:
             self._prompt_sum += item.prefill_tokens
             self._max_tokens_sum += item.max_tokens
 
-    def credits_cache_hits(self) -> bool:
-        """Whether arriving prompts are charged only their expected uncached share: with a
-        prefix shadow and a prefill rate measured on real traffic
-        (CapacityModel.measured_on_traffic)."""
-        return (
-            self.prefix_shadow is not None
-            and self.capacity is not None
-            and self.capacity.measured_on_traffic
-        )
+    def expected_cached(self, token_ids, salt: tuple) -> tuple[list[int], int]:
+        """(page keys, prompt tokens expected from the prefix cache) of an arriving prompt:
+        no keys without a prefix shadow and a capacity model; 0 tokens until the model's
+        prefill rate was measured on real traffic (CapacityModel.measured_on_traffic)."""
+        if self.prefix_shadow is None or self.capacity is None:
+            return [], 0
+        keys = self.prefix_shadow.keys(token_ids, salt)
+        if not self.capacity.measured_on_traffic:
+            return keys, 0
+        return keys, self.prefix_shadow.expected_cached(keys, len(token_ids))
 
     def margin(self) -> float:
         """The factor on an estimate before it is held against a deadline: the measured

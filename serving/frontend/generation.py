@@ -355,21 +355,18 @@ class Generator:
     def _enqueue(self, r: ActiveRequest, priority: int) -> None:
         self.loop.register(r)
         er = r.engine_request
-        num_tokens = len(er.prompt_token_ids) + er.sampling.max_tokens
-        shadow = self.waiting.prefix_shadow
-        if shadow is not None:  # the prompt's share the prefix cache is expected to serve
-            r.prefix_keys = shadow.keys(er.prompt_token_ids, (er.tenant, er.adapter))
-            if self.waiting.credits_cache_hits():
-                prompt = len(er.prompt_token_ids)
-                r.expected_cached_tokens = shadow.expected_cached(r.prefix_keys, prompt)
+        # the prompt's share the prefix cache is expected to serve
+        r.prefix_keys, r.expected_cached_tokens = self.waiting.expected_cached(
+            er.prompt_token_ids, (er.tenant, er.adapter)
+        )
         item = QueuedRequest(
             r.request_id,
-            num_tokens,
+            len(er.prompt_token_ids) + er.sampling.max_tokens,
             priority,
             r.arrival_s,
-            r.engine_request.deadline_s,
-            prompt_tokens=len(r.engine_request.prompt_token_ids),
-            max_tokens=r.engine_request.sampling.max_tokens,
+            er.deadline_s,
+            prompt_tokens=len(er.prompt_token_ids),
+            max_tokens=er.sampling.max_tokens,
             cached_tokens=r.expected_cached_tokens,
         )
         try:

@@ -21,8 +21,8 @@ waves bring are charged whole (pessimistic, safe). Keys are Python hashes: meani
 in this process.
 
 Admission credits the expected hits only once the capacity model's prefill rate was measured
-on real traffic (WaitingQueue.credits_cache_hits, CapacityModel.measured_on_traffic); the
-shadow learns admitted prompts from the start.
+on real traffic (WaitingQueue.expected_cached, CapacityModel.measured_on_traffic); the
+shadow records prefilled prompts from the start.
 
 NOTE: charged whole, 300 calls of one chat (32 of their 41 tokens served from the cache)
 were predicted 2.3x late, the measured margin sat at its 0.8 floor, and a warm SmolLM2 burst
