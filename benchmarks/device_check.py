@@ -13,7 +13,12 @@ the others):
 4. decode attention: 64 sequences x 4k context, bf16: GB/s of K/V read vs the copy bandwidth
    (target >= 70%), and JAX's shipped Pallas paged attention on the same inputs.
 5. ragged prefill: 8 fresh 2k-token prompts in one ragged batch, causal: TFLOP/s.
-6. model: Llama-3.1-8B shape (configs preset), random bf16 weights built on the device (no
+6. grouped matmul: the MoE grouped matmul of this backend's Pallas kernel (GPU: gmm_gpu,
+   Triton; TPU: gmm_tpu) against `ragged_dot` on random top-8 routing over 64 experts,
+   K 2048 -> N 768, at 8 / 64 / 512 tokens; each timed beside `ragged_dot` and a dense
+   einsum of the same active FLOPs ([tokens x 8, K] @ [K, N]), with the weight bytes of the
+   experts used against the copy bandwidth (the floor while few tokens reach each expert).
+7. model: Llama-3.1-8B shape (configs preset), random bf16 weights built on the device (no
    file): the engine's jitted step (`engine.runner.step.engine_step`, the same code the server
    runs), batch-1 decode tok/s vs the floor (weight bytes / measured copy bandwidth) and
    64-way decode tok/s; all shapes warmed first, then the step's compile count must not
@@ -61,10 +66,16 @@ class Sizes:
     head_dim: int
     page_size: int
     iters: int
+    # grouped matmul: experts, top-k, K -> N, token counts
+    gmm_experts: int = 64
+    gmm_top_k: int = 8
+    gmm_k: int = 2048
+    gmm_n: int = 768
+    gmm_tokens: tuple[int, ...] = (8, 64, 512)
 
 
 FULL = Sizes("llama-3.1-8b", "bfloat16", 64, 4096, 8, 2048, 1024, 64, 8, 32, 128, 16, 10)
-SMOKE = Sizes("tiny", "float32", 2, 64, 2, 32, 24, 4, 2, 4, 64, 16, 2)
+SMOKE = Sizes("tiny", "float32", 2, 64, 2, 32, 24, 4, 2, 4, 64, 16, 2, 4, 2, 40, 48, (3, 8))
 
 
 def timed_section(results: dict, name: str, fn, *args):
@@ -251,7 +262,70 @@ def ragged_prefill(sizes: Sizes, peak: dict, smoke: bool) -> dict:
     }
 
 
-# ---------------------------------------------------------------- 6 the model's step
+# ---------------------------------------------------------------- 6 grouped matmul
+
+
+def gmm_inputs(sizes: Sizes, tokens: int, rng) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x [tokens*k, K], w [E, K, N], group_sizes [E] int32): random top-k routing, rows
+    sorted by expert, outputs ~ N(0, 1)."""
+    e, k = sizes.gmm_experts, sizes.gmm_top_k
+    experts = np.argsort(rng.random((tokens, e)), axis=1)[:, :k]  # [tokens, k] distinct
+    group_sizes = np.bincount(experts.ravel(), minlength=e).astype(np.int32)  # [E]
+    dtype = jnp.dtype(sizes.dtype)
+    x = jnp.asarray(rng.normal(size=(tokens * k, sizes.gmm_k)), dtype)
+    w = jnp.asarray(rng.normal(size=(e, sizes.gmm_k, sizes.gmm_n)) / sizes.gmm_k**0.5, dtype)
+    return x, w, jnp.asarray(group_sizes)
+
+
+def grouped_matmul_check(sizes: Sizes, peak: dict, smoke: bool) -> dict:
+    """This backend's Pallas grouped matmul against `ragged_dot` (max abs error), and the
+    time of each beside a dense matmul of the same active FLOPs."""
+    from pallas_kernels.grouped_matmul import grouped_matmul
+
+    impl = kernel_impl()
+    tol = 6e-2 if jnp.dtype(sizes.dtype) == jnp.bfloat16 else 2e-3
+    kernel = jax.jit(functools.partial(grouped_matmul, impl=impl, interpret=smoke))
+    ragged = jax.jit(jax.lax.ragged_dot)
+    dense = jax.jit(lambda x, w: jnp.einsum("mk,kn->mn", x, w))  # [tokens*k, K] @ [K, N]
+    peak_flop_s, copy_b_s = peak["matmul_tflop_s"] * 1e12, peak["copy_gb_s"] * 1e9
+    rng = np.random.default_rng(2)
+    rows = []
+    for tokens in sizes.gmm_tokens:
+        x, w, group_sizes = gmm_inputs(sizes, tokens, rng)
+        got = np.asarray(kernel(x, w, group_sizes).astype(jnp.float32))
+        want = np.asarray(ragged(x, w, group_sizes).astype(jnp.float32))
+        err = float(np.max(np.abs(got - want)))
+        flops = 2 * x.shape[0] * sizes.gmm_k * sizes.gmm_n
+        used = int(np.count_nonzero(np.asarray(group_sizes)))
+        weight_bytes = used * sizes.gmm_k * sizes.gmm_n * w.dtype.itemsize  # experts read
+        row = {"tokens": tokens, "rows": x.shape[0], "experts_used": used}
+        row |= {"max_abs_err": err, "tolerance": tol, "weight_bytes": weight_bytes}
+        row["ok"] = bool(np.all(np.isfinite(got))) and err <= tol
+        timed = {
+            impl: (kernel, x, w, group_sizes),
+            "ragged_dot": (ragged, x, w, group_sizes),
+            "dense": (dense, x, w[0]),
+        }
+        for name, (fn, *args) in timed.items():
+            t = kernels_bench.time_median_s(fn, *args, iters=sizes.iters)
+            row[name] = {"ms": 1e3 * t, "tflop_s": flops / t / 1e12}
+            row[name]["frac_matmul_peak"] = flops / t / peak_flop_s
+        row["kernel_over_dense"] = row[impl]["ms"] / row["dense"]["ms"]
+        row["kernel_frac_copy_bw"] = weight_bytes / (row[impl]["ms"] / 1e3) / copy_b_s
+        rows.append(row)
+    return {
+        "impl": impl,
+        "interpret": smoke,
+        "experts": sizes.gmm_experts,
+        "top_k": sizes.gmm_top_k,
+        "k": sizes.gmm_k,
+        "n": sizes.gmm_n,
+        "cases": rows,
+        "ok": all(r["ok"] for r in rows),
+    }
+
+
+# ---------------------------------------------------------------- 7 the model's step
 
 
 def random_params(cfg, dtype, key):
@@ -383,6 +457,18 @@ def markdown(r: dict) -> str:
             f"- ragged prefill {rp['seqs']} x {rp['prompt_len']}: {rp['tflop_s']:.1f} TFLOP/s "
             f"({rp['frac_matmul_peak']:.0%} of matmul peak)"
         )
+    gm = r.get("grouped_matmul", {})
+    for c in gm.get("cases", []):
+        impl = gm["impl"]
+        lines.append(
+            f"- grouped matmul {impl} {gm['experts']} experts top-{gm['top_k']} "
+            f"{gm['k']}->{gm['n']}, {c['tokens']} tokens: {c[impl]['ms']:.3f} ms "
+            f"({c[impl]['tflop_s']:.1f} TFLOP/s), ragged_dot {c['ragged_dot']['ms']:.3f} ms, "
+            f"dense same-FLOPs {c['dense']['ms']:.3f} ms ({c['kernel_over_dense']:.1f}x), "
+            f"expert weights at {c['kernel_frac_copy_bw']:.0%} of copy bandwidth; "
+            f"max abs err vs ragged_dot {c['max_abs_err']:.2e} (tol {c['tolerance']:.0e}) "
+            f"{'ok' if c['ok'] else 'FAIL'}"
+        )
     m = r.get("model", {})
     for name in [x for x in m if x.startswith("batch")]:
         x = m[name]
@@ -418,6 +504,7 @@ def run(smoke: bool, out: str | None = None) -> dict:
     section("kernels", kernels_vs_reference, sizes, smoke)
     section("decode_attention", decode_attention, sizes, peak, smoke)
     section("ragged_prefill", ragged_prefill, sizes, peak, smoke)
+    section("grouped_matmul", grouped_matmul_check, sizes, peak, smoke)
     section("model", model_decode, sizes, peak, smoke)
     r["total_s"] = time.perf_counter() - t0
     r["ok"] = all(v.get("ok", True) for v in r.values() if isinstance(v, dict))

@@ -26,8 +26,8 @@ them to [L, E]. Summed over experts: real tokens x k per sparse layer.
 
 NOTE: on XLA:CPU `ragged_dot` lowers to one dense [T*k, E*D] x [E*D, F] matmul with masks
 (E times the FLOPs of the grouped product), so the model runs `pallas_kernels.grouped_matmul`
-(`MoeConfig.grouped_matmul`): `lax` loops over the groups on CPU, ragged_dot elsewhere, a
-Pallas TPU kernel (megablox gmm style) on request.
+(`MoeConfig.grouped_matmul`): `lax` loops over the groups on CPU, ragged_dot elsewhere,
+Pallas TPU (megablox gmm style) and GPU (Triton) kernels on request.
 
 Weights (per layer; stacked on a leading L axis in `MoeLayerWeights`):
     router   [D, E]         moe_gate, moe_up [E, D, Fm]         moe_down [E, Fm, D]
@@ -94,7 +94,9 @@ class MoeConfig(ModelConfig):
             )
         if self.moe_ffn_size <= 0:
             raise ValueError(f"moe_ffn_size={self.moe_ffn_size}: must be > 0")
-        impls = ("auto", "ragged_dot", "cpu", "tpu")
+        from pallas_kernels.grouped_matmul import IMPLS  # lazy: Pallas loads only for MoE
+
+        impls = ("auto", *IMPLS)
         if self.grouped_matmul not in impls:
             raise ValueError(f"grouped_matmul={self.grouped_matmul!r}: expected one of {impls}")
 
@@ -191,7 +193,7 @@ def ragged_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
 
 
 def grouped_matmul_fn(impl: str) -> GroupedMatmul:
-    """`pallas_kernels.grouped_matmul` with `impl` ("auto", "ragged_dot", "cpu", "tpu")."""
+    """`pallas_kernels.grouped_matmul` with `impl` ("auto" or one of its IMPLS)."""
     from pallas_kernels.grouped_matmul import grouped_matmul
 
     return functools.partial(grouped_matmul, impl=impl)

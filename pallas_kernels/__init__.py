@@ -31,7 +31,10 @@ gpu_decode.py / gpu_common.py, tpu_kernels.py, testing.py (NaN-filled test cases
 dense attention).
 
 Also here, beside the attention ops: the weight-only int8 matmul of quantized models
-(int8_matmul.py: reference, W8A8 and dispatch; int8_matmul_gpu.py, int8_matmul_tpu.py).
+(int8_matmul.py: reference, W8A8 and dispatch; int8_matmul_gpu.py, int8_matmul_tpu.py), and
+the grouped matmul of mixture-of-experts layers (grouped_matmul.py: dispatch, the XLA:CPU
+`lax` loops and the Pallas TPU kernel; grouped_matmul_gpu.py: the Pallas GPU kernel;
+grouped_layout.py: the (group, M tile) visit table both kernels walk).
 """
 
 from __future__ import annotations

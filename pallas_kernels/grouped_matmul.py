@@ -21,7 +21,9 @@ an empty group has no visit, and the visits past the real count repeat the last 
 same values stored again). Work is proportional to the rows, not to G x M as XLA:CPU's
 `ragged_dot` lowering (a dense matmul over every group with masks).
 
-On XLA:CPU `gmm_cpu` does the same walk with `lax` loops (impl "cpu", the default there).
+On XLA:CPU `gmm_cpu` does the same walk with `lax` loops (impl "cpu", the default there);
+on GPUs `grouped_matmul_gpu.gmm_gpu` does it as a Pallas Triton kernel (impl "gpu"). The
+visit table is grouped_layout.py's, shared by both kernels.
 
 NOTE: not run on a TPU (none was available): correctness comes from TPU interpret mode on
 CPU against `jax.lax.ragged_dot` and a float64 dense reference (tests/test_moe.py), and the
@@ -37,30 +39,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-IMPLS = ("ragged_dot", "cpu", "tpu")
+from pallas_kernels.grouped_layout import group_metadata
+from pallas_kernels.grouped_matmul_gpu import gmm_gpu
+
+IMPLS = ("ragged_dot", "cpu", "tpu", "gpu")
 CPU_TILE_ROWS = 8  # measured best of 8 / 32 / 128 at 8 - 4096 rows, 64 experts (WORKSPACE)
 
 
 def _pick_block(dim: int, choices: tuple[int, ...]) -> int:
     """The largest choice dividing dim, else the whole dim (always a legal block)."""
     return next((c for c in choices if dim % c == 0), dim)
-
-
-def group_metadata(group_sizes: jax.Array, m: int, tm: int):
-    """(offsets [G+1], visit_group [V], visit_tile [V]) int32, V = ceil(m / tm) + G - 1."""
-    g = group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
-    starts, ends = offsets[:-1], offsets[1:]
-    first_tile = starts // tm
-    tiles = jnp.where(sizes > 0, (ends + tm - 1) // tm - first_tile, 0)  # [G] visits
-    last = jnp.cumsum(tiles)  # visits through group e
-    num_visits = last[-1]
-    v_max = -(-m // tm) + g - 1
-    j = jnp.minimum(jnp.arange(v_max, dtype=jnp.int32), jnp.maximum(num_visits - 1, 0))
-    group = jnp.clip(jnp.searchsorted(last, j, side="right"), 0, g - 1).astype(jnp.int32)
-    tile = first_tile[group] + j - (last[group] - tiles[group])
-    return offsets, group, tile.astype(jnp.int32)
 
 
 def _kernel(offsets, visit_group, visit_tile, x_ref, w_ref, o_ref, acc_ref, *, tm, tiles_k):
@@ -157,8 +145,8 @@ def gmm_cpu(x, w, group_sizes, *, tm: int = CPU_TILE_ROWS):
 
 
 def resolve_impl(impl: str) -> str:
-    """ "auto": the `lax` loops on XLA:CPU, `ragged_dot` elsewhere (the Pallas TPU kernel is
-    not the default until it has run on a TPU)."""
+    """ "auto": the `lax` loops on XLA:CPU, `ragged_dot` elsewhere (the Pallas TPU and GPU
+    kernels are not the default until each has run on its device)."""
     if impl == "auto":
         return "cpu" if jax.default_backend() == "cpu" else "ragged_dot"
     if impl not in IMPLS:
@@ -168,7 +156,7 @@ def resolve_impl(impl: str) -> str:
 
 def grouped_matmul(x, w, group_sizes, *, impl: str = "ragged_dot", interpret: bool = False):
     """x [M, K] @ w[group] -> [M, N]; impl "ragged_dot" (XLA, every backend), "cpu" (`lax`
-    loops), "tpu" (Pallas) or "auto" (`resolve_impl`)."""
+    loops), "tpu" (Pallas TPU), "gpu" (Pallas Triton) or "auto" (`resolve_impl`)."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"grouped_matmul: x has shape {x.shape}, w {w.shape}: expected [M, K] and [G, K, N]"
@@ -182,4 +170,6 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "ragged_dot", interpret: bo
         return jax.lax.ragged_dot(x, w, group_sizes)
     if impl == "cpu":
         return gmm_cpu(x, w, group_sizes)
+    if impl == "gpu":
+        return gmm_gpu(x, w, group_sizes, interpret=interpret)
     return gmm_tpu(x, w, group_sizes, interpret=interpret)

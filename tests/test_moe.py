@@ -486,7 +486,7 @@ def test_server_metrics_show_a_served_moe_models_expert_load(checkpoint):
         assert steps and float(steps.group(1)) == llm.stats()["moe_steps"] > 0
 
 
-# ---- the Pallas grouped matmul (TPU kernel, interpret mode) -----------------------------------
+# ---- the Pallas grouped matmul (TPU and GPU kernels, interpret mode) ---------------------------
 GROUPS = [[10, 0, 27, 0], [37, 0, 0, 0], [0, 0, 0, 37], [5, 9, 0, 23], [3, 4, 0, 10]]
 
 
@@ -516,17 +516,62 @@ def test_pallas_grouped_matmul_equals_ragged_dot_and_float64(sizes, tm):
     np.testing.assert_allclose(loops, ref, atol=1e-4, rtol=1e-4)
 
 
+# the GPU kernel (Triton, interpret mode): (rows, group sizes) with empty groups, one group
+# taking every row, and totals below M (trailing rows zero); tm 16 makes tiles straddle groups
+GPU_GROUPS = [
+    (16, [5, 0, 9, 0]),
+    (16, [0, 16, 0, 0]),
+    (64, [10, 0, 37, 17]),
+    (64, [0, 0, 0, 64]),
+    (64, [3, 20, 0, 30]),
+]
+
+
 @pytest.mark.interpret
-def test_pallas_grouped_matmul_lowers_for_tpu_and_rejects_bad_shapes():
+@pytest.mark.parametrize("m,sizes", GPU_GROUPS, ids=lambda c: "-".join(map(str, np.ravel(c))))
+def test_pallas_gpu_grouped_matmul_equals_ragged_dot_and_float64(m, sizes):
+    """The Pallas GPU kernel (interpret mode) against ragged_dot and float64: K 40 and N 48
+    pad to the 16-wide blocks (3 K steps), tm 16 gives several visits per tile at a group
+    boundary, each writing only its group's rows."""
     from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.grouped_matmul_gpu import gmm_gpu
+
+    rng = np.random.default_rng(m + sum(i * s for i, s in enumerate(sizes)))
+    x = jnp.asarray(rng.normal(size=(m, 40)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 40, 48)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = np.asarray(gmm_gpu(x, w, gs, tm=16, tn=16, tk=16, interpret=True))
+    ragged = np.asarray(grouped_matmul(x, w, gs, impl="ragged_dot"))
+    group = np.repeat(np.arange(4), sizes)
+    ref = np.zeros((m, 48))
+    ref[: len(group)] = np.einsum(
+        "mk,mkn->mn", np.asarray(x, np.float64)[: len(group)], np.asarray(w, np.float64)[group]
+    )
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out, ragged, atol=1e-4, rtol=1e-4)
+    assert not out[len(group) :].any()  # rows past the groups: exactly zero
+
+
+@pytest.mark.interpret
+def test_pallas_grouped_matmul_lowers_for_tpu_and_gpu_and_rejects_bad_shapes():
+    from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.grouped_matmul_gpu import gmm_gpu
 
     x, w, gs = jnp.zeros((64, 256)), jnp.zeros((4, 256, 512)), jnp.full((4,), 16, jnp.int32)
-    f = jax.jit(lambda a, b, c: grouped_matmul(a, b, c, impl="tpu"))
-    assert "tpu_custom_call" in f.trace(x, w, gs).lower(lowering_platforms=("tpu",)).as_text()
+    for impl, platform, marker in (("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "triton")):
+        f = jax.jit(lambda a, b, c, impl=impl: grouped_matmul(a, b, c, impl=impl))
+        assert marker in f.trace(x, w, gs).lower(lowering_platforms=(platform,)).as_text()
     with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\), expected \(4,\)"):
         grouped_matmul(x, w, gs[:3])
-    with pytest.raises(ValueError, match=r"impl='gpu' is unknown \(known: auto"):
-        grouped_matmul(x, w, gs, impl="gpu")
+    with pytest.raises(ValueError, match=r"impl='cuda' is unknown \(known: auto"):
+        grouped_matmul(x, w, gs, impl="cuda")
+    with pytest.raises(ValueError, match=r"tm=24 must be a power of two >= 16"):
+        gmm_gpu(x, w, gs, tm=24)
+    dims = dict(name="m", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2)
+    dims |= dict(ffn_size=128, vocab_size=VOCAB)
+    assert moe.MoeConfig(**dims, grouped_matmul="gpu").grouped_matmul == "gpu"
+    with pytest.raises(ValueError, match=r"grouped_matmul='cuda': expected one of"):
+        moe.MoeConfig(**dims, grouped_matmul="cuda")
 
 
 @pytest.mark.compile
