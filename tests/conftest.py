@@ -16,20 +16,42 @@ if _shared_cache:
     os.environ["PAGEDJAX_COMPILATION_CACHE_DIR"] = _shared_cache
 os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE_DIR", "")
 # NOTE: the suite compiles ~1,000 distinct small XLA:CPU programs (each test's engine
-# configs and step shapes) and on the tiny model compiling dominates its CPU time. LLVM at
-# -O0 compiles them ~1.5x faster with identical results (XLA's HLO passes and the matmul
-# runtime calls are unchanged; float semantics do not depend on LLVM's level): measured
-# 2026-12-01, test_engine + test_prefix_cache_engine + test_engine_faults 298 -> 200 CPU s,
-# SmolLM2 parity + detokenize 164 -> 161 CPU s (matmul-bound), same pass counts. Benchmarks
-# and the server keep XLA's default; subprocesses the tests start inherit this.
-# PAGEDJAX_XLA_DEFAULT_OPT=1 keeps XLA's default level: tests/test_default_opt_level.py runs
-# a small exactness subset that way, so a difference the level makes would show.
-_keep_default_opt = os.environ.get("PAGEDJAX_XLA_DEFAULT_OPT") == "1"
-if not _keep_default_opt and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    _flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    os.environ["XLA_FLAGS"] = _flags.strip()
+# configs and step shapes) and on the small models compiling dominates its CPU time, so it
+# compiles with two XLA:CPU flags that change how fast programs build, not what they compute
+# (every oracle of the suite holds with them; tests/test_default_opt_level.py reruns an
+# exactness subset without them, and the README server test starts the server without them):
+# - LLVM at -O0: ~1.5x faster compiles, same results (XLA's HLO passes and the matmul
+#   runtime calls are unchanged; float semantics do not depend on LLVM's level): measured
+#   2026-12-01, test_engine + test_prefix_cache_engine + test_engine_faults 298 -> 200 CPU s;
+# - XLA:CPU's older elemental emitters for fusions instead of its MLIR fusion emitters:
+#   measured 2026-12-07 (quiet machine, one after the other), six files (spec draft, quant
+#   report, MoE, model families, SmolLM2 parity and structured output) 515 -> 283 CPU s,
+#   379 -> 219 s wall, 69 passed both ways; a tiny engine's step program compiles in ~0.4 s
+#   instead of ~1 s. SmolLM2's own programs gain nothing (its test took the same time).
+#   SmolLM2's own programs go the other way: test_engine's SmolLM2 paged == dense compiled
+#   its 5 step programs in 27.6 s against 13.1 s and ran 72 s against 40 s (2026-12-07), so a
+#   process of SmolLM2 tests keeps the fusion emitters: tests/lanes.py (make test) runs the
+#   tests marked `smollm2` (below) apart with PAGEDJAX_TEST_FUSION_EMITTERS=1.
+# Benchmarks and the server keep XLA's defaults; subprocesses the tests start inherit these.
+# PAGEDJAX_XLA_DEFAULT_OPT=1 keeps XLA's defaults (neither flag).
+FUSION_FLAG = "--xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", FUSION_FLAG)
+
+
+def without_test_xla_flags(xla_flags: str) -> str:
+    """XLA_FLAGS less the suite's TEST_XLA_FLAGS: the XLA a user's server runs."""
+    names = {f.split("=")[0] for f in TEST_XLA_FLAGS}
+    return " ".join(f for f in xla_flags.split() if f.split("=")[0] not in names)
+
+
+if os.environ.get("PAGEDJAX_XLA_DEFAULT_OPT") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    _set = {f.split("=")[0] for f in _flags}
+    _wanted = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in _set]
+    if os.environ.get("PAGEDJAX_TEST_FUSION_EMITTERS") == "1":
+        _wanted.remove(FUSION_FLAG)
+    _flags += _wanted
+    os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -41,11 +63,13 @@ if _shared_cache:
 
 
 def pytest_collection_modifyitems(items):
-    """Every test that loads the real model is `slow` (left out of `make test-fast`) because
-    it asks for the `smollm2` fixture: the marker cannot be forgotten."""
+    """Every test that loads the real model is `slow` (left out of `make test-fast`) and
+    `smollm2` (tests/lanes.py runs those apart) because it asks for the `smollm2` fixture:
+    the markers cannot be forgotten."""
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.smollm2)
 
 
 # A SmolLM2-size variant that `make test` leaves to `make test-full-sizes` (the 20-minute

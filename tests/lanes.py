@@ -7,7 +7,12 @@ files, each group a fresh process. Why not fixed lanes: files differ in cost by 
 a lane split by file name was 4 minutes longer than its twin. So each lane takes the next
 group from one queue, ordered by the time its files took last time (`tests/durations.json`,
 seconds of wall time per file, rewritten with `--record`): longest-processing-time-first,
-which ends the lanes within about one group of each other.
+which ends the lanes within about one group of each other. Groups of files that mostly
+wait (`WAITING`: the Ray cluster tests) take one extra lane of their own from the start, so
+the `--lanes` lanes keep both cores compiling meanwhile. A group whose files may use the
+real model runs as two processes: its SmolLM2 tests apart, with XLA:CPU's fusion emitters
+kept (they compile SmolLM2's programs 2x faster than the older emitters the rest of the
+suite uses; tests/conftest.py).
 
 Groups: a file estimated over `--group_s` runs alone; smaller ones are packed together up
 to that size (one interpreter start and JAX import per group, not per file).
@@ -47,6 +52,8 @@ import xml.etree.ElementTree as ET
 DURATIONS_PATH = os.path.join(os.path.dirname(__file__), "durations.json")
 UNKNOWN_FILE_S = 30.0  # estimate for a file with no recorded time (a new test file)
 CACHE_ENV = "PAGEDJAX_TEST_COMPILATION_CACHE_DIR"  # read by tests/conftest.py
+FUSION_ENV = "PAGEDJAX_TEST_FUSION_EMITTERS"  # read by tests/conftest.py
+REAL_MODEL_MARK = "smollm2"  # the marker tests/conftest.py gives the real model's tests
 
 
 def load_durations(path: str = DURATIONS_PATH) -> dict[str, float]:
@@ -62,6 +69,20 @@ def load_durations(path: str = DURATIONS_PATH) -> dict[str, float]:
 # two clusters on two cores starved each other, and a driver attaching to "its" cluster could
 # find the other one (a run of 2026-12-06 read the other file's Serve status as it shut down).
 TOGETHER = (("test_ray_routing.py", "test_ray_serve.py"),)
+
+# Files that mostly wait (on a Ray cluster's actors, on mock steps that sleep, on replies):
+# a group holding one runs on a lane of its own beside the `--lanes` lanes, from the start.
+# Measured 2026-12-07: the Ray pair took 205 s wall alone with ~150 CPU s of the machine's,
+# 452 s on one of the two lanes beside compiling files, and the machine sat ~30% idle for
+# those minutes (vmstat) with one lane waiting.
+WAITING = ("test_ray_routing.py", "test_ray_serve.py")
+
+
+def split_waiting(groups: list[list[str]], waiting=WAITING) -> tuple[list, list]:
+    """(groups with a `waiting` file, the others), each in the order given."""
+    names = set(waiting)
+    held = [g for g in groups if any(os.path.basename(f) in names for f in g)]
+    return held, [g for g in groups if g not in held]
 
 
 def plan_groups(
@@ -151,24 +172,58 @@ class _Lane(threading.Thread):
                     record(result["times"])
 
     def _run_group(self, group: list[str]) -> dict:
-        with tempfile.TemporaryDirectory() as tmp:
-            junit = os.path.join(tmp, "junit.xml")
-            cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}"]
-            cmd += self.pytest_args + group
-            start = time.monotonic()
-            proc = subprocess.run(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
-            )
-            wall_s = time.monotonic() - start
-            cases = case_times(junit)
-            times = file_times(junit)
-        ok = proc.returncode in (0, 5)  # 5: nothing collected (every test deselected)
-        lines = proc.stdout.rstrip().splitlines()
+        start = time.monotonic()
+        cases: dict[str, float] = {}
+        outputs, ok = [], True
+        for selection, extra_env in group_runs(group, self.pytest_args):
+            with tempfile.TemporaryDirectory() as tmp:
+                junit = os.path.join(tmp, "junit.xml")
+                cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}"]
+                cmd += selection + self.pytest_args + group
+                proc = subprocess.run(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**self.env, **extra_env},
+                )
+                for case, seconds in case_times(junit).items():
+                    cases[case] = cases.get(case, 0.0) + seconds
+            ok &= proc.returncode in (0, 5)  # 5: nothing collected (every test deselected)
+            outputs.append(proc)
+        wall_s = time.monotonic() - start
+        times: dict[str, float] = {}
+        for case, seconds in cases.items():
+            times[case.split("::")[0]] = times.get(case.split("::")[0], 0.0) + seconds
         with self.lock:
             names = " ".join(os.path.basename(f) for f in group)
             print(f"[lane {self.index}] {wall_s:6.0f} s  {names}", flush=True)
-            print(proc.stdout if not ok else "    " + (lines[-1] if lines else ""), flush=True)
+            for proc in outputs:
+                lines = proc.stdout.rstrip().splitlines()
+                failed = proc.returncode not in (0, 5)
+                print(proc.stdout if failed else "    " + (lines[-1] if lines else ""), flush=True)
         return {"group": group, "ok": ok, "wall_s": wall_s, "times": times, "cases": cases}
+
+
+def mentions_real_model(path: str) -> bool:
+    """Whether a test file may ask for the real model (the `smollm2` fixture): a cheap text
+    check, erring towards yes (a yes costs one more pytest process that selects nothing)."""
+    try:
+        with open(path) as f:
+            return REAL_MODEL_MARK in f.read()
+    except OSError:
+        return True
+
+
+def group_runs(group: list[str], pytest_args: list[str]) -> list[tuple[list[str], dict]]:
+    """(pytest selection, extra environment) of each process a group runs as: the tests of the
+    real model (marker `smollm2`, tests/conftest.py) in a process of their own that keeps
+    XLA:CPU's fusion emitters (FUSION_ENV; tests/conftest.py says why), the rest with the
+    suite's flags. One process when the caller selects with -m itself or no file of the group
+    mentions the real model."""
+    if "-m" in pytest_args or not any(mentions_real_model(f) for f in group):
+        return [([], {})]
+    return [(["-m", f"not {REAL_MODEL_MARK}"], {}), (["-m", REAL_MODEL_MARK], {FUSION_ENV: "1"})]
 
 
 def main(argv=None) -> int:
@@ -190,8 +245,12 @@ def main(argv=None) -> int:
     files = [os.path.relpath(f) for f in files]
     durations = load_durations()
     work: queue.Queue = queue.Queue()
-    for group in plan_groups(files, durations, args.group_s):
+    waiting_work: queue.Queue = queue.Queue()
+    waiting, compiling = split_waiting(plan_groups(files, durations, args.group_s))
+    for group in compiling:
         work.put(group)
+    for group in waiting:
+        waiting_work.put(group)
     results: list[dict] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -208,6 +267,8 @@ def main(argv=None) -> int:
             _Lane(i, work, results, pytest_args, lock, args.record, env)
             for i in range(max(1, args.lanes))
         ]
+        if waiting:  # one more lane, for the waiting groups only
+            lanes.append(_Lane("w", waiting_work, results, pytest_args, lock, args.record, env))
         for lane in lanes:
             lane.start()
         for lane in lanes:
@@ -222,7 +283,8 @@ def main(argv=None) -> int:
             print(f"{seconds:8.1f} s  {case}")
     failed = [r for r in results if not r["ok"]]
     print(
-        f"---- {len(results)} groups on {len(lanes)} lanes in {time.monotonic() - start:.0f} s; "
+        f"---- {len(results)} groups on {len(lanes)} lanes ({len(waiting)} waiting) in "
+        f"{time.monotonic() - start:.0f} s; "
         f"{len(failed)} failed: {' '.join(' '.join(r['group']) for r in failed) or '-'}"
     )
     return 1 if failed else 0

@@ -1,7 +1,7 @@
-"""Exactness at XLA:CPU's default optimisation level. The suite runs LLVM at -O0
-(tests/conftest.py: compiles ~1.5x faster, same floats); the server and the benchmarks
-run at XLA's default. This file reruns a small exactness subset in a fresh pytest process
-at the default level, so a difference the optimisation level makes (a fused or reordered
+"""Exactness at XLA:CPU's defaults. The suite compiles with LLVM at -O0 and XLA:CPU's older
+fusion emitters (tests/conftest.py TEST_XLA_FLAGS: faster compiles, same floats); the server
+and the benchmarks run XLA's defaults. This file reruns a small exactness subset in a fresh
+pytest process without those flags, so a difference they make (a fused or reordered
 reduction changing a greedy pick) shows in `make test`:
 
     paged engine == dense loop, 32 mixed prompts, token for token (tests/test_engine.py)
@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from tests.conftest import FUSION_FLAG, TEST_XLA_FLAGS, without_test_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBSET = [
     "tests/test_engine.py::test_32_mixed_prompts_match_dense_loop[unrolled]",
@@ -29,21 +31,21 @@ SUBSET = [
 
 
 def test_this_process_runs_at_the_level_it_was_asked_for():
-    """In the child (PAGEDJAX_XLA_DEFAULT_OPT=1) no level flag is set; otherwise -O0."""
+    """In the child (PAGEDJAX_XLA_DEFAULT_OPT=1) none of the suite's flags is set; otherwise
+    all of them."""
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("PAGEDJAX_XLA_DEFAULT_OPT") == "1":
-        assert "xla_backend_optimization_level" not in flags, flags
+        assert without_test_xla_flags(flags) == " ".join(flags.split()), flags
     else:
-        assert "--xla_backend_optimization_level=0" in flags, flags
+        wanted = set(TEST_XLA_FLAGS)
+        if os.environ.get("PAGEDJAX_TEST_FUSION_EMITTERS") == "1":  # real-model processes
+            wanted.discard(FUSION_FLAG)
+        assert wanted <= set(flags.split()), flags
 
 
 @pytest.mark.subprocess
 def test_exactness_subset_at_the_default_optimisation_level():
-    flags = " ".join(
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_backend_optimization_level")
-    )
+    flags = without_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
     env = dict(os.environ, XLA_FLAGS=flags, PAGEDJAX_XLA_DEFAULT_OPT="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET],

@@ -29,6 +29,7 @@ from serving.engine_host.mock_engine import MockEngine
 from serving.frontend.admission import AdmissionConfig
 from serving.server import PagedJaxServer, ServerConfig
 from serving.testing import free_port, wait_serving
+from tests.conftest import without_test_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900  # only guards against a hang: warm-up on a loaded 2-core machine
@@ -37,21 +38,15 @@ START_TIMEOUT_S = 900  # only guards against a hang: warm-up on a loaded 2-core 
 def _spawn(args: list[str], log: Path, *, xla_default_opt: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     if xla_default_opt:
-        env["XLA_FLAGS"] = _without_test_opt_level(env.get("XLA_FLAGS", ""))
+        # NOTE: the suite's LLVM -O0 compiles faster but runs SmolLM2's big prefill steps
+        # slower: the default server's start-up capacity probe took 92 s at -O0 and 39 s at
+        # the default level, warm-up 43 s and 73 s; ready at 142 s against 118 s (load ~2,
+        # 2026-12-05; WORKSPACE.md, test time)
+        env["XLA_FLAGS"] = without_test_xla_flags(env.get("XLA_FLAGS", ""))
     with open(log, "w") as f:
         return subprocess.Popen(
             [sys.executable, "-m", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env
         )
-
-
-def _without_test_opt_level(xla_flags: str) -> str:
-    """XLA_FLAGS less the suite's LLVM -O0 (tests/conftest.py): the level a user's server runs
-    at. NOTE: -O0 compiles faster but runs SmolLM2's big prefill steps slower: the default
-    server's start-up capacity probe (serving/frontend/capacity_model.py) took 92 s at -O0
-    and 39 s at the default level, warm-up 43 s and 73 s; ready at 142 s against 118 s,
-    240 CPU s against 213 (load ~2, 2026-12-05; WORKSPACE.md, test time)."""
-    kept = [f for f in xla_flags.split() if not f.startswith("--xla_backend_optimization_level")]
-    return " ".join(kept)
 
 
 def _wait_for_line(proc: subprocess.Popen, log: Path, text: str) -> None:
@@ -100,7 +95,7 @@ def test_readme_server_with_defaults_becomes_ready_and_answers_a_chat(tmp_path):
             f"--compilation_cache_dir={tmp_path / 'xla'}",
         ],
         log,
-        xla_default_opt=True,  # as a user runs it (and cheaper: see _without_test_opt_level)
+        xla_default_opt=True,  # as a user runs it (and cheaper: see _spawn)
     )
     try:
         _wait_ready_http(proc, log, http_port)

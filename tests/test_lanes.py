@@ -4,12 +4,16 @@ compilation cache named to every process of a run."""
 
 from tests.lanes import (
     CACHE_ENV,
+    FUSION_ENV,
     TOGETHER,
     UNKNOWN_FILE_S,
+    WAITING,
     case_times,
     file_times,
+    group_runs,
     plan_groups,
     shared_cache_env,
+    split_waiting,
 )
 
 
@@ -62,3 +66,22 @@ def test_shared_cache_env_names_the_directory_or_none(tmp_path):
     assert shared_cache_env(None, environ={"PATH": "/bin", CACHE_ENV: "/elsewhere"}) == {
         "PATH": "/bin"
     }
+
+
+def test_waiting_groups_get_a_lane_of_their_own():
+    groups = [["tests/test_a.py"], ["tests/test_r.py", "tests/test_s.py"], ["tests/test_d.py"]]
+    held, rest = split_waiting(groups, waiting=("test_s.py",))
+    assert held == [["tests/test_r.py", "tests/test_s.py"]]
+    assert rest == [["tests/test_a.py"], ["tests/test_d.py"]]
+    assert split_waiting(groups, waiting=()) == ([], groups)
+    assert set(WAITING) <= {name for pair in TOGETHER for name in pair}  # never two clusters
+
+
+def test_real_model_tests_run_apart_with_the_fusion_emitters(tmp_path):
+    tiny, real = tmp_path / "test_tiny.py", tmp_path / "test_real.py"
+    tiny.write_text("def test_a(tiny_model): pass\n")
+    real.write_text("def test_b(smollm2): pass\n")
+    assert group_runs([str(tiny)], []) == [([], {})]
+    runs = group_runs([str(tiny), str(real)], ["-x"])
+    assert runs == [(["-m", "not smollm2"], {}), (["-m", "smollm2"], {FUSION_ENV: "1"})]
+    assert group_runs([str(real)], ["-m", "slow"]) == [([], {})]  # the caller's selection

@@ -118,7 +118,8 @@ def test_documented_serve_config_runs_two_replicas_equal_to_one_engine(tmp_path,
     app["args"].update(model="tiny", num_replicas=2, server_args=SERVER_ARGS)
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    # RAY_worker_niceness: the replicas at normal priority (tests/test_ray_routing.py says why)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", RAY_worker_niceness="0")
     env.pop("RAY_ADDRESS", None)  # a cluster of its own, not one this shell may point at
     serve_cli = Path(sys.executable).with_name("serve")
     log = tmp_path / "serve.log"
