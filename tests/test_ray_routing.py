@@ -31,6 +31,8 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -168,15 +170,23 @@ def test_autoscaling_policy_reads_replica_load_and_kv_usage():
         autoscale.PagedJaxAutoscalingPolicy(kv_usage_target=0)
 
 
+def _server_flag_defaults(names) -> dict:
+    """serving.server's defaults for `names`, read in a fresh interpreter: this process's absl
+    FLAGS may already hold another command's --model (make test-fast runs every file in one
+    process), and the server's flags cannot be defined beside it."""
+    code = (
+        "import json, sys; from absl import flags; import serving.server as m; "
+        "m.define_flags(); print(json.dumps({n: flags.FLAGS[n].default for n in sys.argv[1:]}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_serve_cap_sits_above_the_replica_capacity():
-    from absl import flags
-
-    from serving import server as srv
-
-    if "model" not in flags.FLAGS:
-        srv.define_flags()
-    for name, default in autoscale.SERVER_DEFAULTS.items():
-        assert flags.FLAGS[name].default == default, name
+    assert _server_flag_defaults(autoscale.SERVER_DEFAULTS) == autoscale.SERVER_DEFAULTS
     argv = ["serving.server", "--max_num_seqs=4", "--max_queue_requests=3"]
     assert autoscale.replica_capacity(argv) == 7
     options = autoscale.deployment_options({"num_replicas": 2}, argv)
@@ -348,6 +358,7 @@ def check_sessions_and_tenants(client, replies) -> None:
         _complete(client, follower, key="key-wrong")
 
 
+@pytest.mark.subprocess  # a local Ray cluster: its workers are processes
 def test_prefix_affinity_routing_hits_the_cache_and_beats_the_default_router(
     serve_port, tiny_model, tmp_path
 ):
@@ -375,6 +386,7 @@ def _replicas(app: str) -> int:
     return status.deployments["pagedjax"].replica_states.get("RUNNING", 0) if status else 0
 
 
+@pytest.mark.subprocess  # a local Ray cluster: its workers are processes
 def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
     import httpx
 
@@ -427,6 +439,7 @@ def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
         serve.delete("scaled")
 
 
+@pytest.mark.subprocess  # a local Ray cluster: its workers are processes
 def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
     """A deployment capped below its replica's capacity (max_ongoing_requests=1) with Serve's
     queue bounded at 1: of a burst, at most 1 + 1 are served (each runs 10 s, longer than the
@@ -459,6 +472,7 @@ def _replica_names(app: str) -> set[str]:
     return {a["name"].removeprefix(prefix) for a in actors if a["name"].startswith(prefix)}
 
 
+@pytest.mark.subprocess  # a local Ray cluster: its workers are processes
 def test_killed_replica_ends_its_streams_with_an_error_and_serve_replaces_it(serve_port):
     """2 mock replicas (200 tokens: 10 s a stream), streams on both; one replica's actor is
     killed mid-stream: its streams end with an error event the openai SDK raises (never a
