@@ -27,11 +27,11 @@ os.environ.setdefault("PAGEDJAX_COMPILATION_CACHE_DIR", "")
 #   measured 2026-12-07 (quiet machine, one after the other), six files (spec draft, quant
 #   report, MoE, model families, SmolLM2 parity and structured output) 515 -> 283 CPU s,
 #   379 -> 219 s wall, 69 passed both ways; a tiny engine's step program compiles in ~0.4 s
-#   instead of ~1 s. SmolLM2's own programs gain nothing (its test took the same time).
-#   SmolLM2's own programs go the other way: test_engine's SmolLM2 paged == dense compiled
-#   its 5 step programs in 27.6 s against 13.1 s and ran 72 s against 40 s (2026-12-07), so a
-#   process of SmolLM2 tests keeps the fusion emitters: tests/lanes.py (make test) runs the
-#   tests marked `smollm2` (below) apart with PAGEDJAX_TEST_FUSION_EMITTERS=1.
+#   instead of 0.9-1.2 s. SmolLM2's own programs go the other way: test_engine's SmolLM2
+#   paged == dense compiled its 5 step programs in 27.6 s against 13.1 s and ran 72 s against
+#   40 s (2026-12-07), so a process of SmolLM2 tests keeps the fusion emitters:
+#   tests/lanes.py (make test) runs the tests marked `smollm2` (below) apart with
+#   PAGEDJAX_TEST_FUSION_EMITTERS=1.
 # Benchmarks and the server keep XLA's defaults; subprocesses the tests start inherit these.
 # PAGEDJAX_XLA_DEFAULT_OPT=1 keeps XLA's defaults (neither flag).
 FUSION_FLAG = "--xla_cpu_use_fusion_emitters=false"

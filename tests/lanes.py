@@ -134,13 +134,18 @@ def case_times(junit_path: str) -> dict[str, float]:
     return out
 
 
-def file_times(junit_path: str) -> dict[str, float]:
-    """Seconds per test file from a pytest JUnit XML report (sum of its test cases)."""
+def per_file(cases: dict[str, float]) -> dict[str, float]:
+    """Seconds per test file ("test_x.py") from seconds per case ("test_x.py::name")."""
     out: dict[str, float] = {}
-    for case, seconds in case_times(junit_path).items():
+    for case, seconds in cases.items():
         key = case.split("::")[0]
         out[key] = out.get(key, 0.0) + seconds
     return out
+
+
+def file_times(junit_path: str) -> dict[str, float]:
+    """Seconds per test file from a pytest JUnit XML report (sum of its test cases)."""
+    return per_file(case_times(junit_path))
 
 
 def shared_cache_env(cache_dir: str | None, environ=os.environ) -> dict[str, str]:
@@ -192,9 +197,7 @@ class _Lane(threading.Thread):
             ok &= proc.returncode in (0, 5)  # 5: nothing collected (every test deselected)
             outputs.append(proc)
         wall_s = time.monotonic() - start
-        times: dict[str, float] = {}
-        for case, seconds in cases.items():
-            times[case.split("::")[0]] = times.get(case.split("::")[0], 0.0) + seconds
+        times = per_file(cases)
         with self.lock:
             names = " ".join(os.path.basename(f) for f in group)
             print(f"[lane {self.index}] {wall_s:6.0f} s  {names}", flush=True)
