@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -172,8 +173,8 @@ def test_autoscaling_policy_reads_replica_load_and_kv_usage():
 
 def _server_flag_defaults(names) -> dict:
     """serving.server's defaults for `names`, read in a fresh interpreter: this process's absl
-    FLAGS may already hold another command's --model (make test-fast runs every file in one
-    process), and the server's flags cannot be defined beside it."""
+    FLAGS may already hold another command's --model (a pytest process that runs many files,
+    as make test-fast's lanes do), and the server's flags cannot be defined beside it."""
     code = (
         "import json, sys; from absl import flags; import serving.server as m; "
         "m.define_flags(); print(json.dumps({n: flags.FLAGS[n].default for n in sys.argv[1:]}))"
@@ -442,20 +443,31 @@ def test_replica_sheds_with_retry_after_and_serve_scales_out(serve_port):
 @pytest.mark.subprocess  # a local Ray cluster: its workers are processes
 def test_serve_queue_in_front_of_a_full_replica_is_bounded(serve_port):
     """A deployment capped below its replica's capacity (max_ongoing_requests=1) with Serve's
-    queue bounded at 1: of a burst, at most 1 + 1 are served (each runs 10 s, longer than the
-    burst takes to arrive even on a loaded machine), the rest get Serve's 429 +
-    Retry-After at once from the ingress (no replica header: no replica saw them)."""
+    queue bounded at 1: of a burst, at most 1 + 1 are served (each runs 20 s, far longer than
+    the burst takes to arrive even on a loaded machine), the rest get Serve's 429 +
+    Retry-After at once from the ingress (no replica header: no replica saw them).
+    NOTE: the burst leaves together from a barrier over one open client: with a client made
+    per request and 10-s requests, a make test run of 2026-12-07 (three lanes on 2 cores) saw
+    3 served, one request having reached Serve after the first had finished."""
     import httpx
 
-    server_args = ["--mock_step_time_s=0.05", "--capacity_probe=false", "--log_level=warning"]
+    server_args = ["--mock_step_time_s=0.1", "--capacity_probe=false", "--log_level=warning"]
     args = dict(model="mock", num_replicas=1, num_cpus=0.5, server_args=server_args)
     bounds = dict(max_ongoing_requests=1, max_queued_requests=1, retry_after_s=2.0)
     serve.run(build_app({**args, **bounds}), name="bounded", route_prefix="/")
     url = f"http://127.0.0.1:{serve_port}/v1/completions"
     body = {"model": "mock", "prompt": "abc", "max_tokens": 200, "ignore_eos": True}
+    together = threading.Barrier(6)
+    limits = httpx.Limits(max_connections=6)
     try:
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            replies = list(pool.map(lambda _: httpx.post(url, json=body, timeout=120), range(6)))
+        with httpx.Client(timeout=120, limits=limits) as client:
+
+            def send(_):
+                together.wait(30)
+                return client.post(url, json=body)
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                replies = list(pool.map(send, range(6)))
     finally:
         serve.delete("bounded")
     served = [r for r in replies if r.status_code == 200]
