@@ -54,13 +54,13 @@ reliability: install
 disagg-bench: install
 	$(VPY) -m benchmarks.disagg_bench $(DISAGG_ARGS)
 
-# The inner loop (target: a minute; measured 470 s wall on 2026-12-07 before the Ray cluster
-# tests were marked `subprocess`; it prints its 15 slowest): every package, without the four
-# slow kinds of test (markers in pyproject.toml). `make test` and CI run everything.
-# TEST_XLA_CACHE=DIR: a compilation cache kept between runs, as for `make test` (none by default).
-FAST := not slow and not interpret and not subprocess and not compile
+# The inner loop (target: a minute on 2 cores): every test case that a full run measured under
+# 0.4 s and that needs no costly fixture, without the four slow kinds of test (markers in
+# pyproject.toml), on two lanes (tests/tier.py says how it is cut; `make test` with
+# `python -m tests.lanes --record` re-measures). `make test` and CI run everything.
+# TEST_XLA_CACHE=DIR: a compilation cache kept between runs (none by default).
 test-fast: install
-	PAGEDJAX_TEST_COMPILATION_CACHE_DIR=$(TEST_XLA_CACHE) $(VPY) -m pytest -q -m "$(FAST)" --durations=15 tests
+	$(VPY) -m tests.lanes --fast --lanes=2 --slowest=15 --compilation_cache_dir=$(or $(TEST_XLA_CACHE),none)
 
 lint: install
 	$(VPY) -m ruff check .

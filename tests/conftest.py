@@ -53,8 +53,15 @@ if os.environ.get("PAGEDJAX_XLA_DEFAULT_OPT") != "1":
     _flags += _wanted
     os.environ["XLA_FLAGS"] = " ".join(_flags)
 
+import json  # noqa: E402
+import time  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from tests import tier as tests_tier  # noqa: E402
+
+_PHASE_TIMES_PATH = os.environ.get(tests_tier.PHASE_TIMES_ENV, "")
 
 if _shared_cache:
     from engine.runner import compilation_cache  # noqa: E402
@@ -62,14 +69,66 @@ if _shared_cache:
     compilation_cache.enable(_shared_cache)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast-tier",
+        action="store_true",
+        help="make test-fast: leave out the test cases tests/tier.py leaves out by their "
+        "recorded times (tests/case_times.json)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
     """Every test that loads the real model is `slow` (left out of `make test-fast`) and
     `smollm2` (tests/lanes.py runs those apart) because it asks for the `smollm2` fixture:
-    the markers cannot be forgotten."""
+    the markers cannot be forgotten. With --fast-tier, the cases tests/tier.py leaves out
+    are deselected."""
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.smollm2)
+        if _PHASE_TIMES_PATH:
+            marked = any(item.get_closest_marker(m) for m in tests_tier.SLOW_MARKERS)
+            _recorded[tests_tier.case_key(item.nodeid)] = [0.0, 0.0, int(marked), []]
+            _fixtures_of[tests_tier.case_key(item.nodeid)] = getattr(item, "fixturenames", ())
+    if config.getoption("--fast-tier"):
+        keys = [tests_tier.case_key(item.nodeid) for item in items]
+        out = tests_tier.left_out(keys, tests_tier.load_case_times())
+        if out:
+            config.hook.pytest_deselected(items=[i for i, k in zip(items, keys) if k in out])
+            items[:] = [i for i, k in zip(items, keys) if k not in out]
+
+
+# What tests/tier.py cuts the fast tier by, written at the end of the process to the file
+# named in $PAGEDJAX_TEST_PHASE_TIMES (tests/lanes.py --record sets it and keeps
+# tests/case_times.json): per case, its setup and run seconds, whether it has a slow marker,
+# and which of the fixtures that took over FAST_CASE_S to set up it asks for.
+_recorded: dict[str, list] = {}
+_fixtures_of: dict[str, tuple[str, ...]] = {}
+_costly_fixtures: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    start = time.perf_counter()
+    yield
+    if _PHASE_TIMES_PATH and time.perf_counter() - start > tests_tier.FAST_CASE_S:
+        _costly_fixtures.add(fixturedef.argname)
+
+
+def pytest_runtest_logreport(report):
+    if _PHASE_TIMES_PATH:
+        entry = _recorded.setdefault(tests_tier.case_key(report.nodeid), [0.0, 0.0, 0, []])
+        entry[0 if report.when == "setup" else 1] += report.duration
+
+
+def pytest_sessionfinish(session):
+    ran = {k: v for k, v in _recorded.items() if v[0] or v[1]}  # not the deselected ones
+    if _PHASE_TIMES_PATH and ran:
+        for case, entry in ran.items():
+            entry[3] = sorted(_costly_fixtures.intersection(_fixtures_of.get(case, ())))
+        with open(_PHASE_TIMES_PATH, "w") as f:
+            json.dump(ran, f)
 
 
 # A SmolLM2-size variant that `make test` leaves to `make test-full-sizes` (the 20-minute
@@ -92,6 +151,16 @@ def tiny_model():
     from models.registry import load_model
 
     return load_model("tiny")
+
+
+def pytest_collection_finish(session):
+    """What collection built (every test module's imports: JAX, torch, transformers, ~600k
+    objects) lives to the end, so it moves out of the garbage collector's sight: each full
+    collection (the one after every module below, and Python's own) then walks only what the
+    tests made since. NOTE: the per-module collect took ~0.5 s each (make test-fast, 2026-12-08:
+    15 s of a 50-s lane was module teardowns)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -32,6 +32,9 @@ file is truncated on open; zlib ignores what follows the stream). JAX's own lock
 with a size limit whose eviction scan reads every entry on each write (0.24 s per write at
 3,000 entries under load), too slow for a run that writes thousands.
 The slowest test cases of the run are printed at the end (`--slowest`).
+
+`--fast` (make test-fast) runs the inner-loop tier instead (tests/tier.py: the cases that a
+`--record` run measured cheap), as one process per lane, files balanced by those times.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+
+from tests import tier
 
 DURATIONS_PATH = os.path.join(os.path.dirname(__file__), "durations.json")
 UNKNOWN_FILE_S = 30.0  # estimate for a file with no recorded time (a new test file)
@@ -118,6 +123,18 @@ def plan_groups(
     return sorted(groups, key=lambda g: -sum(est[f] for f in g))
 
 
+def balanced_groups(estimates: dict[str, float], n: int) -> list[list[str]]:
+    """The files of `estimates` (seconds each) in `n` groups of about equal total: each file,
+    longest first, to the group with the least so far (longest-processing-time-first)."""
+    groups: list[list[str]] = [[] for _ in range(max(1, n))]
+    totals = [0.0] * len(groups)
+    for f in sorted(estimates, key=lambda f: -estimates[f]):
+        i = totals.index(min(totals))
+        groups[i].append(f)
+        totals[i] += estimates[f]
+    return [g for g in groups if g]
+
+
 def case_times(junit_path: str) -> dict[str, float]:
     """Seconds per test case ("test_x.py::name") from a pytest JUnit XML report."""
     out: dict[str, float] = {}
@@ -158,7 +175,7 @@ def shared_cache_env(cache_dir: str | None, environ=os.environ) -> dict[str, str
     return env
 
 
-class _Lane(threading.Thread):
+class Lane(threading.Thread):
     def __init__(self, index, work, results, pytest_args, lock, record, env):
         super().__init__(daemon=True)
         self.index, self.work, self.results = index, work, results
@@ -170,19 +187,29 @@ class _Lane(threading.Thread):
                 group = self.work.get_nowait()
             except queue.Empty:
                 return
-            result = self._run_group(group)
-            self.results.append(result)
-            if self.record:
+            try:
+                result = self._run_group(group)
+                if self.record:
+                    with self.lock:
+                        record(result["times"])
+                        tier.record(result["phases"])
+            except Exception as e:  # the group counts as failed; the lane goes on
+                # NOTE: a lane that died here ended the run early and still said "0 failed"
+                # (a record of an older layout failed to load, 2026-12-08)
                 with self.lock:
-                    record(result["times"])
+                    print(f"[lane {self.index}] error running {group}: {e!r}", flush=True)
+                result = {"group": group, "ok": False, "cases": {}}
+            self.results.append(result)
 
     def _run_group(self, group: list[str]) -> dict:
         start = time.monotonic()
         cases: dict[str, float] = {}
+        phases: dict[str, list] = {}  # per case: what tests/tier.py cuts the fast tier by
         outputs, ok = [], True
         for selection, extra_env in group_runs(group, self.pytest_args):
             with tempfile.TemporaryDirectory() as tmp:
                 junit = os.path.join(tmp, "junit.xml")
+                phases_path = os.path.join(tmp, "phases.json")
                 cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}"]
                 cmd += selection + self.pytest_args + group
                 proc = subprocess.run(
@@ -190,10 +217,11 @@ class _Lane(threading.Thread):
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
-                    env={**self.env, **extra_env},
+                    env={**self.env, **extra_env, tier.PHASE_TIMES_ENV: phases_path},
                 )
                 for case, seconds in case_times(junit).items():
                     cases[case] = cases.get(case, 0.0) + seconds
+                phases.update(tier.load_case_times(phases_path))
             ok &= proc.returncode in (0, 5)  # 5: nothing collected (every test deselected)
             outputs.append(proc)
         wall_s = time.monotonic() - start
@@ -205,7 +233,14 @@ class _Lane(threading.Thread):
                 lines = proc.stdout.rstrip().splitlines()
                 failed = proc.returncode not in (0, 5)
                 print(proc.stdout if failed else "    " + (lines[-1] if lines else ""), flush=True)
-        return {"group": group, "ok": ok, "wall_s": wall_s, "times": times, "cases": cases}
+        return {
+            "group": group,
+            "ok": ok,
+            "wall_s": wall_s,
+            "times": times,
+            "cases": cases,
+            "phases": phases,
+        }
 
 
 def mentions_real_model(path: str) -> bool:
@@ -233,12 +268,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lanes", type=int, default=2, help="parallel pytest processes")
     ap.add_argument("--group_s", type=float, default=120.0, help="target seconds per group")
-    ap.add_argument("--record", action="store_true", help=f"rewrite {DURATIONS_PATH}")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help=f"rewrite {DURATIONS_PATH} and {tier.CASE_TIMES_PATH}",
+    )
     ap.add_argument(
         "--compilation_cache_dir",
         default=None,
         help="compilation cache shared by the run's processes and kept (default: a temporary "
         "directory removed at the end; none: no sharing)",
+    )
+    ap.add_argument(
+        "--fast",
+        action="store_true",
+        help="make test-fast: the fast tier only (tests/tier.py), planned by its recorded times",
     )
     ap.add_argument("--slowest", type=int, default=20, help="test cases listed at the end")
     ap.add_argument("files", nargs="*", help="test files (default: tests/test_*.py)")
@@ -247,9 +291,15 @@ def main(argv=None) -> int:
     files = args.files or sorted(glob.glob(os.path.join(here, "test_*.py")))
     files = [os.path.relpath(f) for f in files]
     durations = load_durations()
+    groups = None
+    if args.fast:  # its files, as one group per lane (a process costs ~8 s of imports)
+        estimates = tier.fast_file_times(files, tier.load_case_times())
+        groups = balanced_groups(estimates, args.lanes)
+        pytest_args += ["--fast-tier", "-m", tier.FAST_MARKERS]
     work: queue.Queue = queue.Queue()
     waiting_work: queue.Queue = queue.Queue()
-    waiting, compiling = split_waiting(plan_groups(files, durations, args.group_s))
+    groups = groups or plan_groups(files, durations, args.group_s)
+    waiting, compiling = split_waiting(groups)
     for group in compiling:
         work.put(group)
     for group in waiting:
@@ -267,11 +317,11 @@ def main(argv=None) -> int:
     env = shared_cache_env(cache_dir)
     try:
         lanes = [
-            _Lane(i, work, results, pytest_args, lock, args.record, env)
+            Lane(i, work, results, pytest_args, lock, args.record, env)
             for i in range(max(1, args.lanes))
         ]
         if waiting:  # one more lane, for the waiting groups only
-            lanes.append(_Lane("w", waiting_work, results, pytest_args, lock, args.record, env))
+            lanes.append(Lane("w", waiting_work, results, pytest_args, lock, args.record, env))
         for lane in lanes:
             lane.start()
         for lane in lanes:
@@ -285,6 +335,8 @@ def main(argv=None) -> int:
         for seconds, case in cases[: args.slowest]:
             print(f"{seconds:8.1f} s  {case}")
     failed = [r for r in results if not r["ok"]]
+    ran = {tuple(r["group"]) for r in results}
+    failed += [{"group": g} for g in groups if tuple(g) not in ran]  # a lane that never ended
     print(
         f"---- {len(results)} groups on {len(lanes)} lanes ({len(waiting)} waiting) in "
         f"{time.monotonic() - start:.0f} s; "

@@ -297,8 +297,8 @@ def test_decode_only_ragged_batch(impl):
     _check(_ragged(impl, case, sm_scale=0.2), naive_attention(case, sm_scale=0.2), F32, impl)
 
 
-# Each seed builds ~18 loop programs (tens of seconds of CPU): `make test-fast` sweeps seed 0,
-# `make test` all four (the others are marked `compile`).
+# Each seed builds ~18 loop programs (tens of seconds of CPU): `make test` sweeps all four, a
+# run without `compile` tests seed 0 (the others are marked `compile`).
 @pytest.mark.parametrize(
     "seed", [0, *(pytest.param(s, marks=pytest.mark.compile) for s in range(1, 4))]
 )

@@ -2,12 +2,14 @@
 groups longest first, per-file and per-case times read back from pytest's JUnit report, one
 compilation cache named to every process of a run."""
 
+from tests import tier
 from tests.lanes import (
     CACHE_ENV,
     FUSION_ENV,
     TOGETHER,
     UNKNOWN_FILE_S,
     WAITING,
+    balanced_groups,
     case_times,
     file_times,
     group_runs,
@@ -85,3 +87,88 @@ def test_real_model_tests_run_apart_with_the_fusion_emitters(tmp_path):
     runs = group_runs([str(tiny), str(real)], ["-x"])
     assert runs == [(["-m", "not smollm2"], {}), (["-m", "smollm2"], {FUSION_ENV: "1"})]
     assert group_runs([str(real)], ["-m", "slow"]) == [([], {})]  # the caller's selection
+
+
+def test_fast_tier_leaves_out_slow_cases_and_cases_of_costly_fixtures(tmp_path):
+    times = {  # [setup s, run s, has a slow marker, costly fixtures it asks for]
+        "test_a.py::cheap": [0.0, 0.1, 0, []],
+        "test_a.py::slow": [0.0, 2.0, 0, []],  # over FAST_CASE_S: out
+        "test_a.py::marked": [0.0, 0.1, 1, []],  # `-m` leaves it out: so does the plan
+        "test_b.py::first": [3.0, 0.1, 0, ["engine"]],  # paid the 3-s fixture: out
+        "test_b.py::second": [0.0, 0.1, 0, ["engine"]],  # would pay it next: out
+        "test_b.py::other": [0.0, 0.1, 0, []],  # no costly fixture: in
+        "test_c.py::fine": [0.2, 0.2, 0, []],
+        "test_d.py::only_marked": [0.0, 0.1, 1, []],
+    }
+    cases = [*times, "test_a.py::new_case"]  # not recorded: stays in
+    assert tier.left_out(cases, times, limit_s=0.5) == {
+        "test_a.py::slow",
+        "test_a.py::marked",
+        "test_b.py::first",
+        "test_b.py::second",
+        "test_d.py::only_marked",
+    }
+    files = [f"tests/test_{n}.py" for n in ("a", "b", "c", "d", "new")]
+    estimates = tier.fast_file_times(files, times, limit_s=0.5)
+    over = tier.FILE_OVERHEAD_S
+    assert estimates == {
+        "tests/test_a.py": over + 0.1,
+        "tests/test_b.py": over + 0.1,
+        "tests/test_c.py": over + 0.4,
+        "tests/test_new.py": over + 0.5,  # a new file: kept whole
+    }
+    # the record round-trips, one case per line, merged into what was there
+    path = tmp_path / "case_times.json"
+    tier.record({"test_a.py::cheap": [0.001, 0.123, 0, []]}, path=str(path))
+    tier.record({"test_b.py::first": [3.0, 0.1, 1, ["engine"]]}, path=str(path))
+    assert tier.load_case_times(str(path)) == {
+        "test_a.py::cheap": [0.0, 0.12, 0, []],
+        "test_b.py::first": [3.0, 0.1, 1, ["engine"]],
+    }
+    assert len(path.read_text().splitlines()) == 4
+    assert tier.load_case_times(str(tmp_path / "missing.json")) == {}
+    assert tier.case_key("tests/test_x.py::K::name[1]") == "test_x.py::K::name[1]"
+    assert tier.FAST_MARKERS == "not slow and not interpret and not subprocess and not compile"
+
+
+def test_balanced_groups_even_out_the_estimates():
+    estimates = {"a": 10.0, "b": 6.0, "c": 5.0, "d": 4.0, "e": 1.0}
+    groups = balanced_groups(estimates, 2)
+    assert sorted(f for g in groups for f in g) == sorted(estimates)
+    # longest first, each to the lighter group: 10+4 and 6+5+1
+    assert sorted(sum(estimates[f] for f in g) for g in groups) == [12.0, 14.0]
+    assert balanced_groups({"a": 1.0}, 2) == [["a"]]  # no empty group
+
+
+def test_a_group_that_cannot_run_fails_the_run_and_the_lane_goes_on(monkeypatch):
+    import queue
+    import threading
+
+    from tests import lanes
+
+    work = queue.Queue()
+    for group in (["tests/test_a.py"], ["tests/test_b.py"]):
+        work.put(group)
+
+    def run_group(self, group):
+        if group == ["tests/test_a.py"]:
+            raise ValueError("a record that does not load")
+        return {"group": group, "ok": True, "cases": {}, "times": {}, "phases": {}}
+
+    monkeypatch.setattr(lanes.Lane, "_run_group", run_group)
+    results: list = []
+    lane = lanes.Lane(0, work, results, [], threading.Lock(), False, {})
+    lane.run()
+    assert [(r["group"], r["ok"]) for r in results] == [
+        (["tests/test_a.py"], False),
+        (["tests/test_b.py"], True),
+    ]
+
+
+def test_an_older_record_loads_with_no_marker_and_no_costly_fixture(tmp_path):
+    path = tmp_path / "case_times.json"
+    path.write_text('{"test_a.py::x": [0.1, 0.2], "test_a.py::y": [0.0, 0.1, 1]}')
+    assert tier.load_case_times(str(path)) == {
+        "test_a.py::x": [0.1, 0.2, 0, []],
+        "test_a.py::y": [0.0, 0.1, 1, []],
+    }
