@@ -55,8 +55,8 @@ disagg-bench: install
 	$(VPY) -m benchmarks.disagg_bench $(DISAGG_ARGS)
 
 # The inner loop (target: a minute on 2 cores): every test case that a full run measured under
-# 0.4 s and that needs no costly fixture, without the four slow kinds of test (markers in
-# pyproject.toml), on two lanes (tests/tier.py says how it is cut; `make test` with
+# 0.3 s and that needs no costly fixture, without the four slow kinds of test (markers in
+# pyproject.toml), on two lanes (tests/tier.py says how it is cut; a full run of
 # `python -m tests.lanes --record` re-measures). `make test` and CI run everything.
 # TEST_XLA_CACHE=DIR: a compilation cache kept between runs (none by default).
 test-fast: install
