@@ -11,6 +11,7 @@ from tests.lanes import (
     WAITING,
     balanced_groups,
     case_times,
+    deselected_any,
     file_times,
     group_runs,
     plan_groups,
@@ -172,3 +173,9 @@ def test_an_older_record_loads_with_no_marker_and_no_costly_fixture(tmp_path):
         "test_a.py::x": [0.1, 0.2, 0, []],
         "test_a.py::y": [0.0, 0.1, 1, []],
     }
+
+
+def test_the_smollm2_process_runs_only_when_the_first_left_tests_out():
+    assert deselected_any("....\n22 passed, 2 deselected in 113.68s (0:01:53)\n")
+    assert not deselected_any("....\n126 passed in 122.71s (0:02:02)\n")
+    assert not deselected_any("")  # no summary (a crash): the group has failed anyway
