@@ -47,9 +47,12 @@ def without_test_xla_flags(xla_flags: str) -> str:
 if os.environ.get("PAGEDJAX_XLA_DEFAULT_OPT") != "1":
     _flags = os.environ.get("XLA_FLAGS", "").split()
     _set = {f.split("=")[0] for f in _flags}
-    _wanted = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in _set]
-    if os.environ.get("PAGEDJAX_TEST_FUSION_EMITTERS") == "1":
-        _wanted.remove(FUSION_FLAG)
+    _keep_fusion = os.environ.get("PAGEDJAX_TEST_FUSION_EMITTERS") == "1"
+    _wanted = [
+        f
+        for f in TEST_XLA_FLAGS
+        if f.split("=")[0] not in _set and not (_keep_fusion and f == FUSION_FLAG)
+    ]
     _flags += _wanted
     os.environ["XLA_FLAGS"] = " ".join(_flags)
 
@@ -112,8 +115,8 @@ _costly_fixtures: set[str] = set()
 def pytest_fixture_setup(fixturedef, request):
     start = time.perf_counter()
     yield
-    if _PHASE_TIMES_PATH and time.perf_counter() - start > tests_tier.FAST_CASE_S:
-        _costly_fixtures.add(fixturedef.argname)
+    if time.perf_counter() - start > tests_tier.FAST_CASE_S:
+        _costly_fixtures.add(fixturedef.argname)  # read only when recording
 
 
 def pytest_runtest_logreport(report):

@@ -247,7 +247,8 @@ class Lane(threading.Thread):
 
 def mentions_real_model(path: str) -> bool:
     """Whether a test file may ask for the real model (the `smollm2` fixture): a cheap text
-    check, erring towards yes (a yes costs one more pytest process that selects nothing)."""
+    check, erring towards yes (a wrong yes costs nothing: `deselected_any` then skips the
+    SmolLM2 process)."""
     try:
         with open(path) as f:
             return REAL_MODEL_MARK in f.read()
@@ -300,15 +301,13 @@ def main(argv=None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     files = args.files or sorted(glob.glob(os.path.join(here, "test_*.py")))
     files = [os.path.relpath(f) for f in files]
-    durations = load_durations()
-    groups = None
     if args.fast:  # its files, as one group per lane (a process costs ~8 s of imports)
-        estimates = tier.fast_file_times(files, tier.load_case_times())
-        groups = balanced_groups(estimates, args.lanes)
+        groups = balanced_groups(tier.fast_file_times(files, tier.load_case_times()), args.lanes)
         pytest_args += ["--fast-tier", "-m", tier.FAST_MARKERS]
+    else:
+        groups = plan_groups(files, load_durations(), args.group_s)
     work: queue.Queue = queue.Queue()
     waiting_work: queue.Queue = queue.Queue()
-    groups = groups or plan_groups(files, durations, args.group_s)
     waiting, compiling = split_waiting(groups)
     for group in compiling:
         work.put(group)

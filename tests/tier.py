@@ -74,9 +74,8 @@ def fast_file_times(
 ) -> dict[str, float]:
     """Estimated seconds of each file's fast-tier cases (FILE_OVERHEAD_S more), for the files
     that keep at least one recorded case or have none recorded (a new file); the others are
-    left out whole. NOTE: a
-    case added to a file the tier leaves out whole since the last --record does not run in
-    the tier (the file is not collected): run it by name."""
+    left out whole. NOTE: a case added to a file the tier leaves out whole since the last
+    --record does not run in the tier (the file is not collected): run it by name."""
     by_file: dict[str, list[str]] = {}
     for case in times:
         by_file.setdefault(case.split("::")[0], []).append(case)
